@@ -1,0 +1,443 @@
+//! The ABI between lb's kernel programs and its userspace: map names, key and value layouts,
+//! flag bits and counter indices.
+//!
+//! Every type is `#[repr(C)]` with explicit padding fields, so the layout is the same on both
+//! sides and `bpftool map dump` prints every byte under a field name. Addresses are stored as
+//! byte arrays in network order (bpftool prints them as `[198,18,0,10]`); ports and ids are
+//! stored in host order so dumps read naturally.
+//!
+//! Layout follows Cilium's: a service frontend `(vip, port, proto, scope)` has a master entry
+//! at slot 0 (backend count, flags, rev-NAT id) and one entry per backend at slots `1..=count`,
+//! each naming a backend id; backends live in their own map keyed by id, and the rev-NAT map
+//! turns a rev-NAT id back into the frontend address for replies.
+#![no_std]
+
+pub mod metrics;
+
+/// Default bpffs directory holding lb's pinned maps (`bpftool map dump pinned <dir>/<map>`).
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/lb";
+
+/// Map names as the kernel and bpftool show them (at most 15 bytes).
+pub mod map_names {
+    pub const SERVICES4: &str = "lb4_services";
+    pub const BACKENDS4: &str = "lb4_backends";
+    pub const REVNAT4: &str = "lb4_revnat";
+    pub const CT4: &str = "lb4_ct";
+    pub const SK_REVNAT4: &str = "lb4_sk_revnat";
+    pub const SERVICES6: &str = "lb6_services";
+    pub const BACKENDS6: &str = "lb6_backends";
+    pub const REVNAT6: &str = "lb6_revnat";
+    pub const CT6: &str = "lb6_ct";
+    pub const SK_REVNAT6: &str = "lb6_sk_revnat";
+    pub const METRICS: &str = "lb_metrics";
+
+    /// Every map lb pins, in a stable order.
+    pub const ALL: [&str; 11] = [
+        SERVICES4, BACKENDS4, REVNAT4, CT4, SK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, CT6,
+        SK_REVNAT6, METRICS,
+    ];
+}
+
+/// Program names as the kernel and bpftool show them (at most 15 bytes).
+pub mod prog_names {
+    pub const TC_INGRESS: &str = "lb_tc_ingress";
+    pub const TC_EGRESS: &str = "lb_tc_egress";
+    pub const CONNECT4: &str = "lb_connect4";
+    pub const SENDMSG4: &str = "lb_sendmsg4";
+    pub const RECVMSG4: &str = "lb_recvmsg4";
+    pub const GETPEERNAME4: &str = "lb_getpeername4";
+    pub const CONNECT6: &str = "lb_connect6";
+    pub const SENDMSG6: &str = "lb_sendmsg6";
+    pub const RECVMSG6: &str = "lb_recvmsg6";
+    pub const GETPEERNAME6: &str = "lb_getpeername6";
+}
+
+/// Default map sizes; userspace may override them at load time.
+pub mod map_sizes {
+    /// Service map entries: one master plus one per backend slot, per frontend.
+    pub const SERVICES: u32 = 1 << 19;
+    pub const BACKENDS: u32 = 1 << 18;
+    pub const REVNAT: u32 = 1 << 18;
+    pub const CT: u32 = 1 << 17;
+    pub const SK_REVNAT: u32 = 1 << 17;
+    pub const METRICS: u32 = crate::metrics::MAX as u32;
+}
+
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_SCTP: u8 = 132;
+
+/// Which backend set a frontend's key selects. Services whose internal and external traffic
+/// policies differ get two master entries (Cilium's "two scopes").
+pub mod scope {
+    /// External traffic, and the only scope of a service whose policies agree.
+    pub const EXTERNAL: u8 = 0;
+    /// Traffic from inside the cluster to a two-scope service.
+    pub const INTERNAL: u8 = 1;
+}
+
+/// `SvcValue::flags` bits.
+pub mod svc_flags {
+    pub const CLUSTER_IP: u16 = 1 << 0;
+    pub const NODE_PORT: u16 = 1 << 1;
+    pub const EXTERNAL_IP: u16 = 1 << 2;
+    pub const LOAD_BALANCER: u16 = 1 << 3;
+    /// `sessionAffinity: ClientIP`; `affinity_timeout` holds the timeout in seconds.
+    pub const AFFINITY: u16 = 1 << 4;
+    /// `externalTrafficPolicy: Local`.
+    pub const EXT_LOCAL: u16 = 1 << 5;
+    /// `internalTrafficPolicy: Local`.
+    pub const INT_LOCAL: u16 = 1 << 6;
+    /// A second master entry exists under `scope::INTERNAL`.
+    pub const TWO_SCOPES: u16 = 1 << 7;
+    /// `loadBalancerSourceRanges` apply.
+    pub const SOURCE_RANGES: u16 = 1 << 8;
+}
+
+/// `SvcValue::lb_alg` values.
+pub mod lb_alg {
+    pub const RANDOM: u8 = 0;
+    pub const MAGLEV: u8 = 1;
+}
+
+/// `Backend*::state` values. Only `ACTIVE` backends are placed in slots for new flows today;
+/// the others keep established flows (graceful termination builds on this).
+pub mod backend_state {
+    pub const ACTIVE: u8 = 0;
+    pub const TERMINATING: u8 = 1;
+    pub const QUARANTINED: u8 = 2;
+    pub const MAINTENANCE: u8 = 3;
+}
+
+/// `Ct*Key::dir` values.
+pub mod ct_dir {
+    /// Client → frontend, keyed as the client sent it (daddr is the VIP).
+    pub const SERVICE: u8 = 1;
+    /// Backend → client, keyed as the backend sends it; the value's rev-NAT id names the VIP.
+    pub const REPLY: u8 = 2;
+}
+
+/// `CtValue::flags` bits.
+pub mod ct_flags {
+    pub const SEEN_REPLY: u16 = 1 << 0;
+    /// FIN or RST seen from the client.
+    pub const TX_CLOSING: u16 = 1 << 1;
+    /// FIN or RST seen from the backend.
+    pub const RX_CLOSING: u16 = 1 << 2;
+}
+
+/// Conntrack lifetimes in seconds (Cilium's defaults; kube-proxy relies on nf_conntrack's).
+pub mod ct_timeouts {
+    pub const TCP_SYN: u32 = 60;
+    pub const TCP_ESTABLISHED: u32 = 21_600;
+    pub const TCP_CLOSING: u32 = 10;
+    pub const NON_TCP: u32 = 60;
+    /// An entry's expiry is rewritten only when it would move by at least this much, so a busy
+    /// flow does not dirty its conntrack cache line on every packet.
+    pub const REFRESH_GRANULARITY: u32 = 5;
+}
+
+/// Map key of `lb4_services`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Svc4Key {
+    pub addr: [u8; 4],
+    pub port: u16,
+    /// 0 for the master entry, `1..=count` for backend slots.
+    pub slot: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub pad: [u8; 2],
+}
+
+/// Map key of `lb6_services`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Svc6Key {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub slot: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub pad: [u8; 2],
+}
+
+/// Map value of `lb4_services` and `lb6_services`. In the master entry (slot 0) `backend_id` is
+/// 0 and the other fields describe the service; in slot entries only `backend_id` and
+/// `rev_nat_id` are set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SvcValue {
+    pub backend_id: u32,
+    /// Active backends: slots `1..=count` are chosen for new flows.
+    pub count: u16,
+    /// Terminating backends in slots after the active ones, kept for established flows.
+    pub qcount: u16,
+    pub rev_nat_id: u32,
+    /// `svc_flags` bits.
+    pub flags: u16,
+    /// `lb_alg` value.
+    pub lb_alg: u8,
+    pub pad: u8,
+    /// Session affinity timeout in seconds when `svc_flags::AFFINITY` is set.
+    pub affinity_timeout: u32,
+}
+
+/// Map value of `lb4_backends` (key: backend id, `u32`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Backend4 {
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub proto: u8,
+    /// `backend_state` value.
+    pub state: u8,
+}
+
+/// Map value of `lb6_backends` (key: backend id, `u32`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Backend6 {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub proto: u8,
+    pub state: u8,
+}
+
+/// Map value of `lb4_revnat` (key: rev-NAT id, `u32`): the frontend replies must come from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RevNat4 {
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub pad: u16,
+}
+
+/// Map value of `lb6_revnat` (key: rev-NAT id, `u32`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct RevNat6 {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: u16,
+}
+
+/// Map key of `lb4_ct`: a flow's 5-tuple as seen in `dir`. Service entries are keyed on the
+/// tuple the client sent (destination = VIP), so one backend behind several VIPs gets one entry
+/// per VIP.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Ct4Key {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    /// `ct_dir` value.
+    pub dir: u8,
+    pub pad: [u8; 2],
+}
+
+/// Map key of `lb6_ct`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Ct6Key {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub pad: [u8; 2],
+}
+
+/// Map value of `lb4_ct` and `lb6_ct`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct CtValue {
+    /// Backend chosen for the flow (service entries).
+    pub backend_id: u32,
+    /// Frontend to restore on replies.
+    pub rev_nat_id: u32,
+    /// Expiry in seconds of `CLOCK_MONOTONIC` (`bpf_ktime_get_ns() / 1e9`).
+    pub expires: u32,
+    /// `ct_flags` bits.
+    pub flags: u16,
+    pub pad: u16,
+}
+
+/// Map key of `lb4_sk_revnat`: which frontend a socket's peer address stands for, so
+/// `recvmsg()` and `getpeername()` report the VIP the application asked for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkRevNat4Key {
+    pub cookie: u64,
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub pad: u16,
+}
+
+/// Map value of `lb4_sk_revnat`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkRevNat4Value {
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub pad: u16,
+    pub rev_nat_id: u32,
+}
+
+/// Map key of `lb6_sk_revnat`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkRevNat6Key {
+    pub cookie: u64,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: [u8; 6],
+}
+
+/// Map value of `lb6_sk_revnat`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkRevNat6Value {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub pad: u16,
+    pub rev_nat_id: u32,
+}
+
+/// Per-CPU value of `lb_metrics` (key: a `metrics` index, `u32`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct MetricValue {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Maps a 32-bit hash or random number uniformly onto slots `1..=count` without a division
+/// (Lemire's multiply-shift). `count` must be non-zero.
+#[inline(always)]
+pub fn select_slot(rand: u32, count: u16) -> u16 {
+    (((rand as u64) * (count as u64)) >> 32) as u16 + 1
+}
+
+/// Spreads sequential values (socket cookies) over the 32-bit range before `select_slot`.
+#[inline(always)]
+pub fn mix64(v: u64) -> u32 {
+    // The finalizer of splitmix64: cheap and every input bit affects the high output bits.
+    let mut z = v.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((z ^ (z >> 31)) >> 32) as u32
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: each type is repr(C), Copy, has no padding (bytemuck's derive checks that) and is
+    // valid for any bit pattern.
+    unsafe impl aya::Pod for super::Svc4Key {}
+    unsafe impl aya::Pod for super::Svc6Key {}
+    unsafe impl aya::Pod for super::SvcValue {}
+    unsafe impl aya::Pod for super::Backend4 {}
+    unsafe impl aya::Pod for super::Backend6 {}
+    unsafe impl aya::Pod for super::RevNat4 {}
+    unsafe impl aya::Pod for super::RevNat6 {}
+    unsafe impl aya::Pod for super::Ct4Key {}
+    unsafe impl aya::Pod for super::Ct6Key {}
+    unsafe impl aya::Pod for super::CtValue {}
+    unsafe impl aya::Pod for super::SkRevNat4Key {}
+    unsafe impl aya::Pod for super::SkRevNat4Value {}
+    unsafe impl aya::Pod for super::SkRevNat6Key {}
+    unsafe impl aya::Pod for super::SkRevNat6Value {}
+    unsafe impl aya::Pod for super::MetricValue {}
+}
+
+// The sizes are part of the ABI with pinned maps: a change here needs a map migration.
+const _: () = {
+    assert!(size_of::<Svc4Key>() == 12);
+    assert!(size_of::<Svc6Key>() == 24);
+    assert!(size_of::<SvcValue>() == 20);
+    assert!(size_of::<Backend4>() == 8);
+    assert!(size_of::<Backend6>() == 20);
+    assert!(size_of::<RevNat4>() == 8);
+    assert!(size_of::<RevNat6>() == 20);
+    assert!(size_of::<Ct4Key>() == 16);
+    assert!(size_of::<Ct6Key>() == 40);
+    assert!(size_of::<CtValue>() == 16);
+    assert!(size_of::<SkRevNat4Key>() == 16);
+    assert!(size_of::<SkRevNat4Value>() == 12);
+    assert!(size_of::<SkRevNat6Key>() == 32);
+    assert!(size_of::<SkRevNat6Value>() == 24);
+    assert!(size_of::<MetricValue>() == 16);
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn select_slot_stays_in_range_and_is_uniform() {
+        for count in [1u16, 2, 3, 7, 100, u16::MAX] {
+            assert_eq!(select_slot(0, count), 1);
+            assert_eq!(select_slot(u32::MAX, count), count);
+        }
+        // Uniform over 3 slots: equal-width bands of the input space.
+        let mut hits = [0u32; 4];
+        let step = u32::MAX / 30_000;
+        for i in 0..30_000u32 {
+            hits[select_slot(i * step, 3) as usize] += 1;
+        }
+        assert_eq!(hits[0], 0);
+        for h in &hits[1..] {
+            assert!((9_900..=10_100).contains(h), "{hits:?}");
+        }
+    }
+
+    #[test]
+    fn mix64_spreads_sequential_cookies() {
+        let mut hits = [0u32; 5];
+        for cookie in 1000..11_000u64 {
+            hits[select_slot(mix64(cookie), 4) as usize] += 1;
+        }
+        for h in &hits[1..] {
+            assert!((2_300..=2_700).contains(h), "{hits:?}");
+        }
+    }
+
+    #[test]
+    fn map_names_fit_the_kernel_limit() {
+        for name in map_names::ALL {
+            assert!(name.len() <= 15, "{name}");
+        }
+        for name in [
+            prog_names::TC_INGRESS,
+            prog_names::TC_EGRESS,
+            prog_names::CONNECT4,
+            prog_names::SENDMSG4,
+            prog_names::RECVMSG4,
+            prog_names::GETPEERNAME4,
+            prog_names::CONNECT6,
+            prog_names::SENDMSG6,
+            prog_names::RECVMSG6,
+            prog_names::GETPEERNAME6,
+        ] {
+            assert!(name.len() <= 15, "{name}");
+        }
+    }
+}

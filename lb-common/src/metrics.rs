@@ -1,0 +1,46 @@
+//! Indices into the per-CPU `lb_metrics` array: what the datapath did, per packet or per
+//! socket call. Userspace sums the CPUs and exports each index under its `NAMES` entry.
+
+/// tc: new flow to a service, DNAT to a freshly chosen backend.
+pub const TC_FWD_NEW: u32 = 0;
+/// tc: packet of a known flow, DNAT to its conntrack backend.
+pub const TC_FWD_ESTABLISHED: u32 = 1;
+/// tc: reply from a backend, source rewritten back to the frontend.
+pub const TC_REVNAT: u32 = 2;
+/// tc: not a service and not a reply; passed untouched.
+pub const TC_PASS_NO_SERVICE: u32 = 3;
+/// tc: not fully parsed (non-IP, fragment, unknown L4, truncated); passed untouched.
+pub const TC_PASS_UNPARSED: u32 = 4;
+/// tc: service with no backend; dropped.
+pub const TC_DROP_NO_BACKEND: u32 = 5;
+/// tc: a rewrite helper failed; dropped rather than forwarded half-rewritten.
+pub const TC_DROP_REWRITE: u32 = 6;
+/// tc: conntrack insert failed; packet still forwarded to the chosen backend.
+pub const TC_CT_INSERT_FAILED: u32 = 7;
+/// Socket LB: connect() or sendmsg() translated to a backend.
+pub const SOCK_FWD: u32 = 8;
+/// Socket LB: recvmsg() or getpeername() translated back to the frontend.
+pub const SOCK_REVNAT: u32 = 9;
+/// Socket LB: service with no backend; the call fails with EPERM.
+pub const SOCK_DROP_NO_BACKEND: u32 = 10;
+/// Socket LB: reverse entry insert failed; replies will show the backend address.
+pub const SOCK_REVNAT_INSERT_FAILED: u32 = 11;
+
+/// Size of the metrics array; room for the verdicts later features add.
+pub const MAX: usize = 64;
+
+/// Metric names, indexed like the constants above.
+pub const NAMES: [&str; 12] = [
+    "tc_forward_new",
+    "tc_forward_established",
+    "tc_reverse_nat",
+    "tc_pass_no_service",
+    "tc_pass_unparsed",
+    "tc_drop_no_backend",
+    "tc_drop_rewrite_failed",
+    "tc_ct_insert_failed",
+    "sock_forward",
+    "sock_reverse_nat",
+    "sock_drop_no_backend",
+    "sock_revnat_insert_failed",
+];

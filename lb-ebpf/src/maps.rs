@@ -1,0 +1,60 @@
+//! The maps, BTF-defined so `bpftool map dump` prints their fields. Userspace pins them by
+//! name under the pin directory and reuses them across restarts.
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use lb_common::{
+    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_sizes,
+};
+
+// Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
+// memory follows the cluster's size rather than max_entries.
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
+
+#[btf_map(name = "lb4_services")]
+pub static SERVICES4: HashMap<Svc4Key, SvcValue, { map_sizes::SERVICES as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map(name = "lb4_backends")]
+pub static BACKENDS4: HashMap<u32, Backend4, { map_sizes::BACKENDS as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map(name = "lb4_revnat")]
+pub static REVNAT4: HashMap<u32, RevNat4, { map_sizes::REVNAT as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map(name = "lb4_ct")]
+pub static CT4: LruHashMap<Ct4Key, CtValue, { map_sizes::CT as usize }> = LruHashMap::new();
+#[btf_map(name = "lb4_sk_revnat")]
+pub static SK_REVNAT4: LruHashMap<SkRevNat4Key, SkRevNat4Value, { map_sizes::SK_REVNAT as usize }> =
+    LruHashMap::new();
+
+#[btf_map(name = "lb6_services")]
+pub static SERVICES6: HashMap<Svc6Key, SvcValue, { map_sizes::SERVICES as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map(name = "lb6_backends")]
+pub static BACKENDS6: HashMap<u32, Backend6, { map_sizes::BACKENDS as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map(name = "lb6_revnat")]
+pub static REVNAT6: HashMap<u32, RevNat6, { map_sizes::REVNAT as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map(name = "lb6_ct")]
+pub static CT6: LruHashMap<Ct6Key, CtValue, { map_sizes::CT as usize }> = LruHashMap::new();
+#[btf_map(name = "lb6_sk_revnat")]
+pub static SK_REVNAT6: LruHashMap<SkRevNat6Key, SkRevNat6Value, { map_sizes::SK_REVNAT as usize }> =
+    LruHashMap::new();
+
+#[btf_map(name = "lb_metrics")]
+pub static METRICS: PerCpuArray<MetricValue, { map_sizes::METRICS as usize }> = PerCpuArray::new();
+
+/// Counts one event of kind `index` (a `lb_common::metrics` constant) carrying `bytes`.
+#[inline(always)]
+pub fn count(index: u32, bytes: u32) {
+    if let Some(m) = METRICS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, this program is the only writer on this CPU.
+        unsafe {
+            (*m).packets += 1;
+            (*m).bytes += bytes as u64;
+        }
+    }
+}

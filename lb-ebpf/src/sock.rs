@@ -1,0 +1,293 @@
+//! Socket-level load balancing on a cgroup v2 directory.
+//!
+//! connect() and UDP sendmsg() to a frontend are rewritten to a backend before the kernel
+//! routes anything, so the flow needs no NAT or conntrack per packet. The socket's peer is
+//! remembered in `lb*_sk_revnat`, and recvmsg()/getpeername() turn the backend back into the
+//! frontend the application asked for. IPv4-mapped IPv6 destinations (`::ffff:a.b.c.d`) on
+//! IPv6 sockets use the IPv4 services.
+use aya_ebpf::{
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64, scope, select_slot};
+
+use crate::{
+    af::{Af, Endpoint, V4, V6},
+    maps::count,
+};
+
+/// Verdicts of cgroup sock_addr programs.
+const ALLOW: i32 = 1;
+const DENY: i32 = 0;
+
+/// How a translation picks its backend.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pick {
+    /// connect(): a random backend, once per socket.
+    Random,
+    /// Unconnected sendmsg(): a hash of the socket cookie, so every datagram a socket sends
+    /// to a frontend reaches the same backend while the backend set is unchanged.
+    SocketHash,
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn lb_connect4(ctx: SockAddrContext) -> i32 {
+    forward4(&ctx, Pick::Random)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn lb_sendmsg4(ctx: SockAddrContext) -> i32 {
+    forward4(&ctx, Pick::SocketHash)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn lb_recvmsg4(ctx: SockAddrContext) -> i32 {
+    reverse4(&ctx);
+    // recvmsg and getpeername hooks must allow.
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
+    reverse4(&ctx);
+    ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
+    forward6(&ctx, Pick::Random)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn lb_sendmsg6(ctx: SockAddrContext) -> i32 {
+    forward6(&ctx, Pick::SocketHash)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn lb_recvmsg6(ctx: SockAddrContext) -> i32 {
+    reverse6(&ctx);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
+    reverse6(&ctx);
+    ALLOW
+}
+
+/// The socket's L4 protocol, if lb balances it.
+#[inline(always)]
+fn protocol(ctx: &SockAddrContext) -> Option<u8> {
+    // SAFETY: the context pointer is valid for the program's run.
+    let proto = unsafe { (*ctx.sock_addr).protocol } as u8;
+    (proto == IPPROTO_TCP || proto == IPPROTO_UDP).then_some(proto)
+}
+
+/// Ports in `bpf_sock_addr` are in network order in the low 16 bits.
+#[inline(always)]
+fn port_from_ctx(raw: u32) -> u16 {
+    u16::from_be(raw as u16)
+}
+
+#[inline(always)]
+fn port_to_ctx(port: u16) -> u32 {
+    port.to_be() as u32
+}
+
+/// Chooses a backend for `frontend`. `Err` means the service exists but has no backend.
+#[inline(always)]
+fn select<A: Af>(
+    ctx: &SockAddrContext,
+    frontend: Endpoint<A::Addr>,
+    proto: u8,
+    pick: Pick,
+) -> Option<Result<Endpoint<A::Addr>, ()>> {
+    let svc = A::service(frontend.addr, frontend.port, proto, 0, scope::EXTERNAL)?;
+    if svc.count == 0 {
+        return Some(Err(()));
+    }
+    // SAFETY: the helpers accept any sock_addr context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+    let rand = match pick {
+        Pick::Random => unsafe { bpf_get_prandom_u32() },
+        Pick::SocketHash => mix64(cookie),
+    };
+    let slot = select_slot(rand, svc.count);
+    let id = A::service(frontend.addr, frontend.port, proto, slot, scope::EXTERNAL)?.backend_id;
+    let backend = A::backend(id)?;
+    if A::sk_revnat_put(cookie, backend, frontend, svc.rev_nat_id).is_err() {
+        count(metrics::SOCK_REVNAT_INSERT_FAILED, 0);
+    }
+    Some(Ok(backend))
+}
+
+#[inline(always)]
+fn forward4(ctx: &SockAddrContext, pick: Pick) -> i32 {
+    let Some(proto) = protocol(ctx) else {
+        return ALLOW;
+    };
+    let sa = ctx.sock_addr;
+    // SAFETY: the context pointer is valid for the program's run; these fields are writable
+    // in connect4 and sendmsg4.
+    unsafe {
+        let frontend = Endpoint {
+            addr: (*sa).user_ip4.to_ne_bytes(),
+            port: port_from_ctx((*sa).user_port),
+        };
+        match select::<V4>(ctx, frontend, proto, pick) {
+            None => ALLOW,
+            Some(Err(())) => {
+                count(metrics::SOCK_DROP_NO_BACKEND, 0);
+                DENY
+            }
+            Some(Ok(backend)) => {
+                (*sa).user_ip4 = u32::from_ne_bytes(backend.addr);
+                (*sa).user_port = port_to_ctx(backend.port);
+                count(metrics::SOCK_FWD, 0);
+                ALLOW
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn reverse4(ctx: &SockAddrContext) {
+    if protocol(ctx).is_none() {
+        return;
+    }
+    let sa = ctx.sock_addr;
+    // SAFETY: as in forward4; these fields are writable in recvmsg4 and getpeername4.
+    unsafe {
+        let peer = Endpoint {
+            addr: (*sa).user_ip4.to_ne_bytes(),
+            port: port_from_ctx((*sa).user_port),
+        };
+        let cookie = bpf_get_socket_cookie(sa.cast());
+        if let Some(frontend) = V4::sk_revnat_get(cookie, peer) {
+            (*sa).user_ip4 = u32::from_ne_bytes(frontend.addr);
+            (*sa).user_port = port_to_ctx(frontend.port);
+            count(metrics::SOCK_REVNAT, 0);
+        }
+    }
+}
+
+const V4_MAPPED_PREFIX: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
+
+#[inline(always)]
+fn read_ip6(words: &[u32; 4]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    let mut i = 0;
+    while i < 4 {
+        let b = words[i].to_ne_bytes();
+        out[i * 4] = b[0];
+        out[i * 4 + 1] = b[1];
+        out[i * 4 + 2] = b[2];
+        out[i * 4 + 3] = b[3];
+        i += 1;
+    }
+    out
+}
+
+/// The IPv4 address inside `::ffff:a.b.c.d`, if it is one.
+#[inline(always)]
+fn v4_mapped(addr: &[u8; 16]) -> Option<[u8; 4]> {
+    (addr[..12] == V4_MAPPED_PREFIX).then(|| [addr[12], addr[13], addr[14], addr[15]])
+}
+
+/// Writes `addr` into the context's IPv6 address with 4-byte stores, as the verifier wants.
+///
+/// # Safety
+/// `ctx` must be a sock_addr context whose `user_ip6` is writable in this hook.
+#[inline(always)]
+unsafe fn write_ip6(ctx: &SockAddrContext, addr: [u8; 16]) {
+    let sa = ctx.sock_addr;
+    // SAFETY: per the function's contract.
+    unsafe {
+        (*sa).user_ip6[0] = u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]);
+        (*sa).user_ip6[1] = u32::from_ne_bytes([addr[4], addr[5], addr[6], addr[7]]);
+        (*sa).user_ip6[2] = u32::from_ne_bytes([addr[8], addr[9], addr[10], addr[11]]);
+        (*sa).user_ip6[3] = u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]);
+    }
+}
+
+#[inline(always)]
+fn mapped(v4: [u8; 4]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    out[10] = 0xff;
+    out[11] = 0xff;
+    out[12] = v4[0];
+    out[13] = v4[1];
+    out[14] = v4[2];
+    out[15] = v4[3];
+    out
+}
+
+#[inline(always)]
+fn forward6(ctx: &SockAddrContext, pick: Pick) -> i32 {
+    let Some(proto) = protocol(ctx) else {
+        return ALLOW;
+    };
+    let sa = ctx.sock_addr;
+    // SAFETY: the context pointer is valid; user_ip6/user_port are writable in connect6 and
+    // sendmsg6.
+    unsafe {
+        let words = [
+            (*sa).user_ip6[0],
+            (*sa).user_ip6[1],
+            (*sa).user_ip6[2],
+            (*sa).user_ip6[3],
+        ];
+        let addr = read_ip6(&words);
+        let port = port_from_ctx((*sa).user_port);
+        let chosen = match v4_mapped(&addr) {
+            Some(v4) => select::<V4>(ctx, Endpoint { addr: v4, port }, proto, pick)
+                .map(|r| r.map(|b| (mapped(b.addr), b.port))),
+            None => select::<V6>(ctx, Endpoint { addr, port }, proto, pick)
+                .map(|r| r.map(|b| (b.addr, b.port))),
+        };
+        match chosen {
+            None => ALLOW,
+            Some(Err(())) => {
+                count(metrics::SOCK_DROP_NO_BACKEND, 0);
+                DENY
+            }
+            Some(Ok((baddr, bport))) => {
+                write_ip6(ctx, baddr);
+                (*sa).user_port = port_to_ctx(bport);
+                count(metrics::SOCK_FWD, 0);
+                ALLOW
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn reverse6(ctx: &SockAddrContext) {
+    if protocol(ctx).is_none() {
+        return;
+    }
+    let sa = ctx.sock_addr;
+    // SAFETY: as in forward6; writable in recvmsg6 and getpeername6.
+    unsafe {
+        let words = [
+            (*sa).user_ip6[0],
+            (*sa).user_ip6[1],
+            (*sa).user_ip6[2],
+            (*sa).user_ip6[3],
+        ];
+        let addr = read_ip6(&words);
+        let port = port_from_ctx((*sa).user_port);
+        let cookie = bpf_get_socket_cookie(sa.cast());
+        let frontend = match v4_mapped(&addr) {
+            Some(v4) => V4::sk_revnat_get(cookie, Endpoint { addr: v4, port })
+                .map(|f| (mapped(f.addr), f.port)),
+            None => V6::sk_revnat_get(cookie, Endpoint { addr, port }).map(|f| (f.addr, f.port)),
+        };
+        if let Some((faddr, fport)) = frontend {
+            write_ip6(ctx, faddr);
+            (*sa).user_port = port_to_ctx(fport);
+            count(metrics::SOCK_REVNAT, 0);
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! `lb-echo`: the backend and the client used by the demo and the network-namespace tests.
+//!
+//! * `lb-echo serve --name NAME --port PORT` answers every TCP line and every UDP datagram with
+//!   `NAME\n`, on one dual-stack `[::]:PORT` socket per protocol (IPv4 arrives as v4-mapped).
+//!   It prints `ready NAME PORT` on stdout once both sockets are bound.
+//! * `lb-echo client --target IP:PORT --proto tcp|udp [--count N] [--connected-udp]
+//!   [--timeout-ms MS]` sends `hello\n` N times, each time from a fresh socket (a new flow with a
+//!   new source port), and prints one JSON line per request:
+//!   `{"seq":0,"backend":"NAME","peer":"IP:PORT","local":"IP:PORT"}` or
+//!   `{"seq":0,"error":"…"}`. `peer` is what the kernel reports as the other end (TCP:
+//!   `getpeername`; UDP: the source of the reply from `recvfrom`, or `getpeername` with
+//!   `--connected-udp`). `local` is the socket's local address; for unconnected UDP its IP is the
+//!   destination address of the reply (from `IP_PKTINFO`/`IPV6_PKTINFO`). The exit code is 1 if
+//!   any request failed.
+use std::{
+    io::{self, BufRead as _, BufReader, Read as _, Write as _},
+    mem,
+    net::{
+        IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream,
+        UdpSocket,
+    },
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    process::ExitCode,
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// The request every client sends.
+const HELLO: &[u8] = b"hello\n";
+/// Longest reply line the client accepts.
+const MAX_REPLY: u64 = 4096;
+
+#[derive(Parser)]
+#[command(name = "lb-echo", about = "Echo backend and client for lb tests")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Answer every TCP line and UDP datagram with `NAME\n` on [::]:PORT (IPv4 and IPv6).
+    Serve {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        port: u16,
+    },
+    /// Send `hello\n` COUNT times, each from a fresh socket, and print one JSON line per request.
+    Client {
+        /// `198.19.0.1:80` or `[2001:db8:ffff::1]:80`.
+        #[arg(long)]
+        target: SocketAddr,
+        #[arg(long, value_enum)]
+        proto: Proto,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// connect() the UDP socket to the target; report `peer` from getpeername().
+        #[arg(long)]
+        connected_udp: bool,
+        /// Timeout of each connect and each read, in milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Proto {
+    Tcp,
+    Udp,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Serve { name, port } => serve(&name, port).map(|()| ExitCode::SUCCESS),
+        Cmd::Client {
+            target,
+            proto,
+            count,
+            connected_udp,
+            timeout_ms,
+        } => client(
+            target,
+            proto,
+            count,
+            connected_udp,
+            Duration::from_millis(timeout_ms),
+        ),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("lb-echo: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// serve
+
+fn serve(name: &str, port: u16) -> anyhow::Result<()> {
+    let reply: &'static [u8] = format!("{name}\n").into_bytes().leak();
+    let tcp = dual_stack_socket(libc::SOCK_STREAM, port).context("TCP socket")?;
+    // SAFETY: the fd is a valid socket we own.
+    if unsafe { libc::listen(tcp.as_raw_fd(), 1024) } != 0 {
+        return Err(io::Error::last_os_error()).context("listen");
+    }
+    let tcp = TcpListener::from(tcp);
+    let udp = UdpSocket::from(dual_stack_socket(libc::SOCK_DGRAM, port).context("UDP socket")?);
+
+    thread::Builder::new()
+        .name("udp".into())
+        .spawn(move || serve_udp(&udp, reply))
+        .context("spawn UDP thread")?;
+
+    {
+        let mut out = io::stdout().lock();
+        writeln!(out, "ready {name} {port}")?;
+        out.flush()?;
+    }
+
+    for conn in tcp.incoming() {
+        match conn {
+            Ok(stream) => {
+                if let Err(err) = thread::Builder::new().spawn(move || serve_tcp(stream, reply)) {
+                    eprintln!("lb-echo: spawn connection thread: {err}");
+                }
+            }
+            // E.g. ECONNABORTED or EMFILE: keep serving.
+            Err(err) => {
+                eprintln!("lb-echo: accept: {err}");
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An AF_INET6 socket with IPV6_V6ONLY=0 and SO_REUSEADDR bound to `[::]:port`.
+fn dual_stack_socket(ty: libc::c_int, port: u16) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket(2) call; the result is checked before use.
+    let fd = unsafe { libc::socket(libc::AF_INET6, ty | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh socket that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    setsockopt_int(&fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 0)?;
+    setsockopt_int(&fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    // SAFETY: sockaddr_in6 is plain old data; all-zero is the unspecified address, port 0.
+    let mut sa: libc::sockaddr_in6 = unsafe { mem::zeroed() };
+    sa.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+    sa.sin6_port = port.to_be();
+    // SAFETY: sa is a valid sockaddr_in6 and the length matches it.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&raw const sa).cast(),
+            socklen_of::<libc::sockaddr_in6>(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+fn setsockopt_int(
+    fd: &impl std::os::fd::AsRawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: value is a c_int that lives across the call; the length matches it.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            (&raw const value).cast(),
+            socklen_of::<libc::c_int>(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn socklen_of<T>() -> libc::socklen_t {
+    libc::socklen_t::try_from(size_of::<T>()).unwrap_or(libc::socklen_t::MAX)
+}
+
+fn serve_udp(sock: &UdpSocket, reply: &[u8]) {
+    let mut buf = [0u8; 65536];
+    loop {
+        match sock.recv_from(&mut buf) {
+            Ok((_, peer)) => {
+                if let Err(err) = sock.send_to(reply, peer) {
+                    eprintln!("lb-echo: UDP send_to {peer}: {err}");
+                }
+            }
+            Err(err) => {
+                eprintln!("lb-echo: UDP recv_from: {err}");
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn serve_tcp(stream: TcpStream, reply: &[u8]) {
+    let mut writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(err) => {
+            eprintln!("lb-echo: clone TCP stream: {err}");
+            return;
+        }
+    };
+    let mut reader = BufReader::new(stream);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                if writer.write_all(reply).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// client
+
+struct Reply {
+    backend: String,
+    peer: SocketAddr,
+    local: SocketAddr,
+}
+
+fn client(
+    target: SocketAddr,
+    proto: Proto,
+    count: u32,
+    connected_udp: bool,
+    timeout: Duration,
+) -> anyhow::Result<ExitCode> {
+    if timeout.is_zero() {
+        bail!("--timeout-ms must be positive");
+    }
+    let mut failed = false;
+    let mut out = io::stdout().lock();
+    for seq in 0..count {
+        let result = match proto {
+            Proto::Tcp => request_tcp(target, timeout),
+            Proto::Udp if connected_udp => request_udp_connected(target, timeout),
+            Proto::Udp => request_udp(target, timeout),
+        };
+        let line = match result {
+            Ok(r) => serde_json::json!({
+                "seq": seq,
+                "backend": r.backend,
+                "peer": r.peer.to_string(),
+                "local": r.local.to_string(),
+            }),
+            Err(err) => {
+                failed = true;
+                serde_json::json!({ "seq": seq, "error": format!("{err:#}") })
+            }
+        };
+        writeln!(out, "{line}")?;
+        out.flush()?;
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn request_tcp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
+    let mut stream = TcpStream::connect_timeout(&target, timeout).context("connect")?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    let peer = stream.peer_addr().context("getpeername")?;
+    let local = stream.local_addr().context("getsockname")?;
+    stream.write_all(HELLO).context("send")?;
+    let mut line = Vec::new();
+    BufReader::new((&stream).take(MAX_REPLY))
+        .read_until(b'\n', &mut line)
+        .map_err(timeout_err)
+        .context("read reply")?;
+    if line.last() != Some(&b'\n') {
+        bail!(
+            "connection closed before a full reply line ({} bytes)",
+            line.len()
+        );
+    }
+    Ok(Reply {
+        backend: backend_name(&line)?,
+        peer,
+        local,
+    })
+}
+
+/// A fresh UDP socket of the target's family on an ephemeral port.
+fn udp_socket(target: SocketAddr, timeout: Duration) -> anyhow::Result<UdpSocket> {
+    let any: SocketAddr = match target {
+        SocketAddr::V4(_) => SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, 0, 0, 0).into(),
+    };
+    let sock = UdpSocket::bind(any).context("bind UDP socket")?;
+    sock.set_read_timeout(Some(timeout))?;
+    sock.set_write_timeout(Some(timeout))?;
+    Ok(sock)
+}
+
+fn request_udp_connected(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
+    let sock = udp_socket(target, timeout)?;
+    sock.connect(target).context("connect")?;
+    sock.send(HELLO).context("send")?;
+    let mut buf = [0u8; 4096];
+    let n = sock.recv(&mut buf).map_err(timeout_err).context("recv")?;
+    Ok(Reply {
+        backend: backend_name(&buf[..n])?,
+        peer: sock.peer_addr().context("getpeername")?,
+        local: sock.local_addr().context("getsockname")?,
+    })
+}
+
+fn request_udp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
+    let sock = udp_socket(target, timeout)?;
+    match target {
+        SocketAddr::V4(_) => setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_PKTINFO, 1),
+        SocketAddr::V6(_) => setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_RECVPKTINFO, 1),
+    }
+    .context("enable PKTINFO")?;
+    sock.send_to(HELLO, target).context("send_to")?;
+    let mut buf = [0u8; 4096];
+    let (n, peer, dst) = recv_with_dst(&sock, &mut buf)
+        .map_err(timeout_err)
+        .context("recv_from")?;
+    let mut local = sock.local_addr().context("getsockname")?;
+    if let Some(dst) = dst {
+        local.set_ip(dst);
+    }
+    Ok(Reply {
+        backend: backend_name(&buf[..n])?,
+        peer,
+        local,
+    })
+}
+
+/// recvmsg(2): the datagram's length, its source, and its destination address (from PKTINFO).
+fn recv_with_dst(
+    sock: &UdpSocket,
+    buf: &mut [u8],
+) -> io::Result<(usize, SocketAddr, Option<IpAddr>)> {
+    // SAFETY (all blocks below): the pointers handed to recvmsg point into locals that outlive
+    // the call, with matching lengths; the cmsg walk uses the libc macros on that same msghdr, and
+    // payloads are read unaligned with the type the kernel writes for (level, type).
+    let mut src: libc::sockaddr_storage = unsafe { mem::zeroed() };
+    let mut cmsg_buf = [0u64; 32];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut msg: libc::msghdr = unsafe { mem::zeroed() };
+    msg.msg_name = (&raw mut src).cast();
+    msg.msg_namelen = socklen_of::<libc::sockaddr_storage>();
+    msg.msg_iov = &raw mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cmsg_buf.as_mut_ptr().cast();
+    msg.msg_controllen = size_of_val(&cmsg_buf);
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &raw mut msg, 0) };
+    let n = usize::try_from(n).map_err(|_| io::Error::last_os_error())?;
+    let peer = match libc::c_int::from(src.ss_family) {
+        libc::AF_INET => {
+            let sa: libc::sockaddr_in =
+                unsafe { (&raw const src).cast::<libc::sockaddr_in>().read() };
+            SocketAddr::from((
+                Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr)),
+                u16::from_be(sa.sin_port),
+            ))
+        }
+        libc::AF_INET6 => {
+            let sa: libc::sockaddr_in6 =
+                unsafe { (&raw const src).cast::<libc::sockaddr_in6>().read() };
+            SocketAddrV6::new(
+                Ipv6Addr::from(sa.sin6_addr.s6_addr),
+                u16::from_be(sa.sin6_port),
+                sa.sin6_flowinfo,
+                sa.sin6_scope_id,
+            )
+            .into()
+        }
+        family => {
+            return Err(io::Error::other(format!(
+                "recvmsg: unexpected address family {family}"
+            )));
+        }
+    };
+    let mut dst = None;
+    let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&raw const msg) };
+    while !cmsg.is_null() {
+        let hdr = unsafe { cmsg.read_unaligned() };
+        let data = unsafe { libc::CMSG_DATA(cmsg) };
+        if hdr.cmsg_level == libc::IPPROTO_IP && hdr.cmsg_type == libc::IP_PKTINFO {
+            let info = unsafe { data.cast::<libc::in_pktinfo>().read_unaligned() };
+            dst = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                info.ipi_addr.s_addr,
+            ))));
+        } else if hdr.cmsg_level == libc::IPPROTO_IPV6 && hdr.cmsg_type == libc::IPV6_PKTINFO {
+            let info = unsafe { data.cast::<libc::in6_pktinfo>().read_unaligned() };
+            dst = Some(IpAddr::V6(Ipv6Addr::from(info.ipi6_addr.s6_addr)));
+        }
+        cmsg = unsafe { libc::CMSG_NXTHDR(&raw const msg, cmsg) };
+    }
+    Ok((n, peer, dst))
+}
+
+/// SO_RCVTIMEO expiry shows up as EAGAIN; call it a timeout.
+fn timeout_err(err: io::Error) -> io::Error {
+    if err.kind() == io::ErrorKind::WouldBlock {
+        io::Error::new(io::ErrorKind::TimedOut, "timed out")
+    } else {
+        err
+    }
+}
+
+fn backend_name(reply: &[u8]) -> anyhow::Result<String> {
+    let text = std::str::from_utf8(reply).context("reply is not UTF-8")?;
+    let name = text.trim_end_matches(['\n', '\r']);
+    if name.is_empty() || name.contains('\n') {
+        bail!("unexpected reply {text:?}");
+    }
+    Ok(name.to_owned())
+}

@@ -1,0 +1,289 @@
+//! Loading lb's eBPF object, pinning and reusing its maps, attaching its programs.
+use std::{
+    collections::BTreeMap,
+    fs::{self, File},
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, MapData, MapInfo, MapType},
+    programs::{CgroupAttachMode, CgroupSockAddr, Program, SchedClassifier, TcAttachType, tc},
+    util::KernelVersion,
+};
+use lb_common::{
+    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_names, map_sizes,
+    prog_names,
+};
+
+use crate::maps::{BpfMaps, Family, Table};
+
+/// The eBPF object, built from lb-ebpf by build.rs on every build.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
+
+/// The cgroup sock_addr programs, attached together.
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    prog_names::CONNECT4,
+    prog_names::SENDMSG4,
+    prog_names::RECVMSG4,
+    prog_names::GETPEERNAME4,
+    prog_names::CONNECT6,
+    prog_names::SENDMSG6,
+    prog_names::RECVMSG6,
+    prog_names::GETPEERNAME6,
+];
+
+/// What each map must look like; a pinned map that differs was made by an incompatible lb.
+struct MapSpec {
+    name: &'static str,
+    map_type: MapType,
+    key_size: usize,
+    value_size: usize,
+    max_entries: u32,
+}
+
+const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> MapSpec {
+    MapSpec {
+        name,
+        map_type,
+        key_size: size_of::<K>(),
+        value_size: size_of::<V>(),
+        max_entries,
+    }
+}
+
+const MAP_SPECS: [MapSpec; 11] = [
+    spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
+    spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
+    spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
+    spec::<Ct4Key, CtValue>(map_names::CT4, MapType::LruHash, map_sizes::CT),
+    spec::<SkRevNat4Key, SkRevNat4Value>(
+        map_names::SK_REVNAT4,
+        MapType::LruHash,
+        map_sizes::SK_REVNAT,
+    ),
+    spec::<Svc6Key, SvcValue>(map_names::SERVICES6, MapType::Hash, map_sizes::SERVICES),
+    spec::<u32, Backend6>(map_names::BACKENDS6, MapType::Hash, map_sizes::BACKENDS),
+    spec::<u32, RevNat6>(map_names::REVNAT6, MapType::Hash, map_sizes::REVNAT),
+    spec::<Ct6Key, CtValue>(map_names::CT6, MapType::LruHash, map_sizes::CT),
+    spec::<SkRevNat6Key, SkRevNat6Value>(
+        map_names::SK_REVNAT6,
+        MapType::LruHash,
+        map_sizes::SK_REVNAT,
+    ),
+    spec::<u32, MetricValue>(map_names::METRICS, MapType::PerCpuArray, map_sizes::METRICS),
+];
+
+/// Where the maps live.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Pin (and reuse) the maps in this bpffs directory; `None` gives private maps that vanish
+    /// with the process (tests, `lb trace`).
+    pub pin_dir: Option<PathBuf>,
+}
+
+/// The loaded programs and maps. Dropping it detaches everything it attached.
+pub struct Datapath {
+    ebpf: Ebpf,
+    attachments: Vec<String>,
+}
+
+impl Datapath {
+    pub fn load(opts: &LoadOptions) -> anyhow::Result<Self> {
+        raise_memlock_limit();
+        if let Some(dir) = &opts.pin_dir {
+            prepare_pin_dir(dir)?;
+            check_pinned_maps(dir)?;
+        }
+        let mut loader = EbpfLoader::new();
+        let pins: Vec<(&str, PathBuf)> = match &opts.pin_dir {
+            Some(dir) => map_names::ALL.iter().map(|n| (*n, dir.join(n))).collect(),
+            None => Vec::new(),
+        };
+        for (name, path) in &pins {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
+            .load(EBPF_OBJECT)
+            .context("loading lb's eBPF object (maps and BTF)")?;
+        for (_, path) in &pins {
+            fs::set_permissions(path, fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("chmod 0600 {}", path.display()))?;
+        }
+        for (name, program) in ebpf.programs_mut() {
+            let r = match program {
+                Program::SchedClassifier(p) => p.load(),
+                Program::CgroupSockAddr(p) => p.load(),
+                _ => continue,
+            };
+            r.with_context(|| format!("loading program {name} (verifier)"))?;
+        }
+        Ok(Self {
+            ebpf,
+            attachments: Vec::new(),
+        })
+    }
+
+    /// Attaches the tc program to `iface` (TCX on 6.6+, a clsact qdisc filter before).
+    pub fn attach_tc(&mut self, iface: &str, attach: TcAttachType) -> anyhow::Result<()> {
+        let name = match attach {
+            TcAttachType::Ingress => prog_names::TC_INGRESS,
+            TcAttachType::Egress => prog_names::TC_EGRESS,
+            TcAttachType::Custom(_) => bail!("custom tc parents are not supported"),
+        };
+        if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
+            // Netlink attachment needs clsact; it may already be there.
+            if let Err(e) = tc::qdisc_add_clsact(iface) {
+                tracing::debug!(iface, error = %e, "clsact qdisc not added");
+            }
+        }
+        let prog: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(name)
+            .context("tc program missing from the object")?
+            .try_into()?;
+        prog.attach(iface, attach)
+            .with_context(|| format!("attaching {name} to {iface}"))?;
+        self.attachments.push(format!("{name} on {iface}"));
+        Ok(())
+    }
+
+    /// Attaches the socket-LB programs to the cgroup v2 directory `path`.
+    pub fn attach_cgroup(&mut self, path: &Path) -> anyhow::Result<()> {
+        let cgroup =
+            File::open(path).with_context(|| format!("opening cgroup {}", path.display()))?;
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = self
+                .ebpf
+                .program_mut(name)
+                .with_context(|| format!("program {name} missing from the object"))?
+                .try_into()?;
+            prog.attach(&cgroup, CgroupAttachMode::AllowMultiple)
+                .with_context(|| format!("attaching {name} to {}", path.display()))?;
+        }
+        self.attachments
+            .push(format!("socket LB on cgroup {}", path.display()));
+        Ok(())
+    }
+
+    pub fn attachments(&self) -> &[String] {
+        &self.attachments
+    }
+
+    /// Moves the service, backend and rev-NAT maps out, for the reconciler.
+    pub fn take_lb_maps(&mut self) -> anyhow::Result<BpfMaps> {
+        let mut capacities = BTreeMap::new();
+        for t in [Table::Services, Table::Backends, Table::RevNat] {
+            for f in [Family::V4, Family::V6] {
+                let name = t.map_name(f);
+                let max = MAP_SPECS
+                    .iter()
+                    .find(|s| s.name == name)
+                    .map_or(0, |s| s.max_entries);
+                capacities.insert((t, f), max);
+            }
+        }
+        Ok(BpfMaps {
+            services4: self.take(map_names::SERVICES4)?,
+            backends4: self.take(map_names::BACKENDS4)?,
+            revnat4: self.take(map_names::REVNAT4)?,
+            services6: self.take(map_names::SERVICES6)?,
+            backends6: self.take(map_names::BACKENDS6)?,
+            revnat6: self.take(map_names::REVNAT6)?,
+            capacities,
+        })
+    }
+
+    fn take<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &str,
+    ) -> anyhow::Result<HashMap<MapData, K, V>> {
+        let map = self
+            .ebpf
+            .take_map(name)
+            .with_context(|| format!("map {name} missing (already taken?)"))?;
+        HashMap::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
+    }
+
+    /// The loaded object, for tests and tools that run programs directly.
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
+    }
+}
+
+/// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; later ones to the memory cgroup.
+fn raise_memlock_limit() {
+    let rlim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: plain syscall with a valid pointer.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) } != 0 {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "cannot raise RLIMIT_MEMLOCK (harmless on kernels >= 5.11)"
+        );
+    }
+}
+
+fn prepare_pin_dir(dir: &Path) -> anyhow::Result<()> {
+    let parent = dir.parent().unwrap_or(Path::new("/"));
+    let fs_type = nix::sys::statfs::statfs(parent)
+        .with_context(|| format!("statfs {}", parent.display()))?
+        .filesystem_type();
+    if fs_type != nix::sys::statfs::BPF_FS_MAGIC {
+        bail!(
+            "{} is not on a bpffs mount; mount one with `mount -t bpf bpf /sys/fs/bpf`",
+            parent.display()
+        );
+    }
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("chmod 0700 {}", dir.display()))
+}
+
+/// Refuses pinned maps whose layout this lb does not understand, rather than misreading them.
+fn check_pinned_maps(dir: &Path) -> anyhow::Result<()> {
+    for spec in &MAP_SPECS {
+        let path = dir.join(spec.name);
+        if !path.exists() {
+            continue;
+        }
+        let info = MapInfo::from_pin(&path)
+            .with_context(|| format!("reading pinned map {}", path.display()))?;
+        let map_type = info.map_type()?;
+        let found = (
+            map_type,
+            info.key_size() as usize,
+            info.value_size() as usize,
+            info.max_entries(),
+        );
+        let want = (
+            spec.map_type,
+            spec.key_size,
+            spec.value_size,
+            spec.max_entries,
+        );
+        if found != want {
+            bail!(
+                "pinned map {} is {:?} with key/value size {}/{} and {} entries, this lb needs \
+                 {:?} {}/{} with {}: it was made by an incompatible lb; stop the old lb and \
+                 remove {} (established connections through the tc path lose their state)",
+                path.display(),
+                found.0,
+                found.1,
+                found.2,
+                found.3,
+                want.0,
+                want.1,
+                want.2,
+                want.3,
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,520 @@
+//! Makes the maps hold a `DesiredState`, writing only the difference, in an order that never
+//! shows a packet a half-updated service:
+//!
+//! 1. per service: its new backends, then its rev-NAT entry, then its slots, then the master
+//!    entry whose count makes new slots visible; slots beyond a reduced count go last;
+//! 2. services that are gone: master first (no new lookups find them), then slots, then rev-NAT;
+//! 3. backends and rev-NAT entries nothing refers to any more.
+//!
+//! Before writing a service it checks the maps have room for it; a service that does not fit, or
+//! whose write fails, is reported and keeps its previous state. The reconciler starts from a
+//! dump of the (pinned) maps, so a restart converges without flushing anything.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::IpAddr,
+};
+
+use lb_common::{SvcValue, backend_state, lb_alg};
+
+use crate::{
+    maps::{Dump, Family, LbMaps, MapOpError, Table},
+    model::{Backend, DesiredState, Frontend, L4Addr, ServiceEntry},
+};
+
+/// A frontend as installed: its master entry and the backend id in each slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Installed {
+    master: SvcValue,
+    /// `slots[i]` is slot `i + 1`; 0 where the slot entry is missing.
+    slots: Vec<u32>,
+}
+
+/// A service that could not be (fully) written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceError {
+    pub frontend: Frontend,
+    pub service: String,
+    pub error: String,
+}
+
+/// What one `apply` did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub writes: usize,
+    pub deletes: usize,
+    pub errors: Vec<ServiceError>,
+}
+
+pub struct Reconciler<M> {
+    maps: M,
+    backends: BTreeMap<u32, Backend>,
+    backend_ids: HashMap<L4Addr, u32>,
+    revnat: BTreeMap<u32, (IpAddr, u16)>,
+    revnat_ids: HashMap<L4Addr, u32>,
+    services: BTreeMap<Frontend, Installed>,
+    /// Slot entries found on start that no master covers; deleted by the next apply.
+    stray_slots: BTreeSet<(Frontend, u16)>,
+    next_backend_id: u32,
+    next_revnat_id: u32,
+}
+
+impl<M: LbMaps> Reconciler<M> {
+    /// Starts from what the maps hold now.
+    pub fn new(maps: M) -> anyhow::Result<Self> {
+        let dump = maps.dump()?;
+        Ok(Self::from_dump(maps, dump))
+    }
+
+    fn from_dump(maps: M, dump: Dump) -> Self {
+        let mut backend_ids = HashMap::new();
+        for (id, b) in &dump.backends {
+            backend_ids.entry(b.l4).or_insert(*id);
+        }
+        let mut services = BTreeMap::new();
+        let mut revnat_ids = HashMap::new();
+        let mut stray_slots = BTreeSet::new();
+        for ((fe, slot), v) in &dump.services {
+            if *slot != 0 {
+                continue;
+            }
+            let total = v.count + v.qcount;
+            let slots = (1..=total)
+                .map(|s| dump.services.get(&(*fe, s)).map_or(0, |sv| sv.backend_id))
+                .collect();
+            if dump.revnat.get(&v.rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port)) {
+                revnat_ids.insert(fe.l4, v.rev_nat_id);
+            }
+            services.insert(*fe, Installed { master: *v, slots });
+        }
+        for (fe, slot) in dump.services.keys() {
+            let covered = services
+                .get(fe)
+                .is_some_and(|i| *slot == 0 || (*slot as usize) <= i.slots.len());
+            if !covered {
+                stray_slots.insert((*fe, *slot));
+            }
+        }
+        let next_backend_id = dump.backends.keys().max().map_or(1, |m| m.wrapping_add(1));
+        let next_revnat_id = dump.revnat.keys().max().map_or(1, |m| m.wrapping_add(1));
+        Self {
+            maps,
+            backends: dump.backends,
+            backend_ids,
+            revnat: dump.revnat,
+            revnat_ids,
+            services,
+            stray_slots,
+            next_backend_id,
+            next_revnat_id,
+        }
+    }
+
+    pub fn maps(&self) -> &M {
+        &self.maps
+    }
+
+    pub fn service_count(&self) -> usize {
+        self.services.len()
+    }
+
+    pub fn backend_count(&self) -> usize {
+        self.backends.len()
+    }
+
+    /// Entries the mirror says `table` holds for `family`.
+    fn used(&self, table: Table, family: Family) -> usize {
+        match table {
+            Table::Services => {
+                self.services
+                    .iter()
+                    .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
+                    .map(|(_, i)| 1 + i.slots.iter().filter(|id| **id != 0).count())
+                    .sum::<usize>()
+                    + self
+                        .stray_slots
+                        .iter()
+                        .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
+                        .count()
+            }
+            Table::Backends => self
+                .backends
+                .values()
+                .filter(|b| Family::of(&b.l4.addr) == family)
+                .count(),
+            Table::RevNat => self
+                .revnat
+                .values()
+                .filter(|(a, _)| Family::of(a) == family)
+                .count(),
+        }
+    }
+
+    /// Makes the maps hold `desired`.
+    pub fn apply(&mut self, desired: &DesiredState) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        let mut room: BTreeMap<(Table, Family), i64> = BTreeMap::new();
+        for t in [Table::Services, Table::Backends, Table::RevNat] {
+            for f in [Family::V4, Family::V6] {
+                let free = self.maps.capacity(t, f) as i64 - self.used(t, f) as i64;
+                room.insert((t, f), free);
+            }
+        }
+
+        for (fe, entry) in &desired.services {
+            if let Err(error) = self.apply_service(fe, entry, &mut room, &mut report) {
+                report.errors.push(ServiceError {
+                    frontend: *fe,
+                    service: entry.name.to_string(),
+                    error,
+                });
+            }
+        }
+
+        // Services that are gone.
+        let gone: Vec<Frontend> = self
+            .services
+            .keys()
+            .filter(|fe| !desired.services.contains_key(fe))
+            .copied()
+            .collect();
+        for fe in gone {
+            if let Err(e) = self.remove_service(&fe, &mut report) {
+                report.errors.push(ServiceError {
+                    frontend: fe,
+                    service: String::new(),
+                    error: e.to_string(),
+                });
+            }
+        }
+        for (fe, slot) in std::mem::take(&mut self.stray_slots) {
+            match self.maps.del_service(&fe, slot) {
+                Ok(()) => report.deletes += 1,
+                Err(e) => {
+                    self.stray_slots.insert((fe, slot));
+                    tracing::warn!(%fe, slot, error = %e, "cannot delete stray slot");
+                }
+            }
+        }
+        self.collect_garbage(&mut report);
+        report
+    }
+
+    fn alloc_backend_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_backend_id;
+            self.next_backend_id = self.next_backend_id.wrapping_add(1).max(1);
+            if id != 0 && !self.backends.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn alloc_revnat_id(&mut self) -> u32 {
+        loop {
+            let id = self.next_revnat_id;
+            self.next_revnat_id = self.next_revnat_id.wrapping_add(1).max(1);
+            if id != 0 && !self.revnat.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn apply_service(
+        &mut self,
+        fe: &Frontend,
+        entry: &ServiceEntry,
+        room: &mut BTreeMap<(Table, Family), i64>,
+        report: &mut ApplyReport,
+    ) -> Result<(), String> {
+        let family = Family::of(&fe.l4.addr);
+        if entry
+            .backends
+            .iter()
+            .any(|b| Family::of(&b.l4.addr) != family)
+        {
+            return Err("backend address family differs from the frontend's".into());
+        }
+        let active = entry
+            .backends
+            .iter()
+            .filter(|b| b.state == backend_state::ACTIVE)
+            .count();
+        let total = entry.backends.len();
+        if total > u16::MAX as usize {
+            return Err(format!(
+                "{total} backends exceed the {} slots of a service",
+                u16::MAX
+            ));
+        }
+
+        // Plan: ids (allocated only in the plan until written) and the room it needs.
+        let mut new_backends = Vec::new();
+        let mut planned_ids = Vec::with_capacity(total);
+        let mut seen_new: HashMap<L4Addr, u32> = HashMap::new();
+        for b in &entry.backends {
+            let id = match self.backend_ids.get(&b.l4).copied() {
+                Some(id) => id,
+                None => *seen_new.entry(b.l4).or_insert_with(|| {
+                    let id = self.alloc_backend_id_excluding(&new_backends);
+                    new_backends.push((id, *b));
+                    id
+                }),
+            };
+            planned_ids.push(id);
+        }
+        let existing = self.services.get(fe).cloned();
+        let existing_entries = existing
+            .as_ref()
+            .map_or(0, |i| 1 + i.slots.iter().filter(|id| **id != 0).count());
+        let needed_services = (1 + total).saturating_sub(existing_entries) as i64;
+        let new_revnat = !self.revnat_ids.contains_key(&fe.l4);
+        for (table, needed) in [
+            (Table::Services, needed_services),
+            (Table::Backends, new_backends.len() as i64),
+            (Table::RevNat, i64::from(new_revnat)),
+        ] {
+            let free = room.get(&(table, family)).copied().unwrap_or(0);
+            if needed > free {
+                return Err(format!(
+                    "map {} is full: needs {needed} more entries, {} free of {}",
+                    table.map_name(family),
+                    free.max(0),
+                    self.maps.capacity(table, family)
+                ));
+            }
+        }
+
+        let rev_nat_id = match self.revnat_ids.get(&fe.l4).copied() {
+            Some(id) => id,
+            None => self.alloc_revnat_id(),
+        };
+        let master = SvcValue {
+            backend_id: 0,
+            count: active as u16,
+            qcount: (total - active) as u16,
+            rev_nat_id,
+            flags: entry.flags,
+            lb_alg: lb_alg::RANDOM,
+            pad: 0,
+            affinity_timeout: 0,
+        };
+        let unchanged = existing
+            .as_ref()
+            .is_some_and(|i| i.master == master && i.slots == planned_ids)
+            && entry
+                .backends
+                .iter()
+                .zip(&planned_ids)
+                .all(|(b, id)| self.backends.get(id) == Some(b));
+        if unchanged {
+            return Ok(());
+        }
+        for (table, needed) in [
+            (Table::Services, needed_services),
+            (Table::Backends, new_backends.len() as i64),
+            (Table::RevNat, i64::from(new_revnat)),
+        ] {
+            *room.entry((table, family)).or_default() -= needed;
+        }
+
+        // 1. Backends (new ones, and known ones whose state changed).
+        for (b, id) in entry.backends.iter().zip(&planned_ids) {
+            if self.backends.get(id) != Some(b) {
+                self.maps.put_backend(*id, b).map_err(|e| e.to_string())?;
+                report.writes += 1;
+                self.backends.insert(*id, *b);
+                self.backend_ids.insert(b.l4, *id);
+            }
+        }
+        // 2. Rev-NAT, before any packet can be balanced to a backend of this frontend.
+        if self.revnat.get(&rev_nat_id) != Some(&(fe.l4.addr, fe.l4.port)) {
+            self.maps
+                .put_revnat(rev_nat_id, fe.l4.addr, fe.l4.port)
+                .map_err(|e| e.to_string())?;
+            report.writes += 1;
+            self.revnat.insert(rev_nat_id, (fe.l4.addr, fe.l4.port));
+            self.revnat_ids.insert(fe.l4, rev_nat_id);
+        }
+        // 3. Slots, then 4. the master entry that makes them visible.
+        let old = existing;
+        if let Err(e) = self.write_slots_and_master(fe, &planned_ids, &master, report) {
+            if let Some(old) = old {
+                self.restore(fe, &old, report);
+            }
+            return Err(e.to_string());
+        }
+        // 5. Slots a shrunk service no longer counts.
+        let old_len = old.map_or(0, |i| i.slots.len());
+        for slot in (total + 1..=old_len).rev() {
+            let slot = slot as u16;
+            match self.maps.del_service(fe, slot) {
+                Ok(()) => report.deletes += 1,
+                Err(e) => {
+                    tracing::warn!(%fe, slot, error = %e, "cannot delete surplus slot");
+                    self.stray_slots.insert((*fe, slot));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A fresh id that is neither installed nor planned in `pending`.
+    fn alloc_backend_id_excluding(&mut self, pending: &[(u32, Backend)]) -> u32 {
+        loop {
+            let id = self.alloc_backend_id();
+            if !pending.iter().any(|(p, _)| *p == id) {
+                return id;
+            }
+        }
+    }
+
+    fn write_slots_and_master(
+        &mut self,
+        fe: &Frontend,
+        ids: &[u32],
+        master: &SvcValue,
+        report: &mut ApplyReport,
+    ) -> Result<(), MapOpError> {
+        let installed = self.services.entry(*fe).or_insert_with(|| Installed {
+            master: SvcValue::default(),
+            slots: Vec::new(),
+        });
+        let fresh = installed.slots.is_empty() && installed.master == SvcValue::default();
+        for (i, id) in ids.iter().enumerate() {
+            if installed.slots.get(i) == Some(id) {
+                continue;
+            }
+            let v = SvcValue {
+                backend_id: *id,
+                rev_nat_id: master.rev_nat_id,
+                ..SvcValue::default()
+            };
+            let r = self.maps.put_service(fe, (i + 1) as u16, &v);
+            if let Err(e) = r {
+                if fresh && installed.slots.iter().all(|s| *s == 0) {
+                    // Nothing of this service was visible; forget the placeholder.
+                    self.services.remove(fe);
+                }
+                return Err(e);
+            }
+            report.writes += 1;
+            if i < installed.slots.len() {
+                installed.slots[i] = *id;
+            } else {
+                installed.slots.push(*id);
+            }
+        }
+        self.maps.put_service(fe, 0, master)?;
+        report.writes += 1;
+        installed.master = *master;
+        // Slots beyond the new total are deleted by the caller; the mirror drops them now so
+        // that a failed delete shows up as a stray slot instead.
+        installed.slots.truncate(ids.len());
+        Ok(())
+    }
+
+    /// Best effort to put a service back as it was after a failed update.
+    fn restore(&mut self, fe: &Frontend, old: &Installed, report: &mut ApplyReport) {
+        let Some(installed) = self.services.get_mut(fe) else {
+            return;
+        };
+        for (i, id) in old.slots.iter().enumerate() {
+            if installed.slots.get(i) != Some(id) && *id != 0 {
+                let v = SvcValue {
+                    backend_id: *id,
+                    rev_nat_id: old.master.rev_nat_id,
+                    ..SvcValue::default()
+                };
+                if self.maps.put_service(fe, (i + 1) as u16, &v).is_ok() {
+                    report.writes += 1;
+                    if i < installed.slots.len() {
+                        installed.slots[i] = *id;
+                    }
+                }
+            }
+        }
+        for slot in (old.slots.len() + 1..=installed.slots.len()).rev() {
+            if self.maps.del_service(fe, slot as u16).is_ok() {
+                report.deletes += 1;
+                installed.slots.truncate(slot - 1);
+            }
+        }
+    }
+
+    fn remove_service(
+        &mut self,
+        fe: &Frontend,
+        report: &mut ApplyReport,
+    ) -> Result<(), MapOpError> {
+        let Some(installed) = self.services.get(fe).cloned() else {
+            return Ok(());
+        };
+        self.maps.del_service(fe, 0)?;
+        report.deletes += 1;
+        self.services.remove(fe);
+        for slot in (1..=installed.slots.len()).rev() {
+            match self.maps.del_service(fe, slot as u16) {
+                Ok(()) => report.deletes += 1,
+                Err(e) => {
+                    tracing::warn!(%fe, slot, error = %e, "cannot delete slot");
+                    self.stray_slots.insert((*fe, slot as u16));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes backends and rev-NAT entries no installed service refers to.
+    fn collect_garbage(&mut self, report: &mut ApplyReport) {
+        let used_backends: BTreeSet<u32> = self
+            .services
+            .values()
+            .flat_map(|i| i.slots.iter().copied())
+            .collect();
+        let unused: Vec<u32> = self
+            .backends
+            .keys()
+            .filter(|id| !used_backends.contains(id))
+            .copied()
+            .collect();
+        for id in unused {
+            let Some(b) = self.backends.get(&id).copied() else {
+                continue;
+            };
+            match self.maps.del_backend(id, Family::of(&b.l4.addr)) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.backends.remove(&id);
+                    if self.backend_ids.get(&b.l4) == Some(&id) {
+                        self.backend_ids.remove(&b.l4);
+                    }
+                }
+                Err(e) => tracing::warn!(id, error = %e, "cannot delete backend"),
+            }
+        }
+        let used_revnat: BTreeSet<u32> = self
+            .services
+            .values()
+            .map(|i| i.master.rev_nat_id)
+            .collect();
+        let unused: Vec<u32> = self
+            .revnat
+            .keys()
+            .filter(|id| !used_revnat.contains(id))
+            .copied()
+            .collect();
+        for id in unused {
+            let Some((addr, _)) = self.revnat.get(&id).copied() else {
+                continue;
+            };
+            match self.maps.del_revnat(id, Family::of(&addr)) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.revnat.remove(&id);
+                    self.revnat_ids.retain(|_, v| *v != id);
+                }
+                Err(e) => tracing::warn!(id, error = %e, "cannot delete rev-NAT entry"),
+            }
+        }
+    }
+}

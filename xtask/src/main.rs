@@ -1,0 +1,156 @@
+//! Developer tasks for lb, run as `cargo xtask <command>`.
+
+mod process;
+mod setup;
+
+use std::{
+    ffi::OsString,
+    os::unix::process::CommandExt as _,
+    process::{Command, ExitCode},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+use crate::process::{cargo, display, run, workspace_root};
+
+#[derive(Parser)]
+#[command(about = "Developer tasks for lb", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install and check what building and testing need (Debian packages, bpf-linker, bpffs).
+    Setup,
+    /// Set up, then build the default workspace members (lb-ebpf comes through lb-userspace).
+    Build {
+        #[arg(long)]
+        release: bool,
+    },
+    /// Set up, build the binaries and run every test; needs root.
+    Test {
+        /// Extra arguments for `cargo test`, e.g. `-- -p lb-userspace -- --nocapture`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Set up, build the binaries and run lb-demo.
+    Demo {
+        /// Arguments for lb-demo.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Check formatting and run clippy with warnings denied.
+    Lint,
+    /// Benchmarks (not implemented yet).
+    Bench,
+}
+
+fn main() -> ExitCode {
+    // Print the error chain on one line, without the backtrace anyhow adds under RUST_BACKTRACE.
+    run_task(Cli::parse().task).unwrap_or_else(|err| {
+        eprintln!("error: {err:#}");
+        ExitCode::FAILURE
+    })
+}
+
+fn run_task(task: Task) -> Result<ExitCode> {
+    match task {
+        Task::Setup => setup::setup()?,
+        Task::Build { release } => build(release)?,
+        Task::Test { args } => test(&args)?,
+        Task::Demo { args } => demo(&args)?,
+        Task::Lint => lint()?,
+        Task::Bench => {
+            println!("bench: not implemented yet (issue 5)");
+            return Ok(ExitCode::from(2));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn build(release: bool) -> Result<()> {
+    setup::setup()?;
+    // Plain `cargo build` in the root builds the default members; `--workspace` would also
+    // pick lb-ebpf, which only builds for the BPF target.
+    let mut cmd = cargo();
+    cmd.arg("build");
+    if release {
+        cmd.arg("--release");
+    }
+    run(&mut cmd)
+}
+
+fn test(args: &[OsString]) -> Result<()> {
+    if !setup::is_root()? {
+        bail!(
+            "`cargo xtask test` must run as root: the datapath and network-namespace tests load \
+             eBPF programs and create network namespaces (CAP_BPF, CAP_NET_ADMIN)"
+        );
+    }
+    let mut phases = Phases::default();
+    let result = test_phases(&mut phases, args);
+    phases.report();
+    result
+}
+
+fn test_phases(phases: &mut Phases, args: &[OsString]) -> Result<()> {
+    phases.time("setup", setup::setup)?;
+    // The tests start target/debug/{lb,lb-echo,lb-demo}, which `cargo test` does not build.
+    phases.time("build", || run(cargo().args(["build", "--bins"])))?;
+    phases.time("test", || {
+        run(cargo().args(["test", "--no-fail-fast"]).args(args))
+    })
+}
+
+fn demo(args: &[OsString]) -> Result<()> {
+    setup::setup()?;
+    run(cargo().args(["build", "--bins"]))?;
+    let mut cmd = Command::new(workspace_root().join("target/debug/lb-demo"));
+    cmd.args(args).current_dir(workspace_root());
+    println!("$ {}", display(&cmd));
+    // lb-demo replaces this process, so its exit code and signals (Ctrl-C) pass straight through.
+    let err = cmd.exec();
+    Err(err).with_context(|| format!("could not start `{}`", display(&cmd)))
+}
+
+fn lint() -> Result<()> {
+    // Clippy runs lb-userspace's build script, which builds lb-ebpf with the tools setup provides.
+    setup::setup()?;
+    // Run both so one run shows every problem.
+    let failures: Vec<String> = [
+        run(cargo().args(["fmt", "--all", "--", "--check"])),
+        run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"])),
+    ]
+    .into_iter()
+    .filter_map(|result| result.err().map(|err| err.to_string()))
+    .collect();
+    if !failures.is_empty() {
+        bail!("lint failed:\n  {}", failures.join("\n  "));
+    }
+    Ok(())
+}
+
+/// Wall time of each phase of a task, reported at the end.
+#[derive(Default)]
+struct Phases(Vec<(&'static str, Duration, bool)>);
+
+impl Phases {
+    fn time(&mut self, name: &'static str, phase: impl FnOnce() -> Result<()>) -> Result<()> {
+        let start = Instant::now();
+        let result = phase();
+        self.0.push((name, start.elapsed(), result.is_ok()));
+        result
+    }
+
+    fn report(&self) {
+        for (name, elapsed, ok) in &self.0 {
+            let outcome = if *ok { "ok" } else { "FAILED" };
+            let secs = elapsed.as_secs_f64();
+            println!("time: {name:<6} {secs:>7.1} s  {outcome}");
+        }
+    }
+}
