@@ -1,1 +1,588 @@
+//! Packet-in/packet-out tests of the tc programs with BPF_PROG_TEST_RUN: the real programs, the
+//! real maps (private, unpinned), programmed by the real reconciler. Needs root.
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
+use aya::{
+    maps::HashMap,
+    programs::{SchedClassifier, TestRun, TestRunOptions},
+};
+use etherparse::PacketBuilder;
+use lb::{
+    bpf::{Datapath, LoadOptions},
+    maps::BpfMaps,
+    model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
+    reconcile::Reconciler,
+};
+use lb_common::{Ct4Key, CtValue, ct_dir, ct_flags, prog_names, svc_flags};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+
+const CLIENT4: Ipv4Addr = Ipv4Addr::new(198, 18, 10, 2);
+const VIP4: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+const EMPTY_VIP4: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 11);
+const BACKENDS4: [Ipv4Addr; 3] = [
+    Ipv4Addr::new(198, 18, 11, 2),
+    Ipv4Addr::new(198, 18, 12, 2),
+    Ipv4Addr::new(198, 18, 13, 2),
+];
+const CLIENT6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0x10, 0, 0, 0, 2);
+const VIP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 0, 0, 0, 0, 0x10);
+const BACKENDS6: [Ipv6Addr; 3] = [
+    Ipv6Addr::new(0x2001, 0xdb8, 0, 0x11, 0, 0, 0, 2),
+    Ipv6Addr::new(0x2001, 0xdb8, 0, 0x12, 0, 0, 0, 2),
+    Ipv6Addr::new(0x2001, 0xdb8, 0, 0x13, 0, 0, 0, 2),
+];
+const VPORT: u16 = 80;
+const BPORT: u16 = 8080;
+
+struct Fixture {
+    datapath: Datapath,
+    _reconciler: Reconciler<BpfMaps>,
+}
+
+fn service(vip: IpAddr, proto: Proto, backends: &[IpAddr]) -> (Frontend, ServiceEntry) {
+    (
+        Frontend::new(vip, VPORT, proto),
+        ServiceEntry {
+            name: ServicePortName {
+                namespace: "test".into(),
+                name: "echo".into(),
+                port_name: proto.to_string().to_lowercase(),
+            },
+            flags: svc_flags::CLUSTER_IP,
+            backends: backends
+                .iter()
+                .map(|a| {
+                    Backend::active(L4Addr {
+                        addr: *a,
+                        port: BPORT,
+                        proto,
+                    })
+                })
+                .collect(),
+        },
+    )
+}
+
+/// Private maps holding VIP4 and VIP6 for TCP and UDP with three backends each, and an IPv4
+/// service without backends.
+fn fixture() -> Fixture {
+    let mut datapath = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
+    let maps = datapath.take_lb_maps().expect("maps");
+    let mut reconciler = Reconciler::new(maps).expect("reconciler");
+    let b4: Vec<IpAddr> = BACKENDS4.iter().map(|a| (*a).into()).collect();
+    let b6: Vec<IpAddr> = BACKENDS6.iter().map(|a| (*a).into()).collect();
+    let mut desired = DesiredState::default();
+    for (fe, entry) in [
+        service(VIP4.into(), Proto::Tcp, &b4),
+        service(VIP4.into(), Proto::Udp, &b4),
+        service(VIP6.into(), Proto::Tcp, &b6),
+        service(VIP6.into(), Proto::Udp, &b6),
+        service(EMPTY_VIP4.into(), Proto::Tcp, &[]),
+    ] {
+        desired.services.insert(fe, entry);
+    }
+    let report = reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    Fixture {
+        datapath,
+        _reconciler: reconciler,
+    }
+}
+
+impl Fixture {
+    fn run(&mut self, prog: &str, pkt: &[u8]) -> (u32, Vec<u8>) {
+        self.try_run(prog, pkt).expect("BPF_PROG_TEST_RUN")
+    }
+
+    fn try_run(
+        &mut self,
+        prog: &str,
+        pkt: &[u8],
+    ) -> Result<(u32, Vec<u8>), aya::programs::ProgramError> {
+        let program: &mut SchedClassifier = self
+            .datapath
+            .ebpf_mut()
+            .program_mut(prog)
+            .expect("program")
+            .try_into()
+            .expect("classifier");
+        let mut out = vec![0u8; pkt.len() + 256];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(pkt);
+        opts.data_out = Some(&mut out);
+        let result = program.test_run(opts)?;
+        out.truncate(result.data_size_out as usize);
+        Ok((result.return_value, out))
+    }
+
+    fn ingress(&mut self, pkt: &[u8]) -> (u32, Vec<u8>) {
+        self.run(prog_names::TC_INGRESS, pkt)
+    }
+
+    fn ct4(&mut self) -> HashMap<&mut aya::maps::MapData, Ct4Key, CtValue> {
+        HashMap::try_from(self.datapath.ebpf_mut().map_mut("lb4_ct").expect("lb4_ct"))
+            .expect("ct map")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packet building and independent verification (full recomputation, not incremental).
+
+const MAC_A: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
+const MAC_B: [u8; 6] = [0x02, 0, 0, 0, 0, 2];
+const PAYLOAD: &[u8] = b"hello lb\n";
+
+#[derive(Clone, Copy)]
+enum L4 {
+    TcpSyn,
+    TcpAck,
+    TcpFin,
+    Udp,
+}
+
+fn packet(src: IpAddr, sport: u16, dst: IpAddr, dport: u16, l4: L4) -> Vec<u8> {
+    let eth = PacketBuilder::ethernet2(MAC_A, MAC_B);
+    let mut buf = Vec::new();
+    macro_rules! finish {
+        ($ip:expr) => {
+            match l4 {
+                L4::TcpSyn => $ip
+                    .tcp(sport, dport, 1000, 64240)
+                    .syn()
+                    .write(&mut buf, PAYLOAD),
+                L4::TcpAck => $ip
+                    .tcp(sport, dport, 1001, 64240)
+                    .ack(77)
+                    .write(&mut buf, PAYLOAD),
+                L4::TcpFin => $ip
+                    .tcp(sport, dport, 1001, 64240)
+                    .ack(77)
+                    .fin()
+                    .write(&mut buf, PAYLOAD),
+                L4::Udp => $ip.udp(sport, dport).write(&mut buf, PAYLOAD),
+            }
+        };
+    }
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => finish!(eth.ipv4(s.octets(), d.octets(), 64)),
+        (IpAddr::V6(s), IpAddr::V6(d)) => finish!(eth.ipv6(s.octets(), d.octets(), 64)),
+        _ => panic!("mixed families"),
+    }
+    .expect("build packet");
+    buf
+}
+
+fn ones_sum(data: &[u8]) -> u32 {
+    let mut sum = 0u32;
+    for chunk in data.chunks(2) {
+        let word = if chunk.len() == 2 {
+            u16::from_be_bytes([chunk[0], chunk[1]])
+        } else {
+            u16::from_be_bytes([chunk[0], 0])
+        };
+        sum += u32::from(word);
+    }
+    sum
+}
+
+fn fold(mut sum: u32) -> u16 {
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    sum as u16
+}
+
+/// What a test needs from a parsed packet; checksums are verified while parsing.
+#[derive(Debug, PartialEq, Eq)]
+struct Parsed {
+    src: IpAddr,
+    sport: u16,
+    dst: IpAddr,
+    dport: u16,
+    proto: u8,
+    l4_csum: u16,
+}
+
+fn parse_and_verify(pkt: &[u8]) -> Parsed {
+    let ethertype = u16::from_be_bytes([pkt[12], pkt[13]]);
+    let (src, dst, proto, l4, pseudo): (IpAddr, IpAddr, u8, &[u8], u32) = match ethertype {
+        0x0800 => {
+            let ip = &pkt[14..];
+            let ihl = usize::from(ip[0] & 0xf) * 4;
+            assert_eq!(fold(ones_sum(&ip[..ihl])), 0xffff, "IPv4 header checksum");
+            let tot = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+            let l4 = &ip[ihl..tot];
+            let pseudo = ones_sum(&ip[12..20]) + u32::from(ip[9]) + l4.len() as u32;
+            let s: [u8; 4] = ip[12..16].try_into().unwrap();
+            let d: [u8; 4] = ip[16..20].try_into().unwrap();
+            (s.into(), d.into(), ip[9], l4, pseudo)
+        }
+        0x86dd => {
+            let ip = &pkt[14..];
+            let plen = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+            let l4 = &ip[40..40 + plen];
+            let pseudo = ones_sum(&ip[8..40]) + u32::from(ip[6]) + l4.len() as u32;
+            let s: [u8; 16] = ip[8..24].try_into().unwrap();
+            let d: [u8; 16] = ip[24..40].try_into().unwrap();
+            (s.into(), d.into(), ip[6], l4, pseudo)
+        }
+        other => panic!("unexpected ethertype {other:#x}"),
+    };
+    let csum_off = if proto == 6 { 16 } else { 6 };
+    let l4_csum = u16::from_be_bytes([l4[csum_off], l4[csum_off + 1]]);
+    if !(proto == 17 && l4_csum == 0 && src.is_ipv4()) {
+        assert_eq!(
+            fold(pseudo + ones_sum(l4)),
+            0xffff,
+            "L4 checksum of {src}->{dst}"
+        );
+    }
+    Parsed {
+        src,
+        sport: u16::from_be_bytes([l4[0], l4[1]]),
+        dst,
+        dport: u16::from_be_bytes([l4[2], l4[3]]),
+        proto,
+        l4_csum,
+    }
+}
+
+fn backends_of(vip: IpAddr) -> Vec<IpAddr> {
+    match vip {
+        IpAddr::V4(_) => BACKENDS4.iter().map(|a| (*a).into()).collect(),
+        IpAddr::V6(_) => BACKENDS6.iter().map(|a| (*a).into()).collect(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// New flows are DNATed to a backend with valid checksums; further packets of the flow stay on
+/// it; the backend's reply is reverse-NATed to come from the VIP; new flows reach every backend.
+fn forward_and_reply(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
+    let mut fx = fixture();
+    let backends = backends_of(vip);
+    let mut seen = BTreeSet::new();
+    for sport in 40_000..40_060u16 {
+        let syn = packet(client, sport, vip, VPORT, first);
+        let (verdict, out) = fx.ingress(&syn);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(out.len(), syn.len());
+        let p = parse_and_verify(&out);
+        assert_eq!((p.src, p.sport), (client, sport), "source untouched");
+        assert!(
+            backends.contains(&p.dst),
+            "DNAT to a backend, got {}",
+            p.dst
+        );
+        assert_eq!(p.dport, BPORT);
+        seen.insert(p.dst);
+
+        for _ in 0..3 {
+            let (verdict, again) = fx.ingress(&packet(client, sport, vip, VPORT, then));
+            assert_eq!(verdict, TC_ACT_OK);
+            let q = parse_and_verify(&again);
+            assert_eq!((q.dst, q.dport), (p.dst, BPORT), "flow keeps its backend");
+        }
+
+        let reply = packet(p.dst, BPORT, client, sport, then);
+        let (verdict, out) = fx.ingress(&reply);
+        assert_eq!(verdict, TC_ACT_OK);
+        let r = parse_and_verify(&out);
+        assert_eq!((r.src, r.sport), (vip, VPORT), "reply comes from the VIP");
+        assert_eq!(
+            (r.dst, r.dport),
+            (client, sport),
+            "reply destination untouched"
+        );
+    }
+    assert_eq!(
+        seen.len(),
+        3,
+        "60 new flows reach all 3 backends, got {seen:?}"
+    );
+}
+
+#[test]
+fn ipv4_tcp_forward_established_and_reverse_nat() {
+    forward_and_reply(CLIENT4.into(), VIP4.into(), L4::TcpSyn, L4::TcpAck);
+}
+
+#[test]
+fn ipv4_udp_forward_established_and_reverse_nat() {
+    forward_and_reply(CLIENT4.into(), VIP4.into(), L4::Udp, L4::Udp);
+}
+
+#[test]
+fn ipv6_tcp_forward_established_and_reverse_nat() {
+    forward_and_reply(CLIENT6.into(), VIP6.into(), L4::TcpSyn, L4::TcpAck);
+}
+
+#[test]
+fn ipv6_udp_forward_established_and_reverse_nat() {
+    forward_and_reply(CLIENT6.into(), VIP6.into(), L4::Udp, L4::Udp);
+}
+
+#[test]
+fn ipv4_udp_without_checksum_keeps_it_zero() {
+    let mut fx = fixture();
+    let mut pkt = packet(CLIENT4.into(), 5353, VIP4.into(), VPORT, L4::Udp);
+    // UDP checksum at eth 14 + ip 20 + 6.
+    pkt[40] = 0;
+    pkt[41] = 0;
+    let (verdict, out) = fx.ingress(&pkt);
+    assert_eq!(verdict, TC_ACT_OK);
+    let p = parse_and_verify(&out);
+    assert!(backends_of(VIP4.into()).contains(&p.dst));
+    assert_eq!(
+        p.l4_csum, 0,
+        "a zero UDP checksum means none and must stay zero"
+    );
+}
+
+#[test]
+fn unknown_destination_is_untouched() {
+    let mut fx = fixture();
+    for pkt in [
+        packet(
+            CLIENT4.into(),
+            1234,
+            Ipv4Addr::new(198, 19, 9, 9).into(),
+            VPORT,
+            L4::TcpSyn,
+        ),
+        // Right VIP, wrong port.
+        packet(CLIENT4.into(), 1234, VIP4.into(), 81, L4::TcpSyn),
+        packet(CLIENT6.into(), 1234, BACKENDS6[0].into(), BPORT, L4::Udp),
+    ] {
+        let (verdict, out) = fx.ingress(&pkt);
+        assert_eq!(verdict, TC_ACT_OK);
+        assert_eq!(out, pkt, "not a service: byte for byte unchanged");
+    }
+}
+
+#[test]
+fn service_without_backends_drops() {
+    let mut fx = fixture();
+    let pkt = packet(CLIENT4.into(), 1234, EMPTY_VIP4.into(), VPORT, L4::TcpSyn);
+    let (verdict, _) = fx.ingress(&pkt);
+    assert_eq!(verdict, TC_ACT_SHOT);
+}
+
+#[test]
+fn unparsable_packets_pass_untouched() {
+    let mut fx = fixture();
+    let good4 = packet(CLIENT4.into(), 1234, VIP4.into(), VPORT, L4::TcpSyn);
+    let good6 = packet(CLIENT6.into(), 1234, VIP6.into(), VPORT, L4::TcpSyn);
+    let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
+    // Truncated L4 headers. (BPF_PROG_TEST_RUN itself refuses skbs whose IP header is cut.)
+    cases.push(("tcp header cut", good4[..14 + 20 + 10].to_vec()));
+    cases.push(("ipv6 tcp header cut", good6[..14 + 40 + 12].to_vec()));
+    // IPv4 options claimed to run past the end of the packet.
+    let mut long_ihl = good4[..14 + 20 + 12].to_vec();
+    long_ihl[14] = 0x4f;
+    cases.push(("ipv4 ihl beyond packet", long_ihl));
+    // IPv4 fragment (MF set): later fragments carry no ports, so none is translated.
+    let mut frag = good4.clone();
+    frag[14 + 6] |= 0x20;
+    cases.push(("ipv4 more-fragments", frag));
+    // IPv4 with a bad version nibble.
+    let mut badver = good4.clone();
+    badver[14] = 0x55;
+    cases.push(("ipv4 bad version", badver));
+    // IPv4 header length below 20 bytes.
+    let mut badihl = good4.clone();
+    badihl[14] = 0x44;
+    cases.push(("ipv4 ihl 4", badihl));
+    // IPv4 total length shorter than the header.
+    let mut badlen = good4.clone();
+    badlen[14 + 2] = 0;
+    badlen[14 + 3] = 10;
+    cases.push(("ipv4 total length < ihl", badlen));
+    // TCP data offset below 5.
+    let mut baddoff = good4.clone();
+    baddoff[14 + 20 + 12] = 0x40;
+    cases.push(("tcp doff 4", baddoff));
+    // IPv6 with a hop-by-hop extension header in front of TCP.
+    let mut ext = good6.clone();
+    ext[14 + 6] = 0;
+    cases.push(("ipv6 extension header", ext));
+    // ICMP to the VIP.
+    let mut icmp = good4.clone();
+    icmp[14 + 9] = 1;
+    cases.push(("icmp", icmp));
+    // ARP and random garbage.
+    let mut arp = good4.clone();
+    arp[12] = 0x08;
+    arp[13] = 0x06;
+    cases.push(("arp", arp));
+    cases.push(("garbage", (0..60u8).map(|i| i.wrapping_mul(37)).collect()));
+    // 802.1Q-tagged frames are not parsed (yet).
+    let mut vlan = good4.clone();
+    vlan[12] = 0x81;
+    vlan[13] = 0x00;
+    cases.push(("vlan", vlan));
+
+    for (what, pkt) in cases {
+        let (verdict, out) = fx
+            .try_run(prog_names::TC_INGRESS, &pkt)
+            .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+        assert_eq!(verdict, TC_ACT_OK, "{what}");
+        assert_eq!(out, pkt, "{what}: passed untouched");
+    }
+}
+
+#[test]
+fn egress_only_reverse_nats() {
+    let mut fx = fixture();
+    // Egress never DNATs a packet to the VIP...
+    let to_vip = packet(CLIENT4.into(), 2000, VIP4.into(), VPORT, L4::TcpSyn);
+    let (verdict, out) = fx.run(prog_names::TC_EGRESS, &to_vip);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(out, to_vip);
+    // ...but rewrites a backend's reply once ingress created the flow.
+    let (_, fwd) = fx.ingress(&to_vip);
+    let backend = parse_and_verify(&fwd).dst;
+    let reply = packet(backend, BPORT, CLIENT4.into(), 2000, L4::TcpAck);
+    let (verdict, out) = fx.run(prog_names::TC_EGRESS, &reply);
+    assert_eq!(verdict, TC_ACT_OK);
+    let r = parse_and_verify(&out);
+    assert_eq!((r.src, r.sport), (VIP4.into(), VPORT));
+}
+
+#[test]
+fn conntrack_records_flow_and_tcp_state() {
+    let mut fx = fixture();
+    let (client, sport): (Ipv4Addr, u16) = (CLIENT4, 3333);
+    let (_, fwd) = fx.ingress(&packet(
+        client.into(),
+        sport,
+        VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
+    ));
+    let IpAddr::V4(backend) = parse_and_verify(&fwd).dst else {
+        panic!("v4")
+    };
+    let key = |saddr: Ipv4Addr, daddr: Ipv4Addr, sp, dp, dir| Ct4Key {
+        saddr: saddr.octets(),
+        daddr: daddr.octets(),
+        sport: sp,
+        dport: dp,
+        proto: 6,
+        dir,
+        pad: [0; 2],
+    };
+    let svc_key = key(client, VIP4, sport, VPORT, ct_dir::SERVICE);
+    let reply_key = key(backend, client, BPORT, sport, ct_dir::REPLY);
+    let svc = fx.ct4().get(&svc_key, 0).expect("service entry");
+    let reply = fx.ct4().get(&reply_key, 0).expect("reply entry");
+    assert_eq!(svc.backend_id, reply.backend_id);
+    assert_eq!(svc.rev_nat_id, reply.rev_nat_id);
+    assert_eq!(svc.flags & ct_flags::SEEN_REPLY, 0);
+
+    // The reply marks the flow as established on both entries.
+    fx.ingress(&packet(
+        backend.into(),
+        BPORT,
+        client.into(),
+        sport,
+        L4::TcpAck,
+    ));
+    let svc2 = fx.ct4().get(&svc_key, 0).unwrap();
+    assert_ne!(svc2.flags & ct_flags::SEEN_REPLY, 0);
+    assert!(
+        svc2.expires > svc.expires,
+        "established lifetime is longer than SYN's"
+    );
+
+    // A FIN from the client marks it closing.
+    fx.ingress(&packet(
+        client.into(),
+        sport,
+        VIP4.into(),
+        VPORT,
+        L4::TcpFin,
+    ));
+    let svc3 = fx.ct4().get(&svc_key, 0).unwrap();
+    assert_ne!(svc3.flags & ct_flags::TX_CLOSING, 0);
+    assert!(svc3.expires < svc2.expires, "closing shortens the lifetime");
+}
+
+#[test]
+fn syn_after_close_is_balanced_again() {
+    let mut fx = fixture();
+    // The same client port reused for a new connection after FIN: each reuse may pick any
+    // backend, so across many reuses more than one backend must show up.
+    let mut seen = BTreeSet::new();
+    for _ in 0..40 {
+        let (_, out) = fx.ingress(&packet(
+            CLIENT4.into(),
+            4444,
+            VIP4.into(),
+            VPORT,
+            L4::TcpSyn,
+        ));
+        seen.insert(parse_and_verify(&out).dst);
+        fx.ingress(&packet(
+            CLIENT4.into(),
+            4444,
+            VIP4.into(),
+            VPORT,
+            L4::TcpFin,
+        ));
+    }
+    assert!(seen.len() > 1, "reused port always went to {seen:?}");
+}
+
+#[test]
+fn removed_backend_gets_no_new_flows_and_established_flows_move() {
+    let mut fx = fixture();
+    // Pin a flow, then remove its backend from the service.
+    let (_, out) = fx.ingress(&packet(
+        CLIENT4.into(),
+        5555,
+        VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
+    ));
+    let pinned = parse_and_verify(&out).dst;
+    let remaining: Vec<IpAddr> = backends_of(VIP4.into())
+        .into_iter()
+        .filter(|b| *b != pinned)
+        .collect();
+    let mut desired = DesiredState::default();
+    let (fe, entry) = service(VIP4.into(), Proto::Tcp, &remaining);
+    desired.services.insert(fe, entry);
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty());
+
+    for sport in 50_000..50_050u16 {
+        let (_, out) = fx.ingress(&packet(
+            CLIENT4.into(),
+            sport,
+            VIP4.into(),
+            VPORT,
+            L4::TcpSyn,
+        ));
+        assert_ne!(
+            parse_and_verify(&out).dst,
+            pinned,
+            "new flow to removed backend"
+        );
+    }
+    // The backend is gone from the maps, so its old flow is re-balanced instead of sent into
+    // the void.
+    let (_, out) = fx.ingress(&packet(
+        CLIENT4.into(),
+        5555,
+        VIP4.into(),
+        VPORT,
+        L4::TcpAck,
+    ));
+    assert!(remaining.contains(&parse_and_verify(&out).dst));
+}
