@@ -1,1 +1,315 @@
+//! End-to-end tests in network namespaces: a client and three backends wired to a node netns
+//! where `lb run` loads and attaches the real programs; real sockets, real packets. Run once
+//! with socket LB only (the client sits in the test's cgroup, no tc program) and once with the
+//! tc path only (no cgroup hooks), so each mechanism has to carry the traffic by itself.
+//! Needs root.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
 
+use lb::testbed::Testbed;
+
+const LB: &str = env!("CARGO_BIN_EXE_lb");
+const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
+const ECHO_PORT: u16 = 8080;
+const REQUESTS: usize = 30;
+
+/// `lb run` in the node netns, with its log lines collected.
+struct LbProcess {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: Vec<String>,
+    pin_dir: PathBuf,
+}
+
+impl LbProcess {
+    fn start(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> Self {
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-{}", tb.id));
+        let mut cmd = Command::new(LB);
+        cmd.arg("run")
+            .arg("--manifests")
+            .arg(manifests)
+            .arg("--pin-dir")
+            .arg(&pin_dir)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if socket_lb {
+            cmd.arg("--cgroup-path").arg(&tb.cgroup);
+        } else {
+            cmd.arg("--socket-lb=false")
+                .arg("--tc-ingress")
+                .arg(tb.node_ifaces().join(","));
+        }
+        let node_ns = tb.node_ns.clone();
+        let mut child = tb.spawn(&node_ns, None, cmd).expect("spawn lb");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut lb = Self {
+            child,
+            lines,
+            log: Vec::new(),
+            pin_dir,
+        };
+        lb.wait_for(|l| l.contains(" ready"), "ready");
+        lb
+    }
+
+    /// Waits for a log line matching `pred`, failing with the whole log on timeout or exit.
+    fn wait_for(&mut self, pred: impl Fn(&str) -> bool, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    let hit = pred(&line);
+                    self.log.push(line);
+                    if hit {
+                        return;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Ok(Some(status)) = self.child.try_wait() {
+                        panic!(
+                            "lb exited ({status}) before {what}:\n{}",
+                            self.log.join("\n")
+                        );
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!("no {what} from lb:\n{}", self.log.join("\n"));
+    }
+
+    fn reload(&mut self, generation: u64) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .expect("SIGHUP");
+        let want = format!("generation={generation}");
+        self.wait_for(|l| l.contains("synced") && l.contains(&want), &want);
+    }
+}
+
+impl Drop for LbProcess {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = fs::remove_dir_all(&self.pin_dir);
+    }
+}
+
+/// A temporary copy of deploy/examples, removed on drop.
+struct Manifests(PathBuf);
+
+impl Manifests {
+    fn new(id: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("lb-test-manifests-{id}"));
+        fs::create_dir_all(&dir).unwrap();
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+        for entry in fs::read_dir(examples).unwrap() {
+            let path = entry.unwrap().path();
+            fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
+        Self(dir)
+    }
+
+    /// Removes every endpoint whose address contains `needle` from the slices.
+    fn remove_endpoints(&self, needles: &[&str]) {
+        let path = self.0.join("echo-endpointslices.yaml");
+        let text = fs::read_to_string(&path).unwrap();
+        let mut out = Vec::new();
+        let mut skip = false;
+        for line in text.lines() {
+            if line.trim_start().starts_with("- addresses:") {
+                skip = needles.iter().any(|n| line.contains(n));
+            } else if !line.starts_with("    ") {
+                skip = false;
+            }
+            if !skip {
+                out.push(line);
+            }
+        }
+        let new = out.join("\n");
+        assert_ne!(new, text, "nothing removed");
+        fs::write(&path, new).unwrap();
+    }
+}
+
+impl Drop for Manifests {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Outcome of `lb-echo client --count N`: replies per backend name and the peers seen.
+#[derive(Debug, Default)]
+struct Outcome {
+    per_backend: BTreeMap<String, usize>,
+    peers: BTreeSet<String>,
+    errors: Vec<String>,
+}
+
+fn client(tb: &mut Testbed, cgroup: bool, target: &str, proto: &str, extra: &[&str]) -> Outcome {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args(["client", "--target", target, "--proto", proto])
+        .args(["--count", &REQUESTS.to_string()])
+        .args(extra);
+    let cg = tb.cgroup.clone();
+    let ns = tb.client.ns.clone();
+    let out = tb
+        .run(&ns, cgroup.then_some(cg.as_path()), cmd)
+        .expect("run client");
+    let mut outcome = Outcome::default();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("client JSON");
+        if let Some(e) = v.get("error") {
+            outcome.errors.push(e.to_string());
+            continue;
+        }
+        *outcome
+            .per_backend
+            .entry(v["backend"].as_str().unwrap().to_string())
+            .or_default() += 1;
+        outcome
+            .peers
+            .insert(v["peer"].as_str().unwrap().to_string());
+    }
+    assert_eq!(
+        outcome.per_backend.values().sum::<usize>() + outcome.errors.len(),
+        REQUESTS,
+        "{target}/{proto}: one line per request; stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    outcome
+}
+
+const TARGETS: [(&str, &str); 4] = [
+    ("198.19.0.10:80", "tcp"),
+    ("198.19.0.10:53", "udp"),
+    ("[2001:db8:ffff::10]:80", "tcp"),
+    ("[2001:db8:ffff::10]:53", "udp"),
+];
+
+fn assert_balanced(tb: &mut Testbed, cgroup: bool, expect: &[&str], extra: &[&str]) {
+    for (target, proto) in TARGETS {
+        let o = client(tb, cgroup, target, proto, extra);
+        assert!(
+            o.errors.is_empty(),
+            "{target}/{proto}: errors {:?}",
+            o.errors
+        );
+        let reached: Vec<&str> = o.per_backend.keys().map(String::as_str).collect();
+        assert_eq!(reached, expect, "{target}/{proto}: backends reached {o:?}");
+        assert_eq!(
+            o.peers,
+            BTreeSet::from([target.to_string()]),
+            "{target}/{proto}: the application must see the VIP as its peer"
+        );
+    }
+}
+
+fn balance_then_remove_backend(socket_lb: bool) {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    let mut lb = LbProcess::start(&mut tb, &manifests.0, socket_lb);
+
+    assert_balanced(&mut tb, socket_lb, &["b1", "b2", "b3"], &[]);
+    if socket_lb {
+        // Connected UDP sockets read replies through recvmsg with the connect()ed peer.
+        assert_balanced(
+            &mut tb,
+            socket_lb,
+            &["b1", "b2", "b3"],
+            &["--connected-udp"],
+        );
+    }
+
+    // b3 leaves the service: after the reload no new connection reaches it.
+    manifests.remove_endpoints(&["198.18.13.2", "2001:db8:0:13::2"]);
+    lb.reload(2);
+    assert_balanced(&mut tb, socket_lb, &["b1", "b2"], &[]);
+
+    drop(lb);
+}
+
+#[test]
+fn socket_lb_balances_and_follows_backend_removal() {
+    balance_then_remove_backend(true);
+}
+
+#[test]
+fn tc_path_balances_and_follows_backend_removal() {
+    balance_then_remove_backend(false);
+}
+
+#[test]
+fn restart_reuses_pinned_maps_without_flushing() {
+    let mut tb = Testbed::create(1).expect("testbed");
+    let manifests = Manifests::new(&tb.id);
+    let lb = LbProcess::start(&mut tb, &manifests.0, false);
+    let pin_dir = lb.pin_dir.clone();
+    let before = fs::metadata(pin_dir.join("lb4_services")).unwrap();
+    // Keep the pins across the restart: stop lb without its Drop removing them.
+    let mut lb = std::mem::ManuallyDrop::new(lb);
+    let pid = nix::unistd::Pid::from_raw(lb.child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    lb.child.wait().unwrap();
+    assert!(
+        pin_dir.join("lb4_services").exists(),
+        "maps stay pinned after exit"
+    );
+
+    let mut lb2 = LbProcess::start(&mut tb, &manifests.0, false);
+    let reused = lb2
+        .log
+        .iter()
+        .find(|l| l.contains("pinned state reused"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        reused.contains("services=4"),
+        "second start found the first one's services: {reused}"
+    );
+    let synced = lb2
+        .log
+        .iter()
+        .find(|l| l.contains("synced"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        synced.contains("writes=0") && synced.contains("deletes=0"),
+        "converged state needs no writes: {synced}"
+    );
+    let after = fs::metadata(pin_dir.join("lb4_services")).unwrap();
+    use std::os::unix::fs::MetadataExt as _;
+    assert_eq!(before.ino(), after.ino(), "same pinned map");
+    lb2.reload(2);
+    // SAFETY-free cleanup of the first handle's resources: its child is already reaped.
+    drop(std::mem::ManuallyDrop::into_inner(lb));
+}

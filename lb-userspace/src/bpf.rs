@@ -161,7 +161,9 @@ impl Datapath {
                 .program_mut(name)
                 .with_context(|| format!("program {name} missing from the object"))?
                 .try_into()?;
-            prog.attach(&cgroup, CgroupAttachMode::AllowMultiple)
+            // On 5.7+ aya attaches with bpf_link, which always coexists with other programs
+            // and takes no flags (BPF_F_ALLOW_MULTI there is EINVAL).
+            prog.attach(&cgroup, CgroupAttachMode::Single)
                 .with_context(|| format!("attaching {name} to {}", path.display()))?;
         }
         self.attachments
