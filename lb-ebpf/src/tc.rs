@@ -76,6 +76,8 @@ fn run(ctx: &TcContext, forward: bool) -> i32 {
             TC_ACT_OK
         }
         Err(Error::Rewrite) => {
+            // Rare: a csum/store helper failed on a packet that parsed fine.
+            aya_log_ebpf::error!(ctx, "tc: rewrite helper failed, packet dropped");
             count(metrics::TC_DROP_REWRITE, ctx.len());
             TC_ACT_SHOT
         }

@@ -210,6 +210,27 @@ impl Datapath {
         HashMap::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
     }
 
+    /// Starts forwarding kernel-side aya-log records (rare events only) to `tracing`.
+    pub fn spawn_kernel_logger(&mut self) {
+        match aya_log::EbpfLogger::init(&mut self.ebpf) {
+            Ok(logger) => {
+                match tokio::io::unix::AsyncFd::with_interest(logger, tokio::io::Interest::READABLE)
+                {
+                    Ok(mut fd) => {
+                        tokio::spawn(async move {
+                            while let Ok(mut guard) = fd.readable_mut().await {
+                                guard.get_inner_mut().flush();
+                                guard.clear_ready();
+                            }
+                        });
+                    }
+                    Err(e) => tracing::warn!(error = %e, "kernel log reader not started"),
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "kernel log map not found"),
+        }
+    }
+
     /// The loaded object, for tests and tools that run programs directly.
     pub fn ebpf_mut(&mut self) -> &mut Ebpf {
         &mut self.ebpf

@@ -31,6 +31,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut datapath = Datapath::load(&LoadOptions {
         pin_dir: Some(opts.pin_dir.clone()),
     })?;
+    datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     tracing::info!(
