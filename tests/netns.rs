@@ -155,7 +155,10 @@ impl Manifests {
         }
         let new = out.join("\n");
         assert_ne!(new, text, "nothing removed");
-        fs::write(&path, new).unwrap();
+        // Atomic replace: lb watches the directory and must never see half a file.
+        let tmp = self.0.join(".echo-endpointslices.yaml.tmp");
+        fs::write(&tmp, new).unwrap();
+        fs::rename(&tmp, &path).unwrap();
     }
 }
 

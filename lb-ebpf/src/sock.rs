@@ -10,7 +10,7 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64, scope, select_slot};
+use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64, scope, select_slot, svc_flags};
 
 use crate::{
     af::{Af, Endpoint, V4, V6},
@@ -103,7 +103,16 @@ fn select<A: Af>(
     proto: u8,
     pick: Pick,
 ) -> Option<Result<Endpoint<A::Addr>, ()>> {
-    let svc = A::service(frontend.addr, frontend.port, proto, 0, scope::EXTERNAL)?;
+    let mut svc = A::service(frontend.addr, frontend.port, proto, 0, scope::EXTERNAL)?;
+    // Sockets in the cgroup are in-cluster clients: a frontend whose external traffic policy
+    // is Local still sends them to cluster-wide backends (its internal scope).
+    let mut svc_scope = scope::EXTERNAL;
+    if svc.flags & svc_flags::TWO_SCOPES != 0
+        && let Some(internal) = A::service(frontend.addr, frontend.port, proto, 0, scope::INTERNAL)
+    {
+        svc = internal;
+        svc_scope = scope::INTERNAL;
+    }
     if svc.count == 0 {
         return Some(Err(()));
     }
@@ -114,7 +123,7 @@ fn select<A: Af>(
         Pick::SocketHash => mix64(cookie),
     };
     let slot = select_slot(rand, svc.count);
-    let id = A::service(frontend.addr, frontend.port, proto, slot, scope::EXTERNAL)?.backend_id;
+    let id = A::service(frontend.addr, frontend.port, proto, slot, svc_scope)?.backend_id;
     let backend = A::backend(id)?;
     if A::sk_revnat_put(cookie, backend, frontend, svc.rev_nat_id).is_err() {
         count(metrics::SOCK_REVNAT_INSERT_FAILED, 0);

@@ -342,6 +342,7 @@ fn refreshed(v: &CtValue, flags: u16, now: u32, proto: u8) -> Option<CtValue> {
 
 #[inline(always)]
 fn nat<A: PacketAf>(ctx: &TcContext, p: &Packet<A::Addr>, forward: bool) -> Result<i32, Error> {
+    // tc sees the traffic socket LB did not, so it uses a frontend's external scope.
     if forward && let Some(svc) = A::service(p.daddr, p.dport, p.proto, 0, scope::EXTERNAL) {
         return service_forward::<A>(ctx, p, svc.count, svc.rev_nat_id);
     }

@@ -210,12 +210,30 @@ impl Datapath {
         HashMap::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
     }
 
+    /// Hands the datapath counters and conntrack maps to `metrics`, read at scrape time.
+    pub fn export_metrics(&mut self, metrics: &crate::metrics::Metrics) -> anyhow::Result<()> {
+        let counters = self
+            .ebpf
+            .take_map(map_names::METRICS)
+            .context("map lb_metrics missing")?;
+        metrics.set_datapath_counters(aya::maps::PerCpuArray::try_from(counters)?);
+        metrics.set_conntrack_maps(self.take(map_names::CT4)?, self.take(map_names::CT6)?);
+        Ok(())
+    }
+
     /// Starts forwarding kernel-side aya-log records (rare events only) to `tracing`.
     pub fn spawn_kernel_logger(&mut self) {
         match aya_log::EbpfLogger::init(&mut self.ebpf) {
             Ok(logger) => {
-                match tokio::io::unix::AsyncFd::with_interest(logger, tokio::io::Interest::READABLE)
-                {
+                // SAFETY: the logger owns its ring buffer map's fd, which stays open and
+                // unchanged for as long as the AsyncFd owns the logger.
+                let fd = unsafe {
+                    tokio::io::unix::AsyncFd::register_with_interest(
+                        logger,
+                        tokio::io::Interest::READABLE,
+                    )
+                };
+                match fd {
                     Ok(mut fd) => {
                         tokio::spawn(async move {
                             while let Ok(mut guard) = fd.readable_mut().await {

@@ -1,38 +1,62 @@
 //! `lb run`: load and attach the datapath, program it from a source, follow changes.
-use std::{
-    path::{Path, PathBuf},
-    time::Instant,
-};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Instant};
 
 use anyhow::Context as _;
 use aya::programs::TcAttachType;
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::Notify,
+};
 
 use crate::{
     bpf::{Datapath, LoadOptions},
-    manifests,
+    k8s,
     maps::LbMaps,
+    metrics::{self, Metrics},
     reconcile::Reconciler,
-    translate,
+    source::{self, Snapshot},
+    translate::{self, NodeInfo},
 };
+
+/// Where the objects come from.
+#[derive(Clone, Debug)]
+pub enum SourceConfig {
+    /// A directory of manifests, watched for changes and re-read on SIGHUP.
+    Manifests(PathBuf),
+    /// The Kubernetes API: this kubeconfig, or in-cluster / `$KUBECONFIG` when `None`.
+    Kubernetes { kubeconfig: Option<PathBuf> },
+}
 
 #[derive(Clone, Debug)]
 pub struct RunOptions {
-    pub manifests: PathBuf,
+    pub source: SourceConfig,
+    /// This node's name (endpoint locality, topology).
+    pub node_name: String,
     pub pin_dir: PathBuf,
     /// cgroup v2 directory for socket LB; `None` turns socket LB off.
     pub cgroup: Option<PathBuf>,
     pub tc_ingress: Vec<String>,
     pub tc_egress: Vec<String>,
+    /// Prometheus endpoint; `None` disables it.
+    pub metrics_addr: Option<SocketAddr>,
+    /// `/healthz` and `/livez`; `None` disables them.
+    pub healthz_addr: Option<SocketAddr>,
 }
 
-/// Runs until SIGINT or SIGTERM; SIGHUP re-reads the manifests.
+/// Runs until SIGINT or SIGTERM.
 pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
+    let metrics = Metrics::new();
+    if let (Some(m), Some(h)) = (opts.metrics_addr, opts.healthz_addr) {
+        let (m, h, _task) = metrics::serve(metrics.clone(), m, h).await?;
+        tracing::info!(metrics = %m, healthz = %h, "serving metrics and health");
+    }
+
     let mut datapath = Datapath::load(&LoadOptions {
         pin_dir: Some(opts.pin_dir.clone()),
     })?;
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;
+    datapath.export_metrics(&metrics)?;
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
@@ -41,29 +65,45 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         "loaded datapath; pinned state reused"
     );
 
-    // Program the maps before attaching, so the first packet already sees the full state.
-    let mut generation = 1;
-    sync(&mut reconciler, &opts.manifests, generation);
-
-    for iface in &opts.tc_ingress {
-        datapath.attach_tc(iface, TcAttachType::Ingress)?;
+    let (tx, mut rx) = source::channel();
+    let reload = Arc::new(Notify::new());
+    match &opts.source {
+        SourceConfig::Manifests(dir) => {
+            tracing::info!(dir = %dir.display(), "source: manifest directory");
+            tokio::spawn(source::watch_manifests(
+                dir.clone(),
+                opts.node_name.clone(),
+                tx,
+                reload.clone(),
+            ));
+        }
+        SourceConfig::Kubernetes { kubeconfig } => {
+            let client = k8s::client(kubeconfig.as_deref()).await?;
+            tracing::info!(node = %opts.node_name, "source: Kubernetes API");
+            tokio::spawn(k8s::watch(client, opts.node_name.clone(), tx));
+        }
     }
-    for iface in &opts.tc_egress {
-        datapath.attach_tc(iface, TcAttachType::Egress)?;
-    }
-    if let Some(cgroup) = &opts.cgroup {
-        datapath.attach_cgroup(cgroup)?;
-    }
-    tracing::info!(attached = ?datapath.attachments(), "ready");
 
     let mut hup = signal(SignalKind::hangup())?;
     let mut term = signal(SignalKind::terminate())?;
+    let mut generation = 0u64;
     loop {
         tokio::select! {
-            _ = hup.recv() => {
+            changed = rx.changed() => {
+                if changed.is_err() {
+                    anyhow::bail!("the source stopped");
+                }
+                let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
+                metrics.mark_change_pending(snapshot.changed_at);
                 generation += 1;
-                sync(&mut reconciler, &opts.manifests, generation);
+                sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
+                if generation == 1 {
+                    // Attach only once the maps hold the full state, so no packet sees less.
+                    attach(&mut datapath, &opts)?;
+                    tracing::info!(attached = ?datapath.attachments(), "ready");
+                }
             }
+            _ = hup.recv() => reload.notify_one(),
             _ = term.recv() => break,
             r = tokio::signal::ctrl_c() => { r?; break }
         }
@@ -73,32 +113,63 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Reads the manifests and applies them. A directory that cannot be read keeps the previous
-/// state; bad objects are skipped one by one.
-pub fn sync<M: LbMaps>(reconciler: &mut Reconciler<M>, dir: &Path, generation: u64) -> bool {
-    let start = Instant::now();
-    let (objects, problems) = match manifests::load_dir(dir) {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::error!(
-                generation,
-                error = format!("{e:#}"),
-                "cannot read manifests; keeping the previous state"
-            );
-            return false;
-        }
-    };
-    for p in &problems {
-        tracing::warn!(problem = %p, "skipping manifest document");
+fn attach(datapath: &mut Datapath, opts: &RunOptions) -> anyhow::Result<()> {
+    for iface in &opts.tc_ingress {
+        datapath.attach_tc(iface, TcAttachType::Ingress)?;
     }
-    let translation = translate::desired_state(&objects.services, &objects.slices);
+    for iface in &opts.tc_egress {
+        datapath.attach_tc(iface, TcAttachType::Egress)?;
+    }
+    if let Some(cgroup) = &opts.cgroup {
+        datapath.attach_cgroup(cgroup)?;
+    }
+    Ok(())
+}
+
+/// Translates a snapshot and applies it. Returns whether every service was programmed.
+pub fn sync<M: LbMaps>(
+    reconciler: &mut Reconciler<M>,
+    snapshot: &Snapshot,
+    node_name: &str,
+    generation: u64,
+    metrics: &Metrics,
+) -> bool {
+    let start = Instant::now();
+    for p in &snapshot.problems {
+        tracing::warn!(problem = %p, "skipping manifest document");
+        metrics.inc_skipped("Document", "unparsable");
+    }
+    let node = NodeInfo::from_node(node_name, snapshot.node.as_deref());
+    let translation = translate::desired_state(&snapshot.services, &snapshot.slices, &node);
     for s in &translation.skipped {
         tracing::warn!(skipped = %s, "skipping object");
+        metrics.inc_skipped(s.kind, s.reason.as_str());
     }
     let report = reconciler.apply(&translation.state);
+    let written = Instant::now();
     for e in &report.errors {
-        tracing::error!(frontend = %e.frontend, service = %e.service, error = %e.error, "service not programmed; previous state kept");
+        tracing::error!(
+            frontend = %e.frontend,
+            service = %e.service,
+            error = %e.error,
+            "service not programmed; previous state kept"
+        );
     }
+    let ok = report.errors.is_empty();
+    let event_to_write = written.saturating_duration_since(snapshot.changed_at);
+    metrics.observe_sync(written - start, ok);
+    metrics.observe_event_to_write(event_to_write);
+    metrics.set_services(reconciler.service_count() as u64);
+    metrics.set_backends(reconciler.backend_count() as u64);
+    for (map, used, capacity) in reconciler.usage() {
+        metrics.set_map_entries(map, used as u64, u64::from(capacity));
+    }
+    metrics.mark_synced();
+    tracing::debug!(
+        generation,
+        event_to_write_us = event_to_write.as_micros() as u64,
+        "event to map write"
+    );
     tracing::info!(
         generation,
         services = translation.state.services.len(),
@@ -106,9 +177,9 @@ pub fn sync<M: LbMaps>(reconciler: &mut Reconciler<M>, dir: &Path, generation: u
         writes = report.writes,
         deletes = report.deletes,
         errors = report.errors.len(),
-        skipped = translation.skipped.len() + problems.len(),
-        elapsed_us = start.elapsed().as_micros() as u64,
+        skipped = translation.skipped.len() + snapshot.problems.len(),
+        elapsed_us = (written - start).as_micros() as u64,
         "synced"
     );
-    report.errors.is_empty()
+    ok
 }

@@ -5,9 +5,12 @@
 //! maps (`maps`, `bpf`) hold it; the kernel programs in lb-ebpf do the balancing.
 pub mod bpf;
 pub mod daemon;
+pub mod k8s;
 pub mod manifests;
 pub mod maps;
+pub mod metrics;
 pub mod model;
 pub mod reconcile;
+pub mod source;
 pub mod testbed;
 pub mod translate;

@@ -1,9 +1,9 @@
 //! The `lb` command.
-use std::{io::IsTerminal as _, path::PathBuf};
+use std::{io::IsTerminal as _, net::SocketAddr, path::PathBuf};
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use lb::daemon::{self, RunOptions};
+use lb::daemon::{self, RunOptions, SourceConfig};
 use lb_common::DEFAULT_PIN_DIR;
 use tracing_subscriber::EnvFilter;
 
@@ -26,9 +26,16 @@ enum Command {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// Directory of Service and EndpointSlice manifests (YAML/JSON); SIGHUP re-reads it.
+    /// Directory of Service, EndpointSlice (and Node) manifests, watched for changes; SIGHUP
+    /// re-reads it. The default source when no cluster is configured.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    manifests: Option<PathBuf>,
+    /// Kubeconfig for the Kubernetes API source (in a pod the in-cluster config is used).
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name, compared with endpoints' nodeName [default: $NODE_NAME or the hostname].
     #[arg(long)]
-    manifests: PathBuf,
+    hostname_override: Option<String>,
     /// bpffs directory where the maps are pinned and reused across restarts.
     #[arg(long, default_value = DEFAULT_PIN_DIR)]
     pin_dir: PathBuf,
@@ -44,6 +51,33 @@ struct RunArgs {
     /// Interfaces whose tc egress gets reverse NAT of replies.
     #[arg(long, value_delimiter = ',')]
     tc_egress: Vec<String>,
+    /// Prometheus metrics address (kube-proxy's default); "off" disables metrics and health.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_bind_address: String,
+    /// /healthz and /livez address (kube-proxy's default).
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    healthz_bind_address: String,
+}
+
+/// Manifests used when neither --manifests nor a cluster is configured.
+const DEFAULT_MANIFESTS: &str = "/etc/lb/manifests";
+
+fn node_name(arg: Option<String>) -> anyhow::Result<String> {
+    if let Some(n) = arg.or_else(|| std::env::var("NODE_NAME").ok()) {
+        return Ok(n);
+    }
+    let host =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the hostname")?;
+    Ok(host.trim().to_lowercase())
+}
+
+fn parse_addr(s: &str) -> anyhow::Result<Option<SocketAddr>> {
+    if s == "off" {
+        return Ok(None);
+    }
+    s.parse()
+        .map(Some)
+        .with_context(|| format!("bad address {s:?} (want IP:PORT or off)"))
 }
 
 /// Where the unified (v2) cgroup hierarchy is mounted.
@@ -80,12 +114,27 @@ async fn main() -> anyhow::Result<()> {
             } else {
                 None
             };
+            let source = match (args.manifests, args.kubeconfig) {
+                (Some(dir), _) => SourceConfig::Manifests(dir),
+                (None, Some(kc)) => SourceConfig::Kubernetes {
+                    kubeconfig: Some(kc),
+                },
+                (None, None) if lb::k8s::cluster_configured() => {
+                    SourceConfig::Kubernetes { kubeconfig: None }
+                }
+                (None, None) => SourceConfig::Manifests(DEFAULT_MANIFESTS.into()),
+            };
+            let metrics_addr = parse_addr(&args.metrics_bind_address)?;
+            let healthz_addr = parse_addr(&args.healthz_bind_address)?;
             daemon::run(RunOptions {
-                manifests: args.manifests,
+                source,
+                node_name: node_name(args.hostname_override)?,
                 pin_dir: args.pin_dir,
                 cgroup,
                 tc_ingress: args.tc_ingress,
                 tc_egress: args.tc_egress,
+                metrics_addr: metrics_addr.and(healthz_addr).and(metrics_addr),
+                healthz_addr: metrics_addr.and(healthz_addr),
             })
             .await
         }

@@ -6,7 +6,10 @@ use std::{
 };
 
 use anyhow::Context as _;
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
 use serde::Deserialize as _;
 
 /// The objects read from a directory.
@@ -14,6 +17,8 @@ use serde::Deserialize as _;
 pub struct Objects {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
+    /// Node objects give the manifest source this node's facts (zone).
+    pub nodes: Vec<Node>,
 }
 
 /// A document that could not be used; the rest of the directory still applies.
@@ -115,7 +120,11 @@ fn add_object(value: serde_yaml::Value, objects: &mut Objects) -> Result<(), Str
             let slice: EndpointSlice = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
             objects.slices.push(slice);
         }
-        (_, "List" | "ServiceList" | "EndpointSliceList") => {
+        ("v1", "Node") => {
+            let node: Node = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
+            objects.nodes.push(node);
+        }
+        (_, "List" | "ServiceList" | "EndpointSliceList" | "NodeList") => {
             let items = value
                 .get("items")
                 .and_then(|i| i.as_sequence())

@@ -121,6 +121,17 @@ impl<M: LbMaps> Reconciler<M> {
         self.backends.len()
     }
 
+    /// Fill of every map the reconciler owns: (map name, entries, max_entries).
+    pub fn usage(&self) -> Vec<(&'static str, usize, u32)> {
+        let mut out = Vec::new();
+        for t in [Table::Services, Table::Backends, Table::RevNat] {
+            for f in [Family::V4, Family::V6] {
+                out.push((t.map_name(f), self.used(t, f), self.maps.capacity(t, f)));
+            }
+        }
+        out
+    }
+
     /// Entries the mirror says `table` holds for `family`.
     fn used(&self, table: Table, family: Family) -> usize {
         match table {

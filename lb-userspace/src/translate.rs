@@ -1,17 +1,32 @@
-//! The pure function from Kubernetes objects to the desired datapath state.
+//! The pure function from Kubernetes objects (+ this node's facts) to the desired datapath
+//! state, porting kube-proxy's decisions:
 //!
-//! It follows kube-proxy: a frontend per (cluster IP, service port); its backends are the
-//! first address of each ready endpoint in the service's EndpointSlices of the same address
-//! family, on the slice port whose name matches the service port's name. Bad objects are
-//! skipped, each with one reason, and never stop the rest from applying.
+//! - which Services are proxied (`ShouldSkipService`, the `service-proxy-name` label, headless
+//!   EndpointSlices);
+//! - per service port and IP family, the endpoints from all of the service's slices, matched on
+//!   the slice port's name and protocol, first address only, deduplicated on `ip:port` with a
+//!   local copy preferred (`EndpointSliceCache`);
+//! - `CategorizeEndpoints` (pkg/proxy/topology.go): Ready endpoints, else serving-and-terminating
+//!   ones, separately for Cluster and Local policy; topology hints (`forNodes`, then
+//!   `forZones`) when every ready endpoint has one and one matches this node;
+//! - ClusterIPs use the internal traffic policy's set; externalIPs and LoadBalancer ingress IPs
+//!   the external policy's, and with `externalTrafficPolicy: Local` in-cluster traffic to them
+//!   still reaches cluster-wide endpoints (a second, internal scope), as kube-proxy's
+//!   short-circuit for pod and host traffic does.
+//!
+//! Bad objects are skipped, each with one reason, and never stop the rest from applying.
 use std::{
+    borrow::Borrow,
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use lb_common::svc_flags;
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use lb_common::{scope, svc_flags};
 
 use crate::model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName};
 
@@ -19,6 +34,33 @@ use crate::model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry,
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Services with this label belong to another proxy (kube-proxy skips them too).
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// EndpointSlices of headless services carry this label; proxies ignore them.
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+/// The node label topology hints refer to.
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+
+/// What the translation needs to know about the node it runs on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The node name endpoints' `nodeName` is compared with (kube-proxy's hostname).
+    pub name: String,
+    /// `topology.kubernetes.io/zone` of this node.
+    pub zone: Option<String>,
+}
+
+impl NodeInfo {
+    /// Facts from the Node object, falling back to `name` when there is none.
+    pub fn from_node(name: &str, node: Option<&Node>) -> Self {
+        let zone = node
+            .and_then(|n| n.metadata.labels.as_ref())
+            .and_then(|l| l.get(LABEL_ZONE))
+            .cloned();
+        Self {
+            name: name.to_string(),
+            zone,
+        }
+    }
+}
 
 /// Why an object, or a part of one, was not applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -93,17 +135,18 @@ fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta
     )
 }
 
+fn has_label(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, key: &str) -> bool {
+    meta.labels.as_ref().is_some_and(|l| l.contains_key(key))
+}
+
 /// Whether lb leaves this service alone, and why.
 pub fn ignored(svc: &Service) -> Option<Ignored> {
-    if svc
-        .metadata
-        .labels
-        .as_ref()
-        .is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME))
-    {
+    if has_label(&svc.metadata, LABEL_SERVICE_PROXY_NAME) {
         return Some(Ignored::OtherProxy);
     }
-    let spec = svc.spec.as_ref()?;
+    let Some(spec) = svc.spec.as_ref() else {
+        return Some(Ignored::Headless);
+    };
     if spec.type_.as_deref() == Some("ExternalName") {
         return Some(Ignored::ExternalName);
     }
@@ -113,19 +156,35 @@ pub fn ignored(svc: &Service) -> Option<Ignored> {
     }
 }
 
-/// A ready endpoint's address and port per slice port name, for one service and family.
-#[derive(Default)]
-struct SliceIndex {
-    /// (port name, protocol) → backends.
-    by_port: BTreeMap<(String, Proto), BTreeSet<L4Addr>>,
+/// One endpoint of a service port, as kube-proxy's `BaseEndpointInfo` sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Endpoint {
+    l4: L4Addr,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    local: bool,
+    zone_hints: BTreeSet<String>,
+    node_hints: BTreeSet<String>,
 }
 
-fn index_slices<'a>(
-    slices: impl Iterator<Item = &'a EndpointSlice>,
+/// Endpoints per (namespace, service) → family (0 = IPv4) → (port name, protocol) → `ip:port`.
+type SliceIndex =
+    BTreeMap<(String, String), [BTreeMap<(String, Proto), BTreeMap<L4Addr, Endpoint>>; 2]>;
+
+fn index_slices<E: Borrow<EndpointSlice>>(
+    slices: &[E],
+    node: &NodeInfo,
     skipped: &mut Vec<Skipped>,
-) -> BTreeMap<(String, String), [SliceIndex; 2]> {
-    let mut out: BTreeMap<(String, String), [SliceIndex; 2]> = BTreeMap::new();
+) -> SliceIndex {
+    let mut out = SliceIndex::new();
+    let mut slices: Vec<&EndpointSlice> = slices.iter().map(Borrow::borrow).collect();
+    // Deterministic precedence among duplicates: slice name order.
+    slices.sort_by_key(|s| object_name(&s.metadata));
     for slice in slices {
+        if has_label(&slice.metadata, LABEL_HEADLESS) {
+            continue;
+        }
         let object = object_name(&slice.metadata);
         let skip = |reason, detail: String| Skipped {
             kind: "EndpointSlice",
@@ -138,6 +197,7 @@ fn index_slices<'a>(
             .labels
             .as_ref()
             .and_then(|l| l.get(LABEL_SERVICE_NAME))
+            .filter(|s| !s.is_empty())
         else {
             skipped.push(skip(
                 SkipReason::MissingServiceLabel,
@@ -158,14 +218,17 @@ fn index_slices<'a>(
                 continue;
             }
         };
-        let namespace = slice
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
         let mut ports = Vec::new();
         for p in slice.ports.iter().flatten() {
-            let name = p.name.clone().unwrap_or_default();
+            // kube-proxy ignores ports without a name (the controller writes "" for unnamed
+            // service ports) and without a number.
+            let Some(name) = p.name.clone() else {
+                skipped.push(skip(
+                    SkipReason::InvalidPort,
+                    "a port without a name (use \"\" for unnamed service ports)".into(),
+                ));
+                continue;
+            };
             let proto_name = p.protocol.as_deref().unwrap_or("TCP");
             let Some(proto) = Proto::from_k8s(proto_name) else {
                 skipped.push(skip(
@@ -176,20 +239,19 @@ fn index_slices<'a>(
             };
             match p.port {
                 Some(n) if (1..=65535).contains(&n) => ports.push((name, proto, n as u16)),
-                Some(n) => skipped.push(skip(
+                n => skipped.push(skip(
                     SkipReason::InvalidPort,
-                    format!("port {name:?} number {n}"),
+                    format!("port {name:?} number {n:?}"),
                 )),
-                // A port without a number means "all ports"; kube-proxy ignores it too.
-                None => {}
             }
         }
-        let idx = &mut out.entry((namespace, service.clone())).or_default()[family];
+        let namespace = slice
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let by_port = &mut out.entry((namespace, service.clone())).or_default()[family];
         for ep in slice.endpoints.iter().flatten() {
-            // kube-proxy: only the first address counts; nil `ready` means ready.
-            if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
-                continue;
-            }
             let Some(first) = ep.addresses.first() else {
                 continue;
             };
@@ -210,29 +272,147 @@ fn index_slices<'a>(
                 ));
                 continue;
             }
+            let cond = ep.conditions.as_ref();
+            let ready = cond.and_then(|c| c.ready).unwrap_or(true);
+            let serving = cond.and_then(|c| c.serving).unwrap_or(true);
+            let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
+            let local =
+                !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str());
+            let hints = ep.hints.as_ref();
+            let zone_hints: BTreeSet<String> = hints
+                .and_then(|h| h.for_zones.as_ref())
+                .map(|z| z.iter().map(|z| z.name.clone()).collect())
+                .unwrap_or_default();
+            let node_hints: BTreeSet<String> = hints
+                .and_then(|h| h.for_nodes.as_ref())
+                .map(|n| n.iter().map(|n| n.name.clone()).collect())
+                .unwrap_or_default();
             for (name, proto, port) in &ports {
-                idx.by_port
-                    .entry((name.clone(), *proto))
-                    .or_default()
-                    .insert(L4Addr {
-                        addr,
-                        port: *port,
-                        proto: *proto,
-                    });
+                let l4 = L4Addr {
+                    addr,
+                    port: *port,
+                    proto: *proto,
+                };
+                let entry = Endpoint {
+                    l4,
+                    ready,
+                    serving,
+                    terminating,
+                    local,
+                    zone_hints: zone_hints.clone(),
+                    node_hints: node_hints.clone(),
+                };
+                let set = by_port.entry((name.clone(), *proto)).or_default();
+                // A duplicate replaces the first only if it is local (kube-proxy's rule).
+                if !set.contains_key(&l4) || local {
+                    set.insert(l4, entry);
+                }
             }
         }
     }
     out
 }
 
-/// Translates Services and EndpointSlices into the datapath state lb should program.
-pub fn desired_state(services: &[Service], slices: &[EndpointSlice]) -> Translation {
+/// The traffic policies of one service port, as kube-proxy's `ServicePort` sees them.
+#[derive(Clone, Copy, Debug)]
+struct Policies {
+    internal_local: bool,
+    external_local: bool,
+    externally_accessible: bool,
+}
+
+impl Policies {
+    /// `UsesClusterEndpoints`: some traffic uses the Cluster policy.
+    fn uses_cluster(self) -> bool {
+        !self.internal_local || (self.externally_accessible && !self.external_local)
+    }
+
+    /// `UsesLocalEndpoints`: some traffic uses the Local policy.
+    fn uses_local(self) -> bool {
+        self.internal_local || (self.externally_accessible && self.external_local)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Topology {
+    None,
+    SameZone,
+    SameNode,
+}
+
+/// kube-proxy's `topologyModeFromHints`.
+fn topology_mode(endpoints: &[&Endpoint], node: &NodeInfo) -> Topology {
+    let ready: Vec<&&Endpoint> = endpoints.iter().filter(|e| e.ready).collect();
+    if ready.is_empty() {
+        return Topology::None;
+    }
+    if ready.iter().all(|e| !e.node_hints.is_empty())
+        && ready.iter().any(|e| e.node_hints.contains(&node.name))
+    {
+        return Topology::SameNode;
+    }
+    if let Some(zone) = &node.zone
+        && ready.iter().all(|e| !e.zone_hints.is_empty())
+        && ready.iter().any(|e| e.zone_hints.contains(zone))
+    {
+        return Topology::SameZone;
+    }
+    Topology::None
+}
+
+fn available_for_topology(e: &Endpoint, mode: Topology, node: &NodeInfo) -> bool {
+    match mode {
+        Topology::None => true,
+        Topology::SameNode => e.node_hints.contains(&node.name),
+        Topology::SameZone => node.zone.as_ref().is_some_and(|z| e.zone_hints.contains(z)),
+    }
+}
+
+/// kube-proxy's `CategorizeEndpoints`: (cluster endpoints, local endpoints).
+fn categorize(
+    endpoints: &[&Endpoint],
+    policies: Policies,
+    node: &NodeInfo,
+) -> (Vec<L4Addr>, Vec<L4Addr>) {
+    let pick = |f: &dyn Fn(&Endpoint) -> bool| -> Vec<L4Addr> {
+        endpoints.iter().filter(|e| f(e)).map(|e| e.l4).collect()
+    };
+    let mut cluster = Vec::new();
+    if policies.uses_cluster() {
+        let mode = topology_mode(endpoints, node);
+        cluster = pick(&|e| e.ready && available_for_topology(e, mode, node));
+        if cluster.is_empty() {
+            cluster = pick(&|e| e.serving && e.terminating);
+        }
+    }
+    let mut local = Vec::new();
+    if policies.uses_local() {
+        local = pick(&|e| e.local && e.ready);
+        if local.is_empty() {
+            local = pick(&|e| e.local && e.serving && e.terminating);
+        }
+    }
+    (cluster, local)
+}
+
+fn backends(l4s: &[L4Addr]) -> Vec<Backend> {
+    l4s.iter().copied().map(Backend::active).collect()
+}
+
+/// Translates Services and EndpointSlices into the datapath state lb should program on
+/// `node`.
+///
+/// Takes owned or shared objects (`Service`, `Arc<Service>`, ...).
+pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
+    services: &[S],
+    slices: &[E],
+    node: &NodeInfo,
+) -> Translation {
     let mut skipped = Vec::new();
-    let index = index_slices(slices.iter(), &mut skipped);
-    let empty = [SliceIndex::default(), SliceIndex::default()];
+    let index = index_slices(slices, node, &mut skipped);
     let mut state = DesiredState::default();
 
-    let mut services: Vec<&Service> = services.iter().collect();
+    let mut services: Vec<&Service> = services.iter().map(Borrow::borrow).collect();
     services.sort_by_key(|s| object_name(&s.metadata));
     for svc in services {
         let object = object_name(&svc.metadata);
@@ -260,17 +440,61 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice]) -> Translat
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
-        let ip_strings: Vec<&str> = match &spec.cluster_ips {
-            Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-            _ => spec.cluster_ip.as_deref().into_iter().collect(),
-        };
-        let mut ips = Vec::new();
-        for s in ip_strings {
-            match s.parse::<IpAddr>() {
-                Ok(ip) => ips.push(ip),
-                Err(_) => skipped.push(skip(SkipReason::InvalidIp, format!("clusterIP {s:?}"))),
+
+        let parse_ips = |what: &str, list: Vec<&str>, skipped: &mut Vec<Skipped>| -> Vec<IpAddr> {
+            let mut ips = Vec::new();
+            for s in list {
+                match s.parse::<IpAddr>() {
+                    Ok(ip) => ips.push(ip),
+                    Err(_) => skipped.push(skip(SkipReason::InvalidIp, format!("{what} {s:?}"))),
+                }
             }
-        }
+            ips
+        };
+        let cluster_ips = parse_ips(
+            "clusterIP",
+            match &spec.cluster_ips {
+                Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
+                _ => spec.cluster_ip.as_deref().into_iter().collect(),
+            },
+            &mut skipped,
+        );
+        let external_ips = parse_ips(
+            "externalIP",
+            spec.external_ips
+                .iter()
+                .flatten()
+                .map(String::as_str)
+                .collect(),
+            &mut skipped,
+        );
+        let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
+        // LoadBalancer ingress IPs in "Proxy" mode are reached through the load balancer's
+        // own proxy, not as VIPs on the node.
+        let lb_ips = if type_ == "LoadBalancer" {
+            parse_ips(
+                "loadBalancer ingress IP",
+                svc.status
+                    .as_ref()
+                    .and_then(|s| s.load_balancer.as_ref())
+                    .and_then(|lb| lb.ingress.as_ref())
+                    .into_iter()
+                    .flatten()
+                    .filter(|i| i.ip_mode.as_deref().is_none_or(|m| m == "VIP"))
+                    .filter_map(|i| i.ip.as_deref())
+                    .collect(),
+                &mut skipped,
+            )
+        } else {
+            Vec::new()
+        };
+        let internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+        let externally_accessible_type = matches!(type_, "NodePort" | "LoadBalancer")
+            || (type_ == "ClusterIP" && !external_ips.is_empty());
+        let external_local =
+            externally_accessible_type && spec.external_traffic_policy.as_deref() == Some("Local");
+
+        let empty = Default::default();
         let slices = index
             .get(&(namespace.clone(), name.clone()))
             .unwrap_or(&empty);
@@ -291,25 +515,80 @@ pub fn desired_state(services: &[Service], slices: &[EndpointSlice]) -> Translat
                 ));
                 continue;
             }
-            for ip in &ips {
-                let family = usize::from(ip.is_ipv6());
-                let backends = slices[family]
-                    .by_port
+            let node_port = port.node_port.unwrap_or(0) != 0;
+            let policies = Policies {
+                internal_local,
+                external_local,
+                externally_accessible: node_port || !lb_ips.is_empty() || !external_ips.is_empty(),
+            };
+            let svc_name = ServicePortName {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                port_name: port_name.clone(),
+            };
+            for family in [0usize, 1] {
+                let eps: Vec<&Endpoint> = slices[family]
                     .get(&(port_name.clone(), proto))
-                    .map(|set| set.iter().copied().map(Backend::active).collect())
+                    .map(|m| m.values().collect())
                     .unwrap_or_default();
-                state.services.insert(
-                    Frontend::new(*ip, port.port as u16, proto),
-                    ServiceEntry {
-                        name: ServicePortName {
-                            namespace: namespace.clone(),
-                            name: name.clone(),
-                            port_name: port_name.clone(),
+                let (cluster, local) = categorize(&eps, policies, node);
+                let of_family = |ip: &&IpAddr| usize::from(ip.is_ipv6()) == family;
+
+                let (internal, mut flags) = if internal_local {
+                    (&local, svc_flags::INT_LOCAL)
+                } else {
+                    (&cluster, 0)
+                };
+                for ip in cluster_ips.iter().filter(of_family) {
+                    state.services.insert(
+                        Frontend::new(*ip, port.port as u16, proto),
+                        ServiceEntry {
+                            name: svc_name.clone(),
+                            flags: flags | svc_flags::CLUSTER_IP,
+                            backends: backends(internal),
                         },
-                        flags: svc_flags::CLUSTER_IP,
-                        backends,
-                    },
-                );
+                    );
+                }
+
+                flags = if external_local {
+                    svc_flags::EXT_LOCAL
+                } else {
+                    0
+                };
+                let external = if external_local { &local } else { &cluster };
+                for (ips, kind) in [
+                    (&external_ips, svc_flags::EXTERNAL_IP),
+                    (&lb_ips, svc_flags::LOAD_BALANCER),
+                ] {
+                    for ip in ips.iter().filter(of_family) {
+                        let fe = Frontend::new(*ip, port.port as u16, proto);
+                        let two_scopes = external_local && cluster != local;
+                        let scope_flag = if two_scopes { svc_flags::TWO_SCOPES } else { 0 };
+                        state.services.insert(
+                            fe,
+                            ServiceEntry {
+                                name: svc_name.clone(),
+                                flags: flags | kind | scope_flag,
+                                backends: backends(external),
+                            },
+                        );
+                        if two_scopes {
+                            // Pod and host traffic to an ETP=Local external IP is not
+                            // restricted to local endpoints (kube-proxy's short-circuit).
+                            state.services.insert(
+                                Frontend {
+                                    scope: scope::INTERNAL,
+                                    ..fe
+                                },
+                                ServiceEntry {
+                                    name: svc_name.clone(),
+                                    flags: flags | kind | scope_flag,
+                                    backends: backends(&cluster),
+                                },
+                            );
+                        }
+                    }
+                }
             }
         }
     }

@@ -1,1 +1,1070 @@
-fn main() {}
+//! `lb-demo`: shows lb balancing a dual-stack TCP/UDP service in a throw-away netns topology.
+//!
+//! Run as root after `cargo build --bins` (this is what `cargo xtask demo` does). It
+//!
+//! 1. creates a [`Testbed`] with 3 backends running `lb-echo serve` on port 8080,
+//! 2. runs `lb run` in the node netns with socket LB on the testbed's cgroup (and tc ingress on
+//!    every node interface), and sends requests to the service from the client netns inside
+//!    that cgroup,
+//! 3. restarts lb with `--socket-lb=false` on the same pin directory and sends the same requests
+//!    from outside the cgroup, so that only the tc ingress program translates them,
+//! 4. tears everything down and prints a summary. The exit code is 0 if every request succeeded
+//!    and every backend was reached for every target in both modes, 1 if not, 2 if the demo
+//!    itself could not run.
+//!
+//! `lb` and `lb-echo` are expected next to this binary.
+use std::{
+    collections::BTreeMap,
+    fs::{self, File, OpenOptions},
+    io::{self, BufRead as _, BufReader, Write as _},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, ChildStderr, Command, ExitCode, ExitStatus, Stdio},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail, ensure};
+use aya::maps::{Map, MapData, PerCpuArray};
+use clap::Parser;
+use lb::testbed::Testbed;
+use lb_common::{MetricValue, map_names, metrics};
+use nix::{
+    sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal},
+    unistd::Pid,
+};
+use serde_json::Value;
+
+/// Backends in the testbed; deploy/examples lists exactly their addresses.
+const BACKENDS: usize = 3;
+/// Port the echo servers listen on (the service's target port).
+const ECHO_PORT: u16 = 8080;
+/// How long lb may take to log `ready`.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long lb may take to exit after SIGTERM before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often blocking waits look at the interrupt flag.
+const POLL: Duration = Duration::from_millis(100);
+/// Width of a bar for a backend that got every request.
+const BAR_WIDTH: u32 = 30;
+/// Where bpffs is mounted; the demo pins its maps in `lb-demo-<testbed id>` below it.
+const BPFFS: &str = "/sys/fs/bpf";
+
+/// The service in deploy/examples (namespace `demo`, name `echo`): its ClusterIPs and ports.
+const TARGETS: [(&str, Proto); 4] = [
+    ("198.19.0.10:80", Proto::Tcp),
+    ("198.19.0.10:53", Proto::Udp),
+    ("[2001:db8:ffff::10]:80", Proto::Tcp),
+    ("[2001:db8:ffff::10]:53", Proto::Udp),
+];
+
+#[derive(Parser)]
+#[command(
+    name = "lb-demo",
+    about = "Demonstrate lb (socket LB and tc-only) in a throw-away network-namespace testbed; \
+             needs root"
+)]
+struct Cli {
+    /// Requests per service address, protocol and mode (each from a fresh socket).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u32).range(1..))]
+    requests: u32,
+    /// Also write lb's logs (both runs) to this file.
+    #[arg(long, value_name = "PATH")]
+    keep_logs: Option<PathBuf>,
+    /// Service manifests to load [default: <workspace>/deploy/examples]. They must describe the
+    /// demo/echo service (198.19.0.10 and 2001:db8:ffff::10, TCP 80 and UDP 53 to port 8080).
+    #[arg(long, value_name = "DIR")]
+    manifests: Option<PathBuf>,
+    /// Timeout of each client connect/read, in milliseconds.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    timeout_ms: u64,
+    /// Wait for Enter while lb runs in each mode, to look at the maps and programs meanwhile.
+    #[arg(long)]
+    pause: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    fn as_str(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Socket LB on the testbed cgroup (plus tc ingress); the client runs in the cgroup.
+    SocketLb,
+    /// `--socket-lb=false`: only tc ingress; the client runs outside the cgroup.
+    TcOnly,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::SocketLb => "socket LB",
+            Mode::TcOnly => "tc only",
+        }
+    }
+
+    fn letter(self) -> char {
+        match self {
+            Mode::SocketLb => 'A',
+            Mode::TcOnly => 'B',
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let start = Instant::now();
+    let mut report = Report::default();
+    let outcome = install_signal_handlers().and_then(|()| demo(&cli, &mut report));
+    // Everything (lb, the pin directory, the testbed) is gone by now, also after an error.
+    let results = &report.results;
+    if !results.is_empty() {
+        print_summary(results);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    match outcome {
+        Ok(()) => {
+            for w in warnings(results).iter().chain(&report.warnings) {
+                println!("\nWARNING: {w}");
+            }
+            let problems = problems(results, cli.requests);
+            if problems.is_empty() {
+                println!(
+                    "\nPASS: all {} requests succeeded and every backend was reached for every \
+                     target in both modes ({elapsed:.1} s).",
+                    results.len() as u64 * u64::from(cli.requests)
+                );
+                ExitCode::SUCCESS
+            } else {
+                println!("\nFAIL ({elapsed:.1} s):");
+                for p in &problems {
+                    println!("  - {p}");
+                }
+                ExitCode::FAILURE
+            }
+        }
+        Err(err) => {
+            eprintln!("\nlb-demo: error after {elapsed:.1} s: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The demo
+
+/// What the demo found; filled in as it goes, so that it is there after an error too.
+#[derive(Default)]
+struct Report {
+    /// One per target and mode.
+    results: Vec<TargetResult>,
+    /// Oddities that do not fail the demo.
+    warnings: Vec<String>,
+}
+
+/// Runs both modes and fills in `report`. Everything it creates is removed before it returns,
+/// also on error.
+fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
+    ensure!(
+        nix::unistd::geteuid().is_root(),
+        "lb-demo needs root (network namespaces, cgroups, BPF); run `cargo xtask demo` or use sudo"
+    );
+    let bin_dir = std::env::current_exe()
+        .context("locating lb-demo")?
+        .parent()
+        .context("lb-demo has no parent directory")?
+        .to_path_buf();
+    let lb_bin = sibling(&bin_dir, "lb")?;
+    let echo_bin = sibling(&bin_dir, "lb-echo")?;
+    let manifests = match &cli.manifests {
+        Some(dir) => dir.clone(),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .context("workspace root")?
+            .join("deploy/examples"),
+    };
+    let manifests = manifests
+        .canonicalize()
+        .with_context(|| format!("manifest directory {}", manifests.display()))?;
+    let mut log = match &cli.keep_logs {
+        Some(path) => Some(
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("opening log file {}", path.display()))?,
+        ),
+        None => None,
+    };
+
+    print_intro(cli, &manifests);
+
+    step("Creating the testbed");
+    let t = Instant::now();
+    let mut tb = Testbed::create(BACKENDS).context("creating the testbed")?;
+    tb.start_echo_servers(&echo_bin, ECHO_PORT)
+        .context("starting the echo servers")?;
+    print_testbed(&tb, t.elapsed());
+    check_interrupted()?;
+
+    // Declared after the testbed, so it is removed (after lb stopped) before the testbed goes.
+    let pin_dir = PinDir(Path::new(BPFFS).join(format!("lb-demo-{}", tb.id)));
+    let ifaces = tb.node_ifaces().join(",");
+
+    for mode in [Mode::SocketLb, Mode::TcOnly] {
+        let mut args: Vec<String> = vec![
+            "run".into(),
+            "--manifests".into(),
+            manifests.display().to_string(),
+            "--pin-dir".into(),
+            pin_dir.0.display().to_string(),
+        ];
+        match mode {
+            Mode::SocketLb => {
+                args.extend(["--cgroup-path".into(), tb.cgroup.display().to_string()]);
+            }
+            Mode::TcOnly => args.push("--socket-lb=false".into()),
+        }
+        args.extend(["--tc-ingress".into(), ifaces.clone()]);
+
+        println!();
+        match mode {
+            Mode::SocketLb => section(
+                mode,
+                &[
+                    "lb attaches its connect/sendmsg/recvmsg/getpeername programs to the testbed",
+                    "cgroup: a client in that cgroup has the service address replaced by a backend",
+                    "once per socket, before any packet exists, and sees the service address again",
+                    "in getpeername()/recvmsg(). (tc ingress is attached too, but has nothing to do.)",
+                ],
+            ),
+            Mode::TcOnly => section(
+                mode,
+                &[
+                    "lb restarts with --socket-lb=false on the same pin directory: the maps survive",
+                    "the restart (see 'pinned state reused' below). The client now runs outside the",
+                    "cgroup, so its packets carry the service address; lb's tc ingress program on",
+                    "the node NATs each packet to a backend and reverses the replies (conntrack).",
+                ],
+            ),
+        }
+        if let Some(f) = log.as_mut() {
+            writeln!(
+                f,
+                "=== lb-demo testbed {} mode {} ({}): {} {} ===",
+                tb.id,
+                mode.letter(),
+                mode.name(),
+                lb_bin.display(),
+                args.join(" ")
+            )
+            .context("writing the log file")?;
+        }
+        println!("  $ {} {}", lb_bin.display(), args.join(" "));
+        println!("    (in netns {}; its log follows, indented)", tb.node_ns);
+        // The counters live in a pinned map, so they carry over from mode A to mode B.
+        let before = read_counters(&pin_dir.0);
+        let mut lb = Lb::start(&mut tb, &lb_bin, &args, log.as_ref())?;
+        lb.wait_ready(READY_TIMEOUT)?;
+        print_inspect_hints(&tb, &pin_dir.0, mode, cli.pause);
+
+        let cgroup = match mode {
+            Mode::SocketLb => Some(tb.cgroup.as_path()),
+            Mode::TcOnly => None,
+        };
+        println!();
+        println!(
+            "  Sending {} requests per target from netns {}{}:",
+            cli.requests,
+            tb.client.ns,
+            match cgroup {
+                Some(cg) => format!(" in cgroup {}", cg.display()),
+                None => " (outside the testbed cgroup)".to_owned(),
+            }
+        );
+        for (target, proto) in TARGETS {
+            check_interrupted()?;
+            let target: SocketAddr = target.parse().context("target address")?;
+            let result = run_client(&tb, &echo_bin, cgroup, mode, target, proto, cli)?;
+            lb.drain();
+            print_table(&result, &tb, cli.requests);
+            report.results.push(result);
+        }
+        check_interrupted()?;
+        match (before, read_counters(&pin_dir.0)) {
+            (Ok(before), Ok(after)) => {
+                if let Some(w) = print_counters(mode, &before, &after) {
+                    report.warnings.push(w);
+                }
+            }
+            (Err(err), _) | (_, Err(err)) => {
+                println!("\n  (could not read lb's counters: {err:#})");
+            }
+        }
+        if cli.pause {
+            pause()?;
+            lb.drain();
+        }
+
+        println!();
+        println!("  Stopping lb (SIGTERM)");
+        let status = lb.stop()?;
+        ensure!(
+            status.success(),
+            "lb exited with {status} in mode {}",
+            mode.name()
+        );
+    }
+
+    println!();
+    step("Tearing down");
+    let pin_path = pin_dir.0.clone();
+    pin_dir.remove()?;
+    println!("  removed {}", pin_path.display());
+    let (node_ns, cgroup) = (tb.node_ns.clone(), tb.cgroup.clone());
+    drop(tb);
+    let leftover: Vec<String> = [Path::new("/run/netns").join(&node_ns), cgroup]
+        .into_iter()
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    ensure!(
+        leftover.is_empty(),
+        "teardown left {}",
+        leftover.join(" and ")
+    );
+    println!("  stopped the echo servers, deleted the netns and the cgroup");
+    Ok(())
+}
+
+fn sibling(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
+    let path = dir.join(name);
+    ensure!(
+        path.is_file(),
+        "{} not found; build all binaries first (`cargo build --bins`)",
+        path.display()
+    );
+    Ok(path)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Console output
+
+fn step(title: &str) {
+    println!("==> {title}");
+}
+
+fn section(mode: Mode, lines: &[&str]) {
+    let title = format!("Mode {}: {}", mode.letter(), mode.name());
+    println!("{title}");
+    println!("{}", "=".repeat(title.len()));
+    for l in lines {
+        println!("  {l}");
+    }
+    println!();
+}
+
+fn print_intro(cli: &Cli, manifests: &Path) {
+    let n = cli.requests;
+    println!(
+        "lb demo: an eBPF service load balancer replacing kube-proxy
+===========================================================
+
+The demo builds a throw-away topology of network namespaces:
+
+    client netns --veth-- node netns --veth-- b1, b2, b3 netns
+    198.18.10.2           (runs lb)           198.18.11.2 .. 198.18.13.2
+    2001:db8:0:10::2                          2001:db8:0:11::2 .. 2001:db8:0:13::2
+                                              (lb-echo serve: answers with its name)
+
+and has lb load the service demo/echo from {manifests}:
+
+    ClusterIPs 198.19.0.10 and 2001:db8:ffff::10
+    TCP port 80 and UDP port 53 -> port {ECHO_PORT} on b1, b2 and b3
+
+Nothing routes the service addresses: a request that lb does not translate dies in the node.
+lb runs twice; each time the client sends {n} requests to each of the 4 service addresses and
+protocols, each request from a fresh socket (a new flow):
+
+    Mode A  socket LB: cgroup hooks translate the service address when the socket connects or
+            sends (the client runs in the testbed's cgroup).
+    Mode B  tc only (--socket-lb=false): the node's tc ingress NATs every packet (the client
+            runs outside the cgroup).
+",
+        manifests = manifests.display(),
+    );
+}
+
+fn print_testbed(tb: &Testbed, took: Duration) {
+    println!(
+        "  testbed {} ready in {:.2} s: node netns {}, client netns {}, cgroup {}",
+        tb.id,
+        took.as_secs_f64(),
+        tb.node_ns,
+        tb.client.ns,
+        tb.cgroup.display()
+    );
+    for b in &tb.backends {
+        println!(
+            "  backend {}: netns {}, {} and {}, lb-echo serve on port {ECHO_PORT}",
+            b.name, b.ns, b.ipv4, b.ipv6
+        );
+    }
+}
+
+fn print_inspect_hints(tb: &Testbed, pin_dir: &Path, mode: Mode, pausing: bool) {
+    println!();
+    println!(
+        "  lb is ready. Its maps are pinned in {}; while it runs, look with e.g.",
+        pin_dir.display()
+    );
+    let mut hints = vec![(
+        format!(
+            "bpftool map dump pinned {}",
+            pin_dir.join(map_names::SERVICES4).display()
+        ),
+        "",
+    )];
+    if mode == Mode::SocketLb {
+        hints.push((
+            format!("bpftool cgroup show {}", tb.cgroup.display()),
+            "# socket LB",
+        ));
+    }
+    hints.push((
+        "bpftool link show".to_owned(),
+        "# tc programs: tcx links (type 11 in bpftool < 7.3)",
+    ));
+    hints.push((
+        format!("ip netns exec {} bpftool net show", tb.node_ns),
+        "# bpftool >= 7.3 lists tcx here",
+    ));
+    let width = hints.iter().map(|(c, _)| c.len()).max().unwrap_or_default();
+    for (cmd, note) in hints {
+        let line = format!("      {cmd:<width$}  {note}");
+        println!("{}", line.trim_end());
+    }
+    if !pausing {
+        println!("  (pass --pause to keep lb running after the requests until Enter is pressed)");
+    }
+}
+
+/// Waits for Enter on stdin (or EOF), giving up if the demo is interrupted.
+fn pause() -> anyhow::Result<()> {
+    println!();
+    println!("  Paused with lb still running (the hints above apply); press Enter to go on.");
+    let (tx, rx) = mpsc::channel();
+    // The thread stays blocked in read if we are interrupted; the process exits soon after.
+    thread::Builder::new()
+        .name("stdin".into())
+        .spawn(move || {
+            let mut line = String::new();
+            let _ = io::stdin().read_line(&mut line);
+            let _ = tx.send(());
+        })
+        .context("spawn stdin reader")?;
+    loop {
+        check_interrupted()?;
+        match rx.recv_timeout(POLL) {
+            Ok(()) | Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+    }
+}
+
+/// `n` of `total` as a bar of at most [`BAR_WIDTH`] characters; at least one for `n > 0`.
+fn bar(n: u32, total: u32) -> String {
+    let width = if total == 0 {
+        0
+    } else {
+        (u64::from(n) * u64::from(BAR_WIDTH)).div_ceil(u64::from(total))
+    };
+    "#".repeat(usize::try_from(width.min(u64::from(BAR_WIDTH))).unwrap_or_default())
+}
+
+fn print_table(r: &TargetResult, tb: &Testbed, requests: u32) {
+    let errors = r.errors();
+    println!();
+    println!(
+        "  {} {:<24} requests {:>3}   ok {:>3}   errors {:>3}   peer = service address: {}",
+        r.proto.as_str().to_uppercase(),
+        r.target.to_string(),
+        requests,
+        r.ok,
+        errors,
+        peer_verdict(r)
+    );
+    let mut names: Vec<&str> = tb.backends.iter().map(|b| b.name.as_str()).collect();
+    for name in r.per_backend.keys() {
+        if !names.contains(&name.as_str()) {
+            names.push(name);
+        }
+    }
+    for name in names {
+        let n = r.per_backend.get(name).copied().unwrap_or_default();
+        let address = backend_address(tb, name, r.target);
+        println!(
+            "      {name:<4} {address:<24} {n:>4}  {}",
+            if n == 0 {
+                "(not reached)".to_owned()
+            } else {
+                bar(n, requests)
+            }
+        );
+    }
+    if let Some(peer) = r.other_peers.first() {
+        println!(
+            "      the application saw peer {peer} instead of the service address in {} replies",
+            r.ok - r.peer_is_vip
+        );
+    }
+    for (err, n) in &r.error_kinds {
+        println!("      error x{n}: {err}");
+    }
+    if r.missing > 0 {
+        println!("      {} requests produced no result line", r.missing);
+    }
+    if !r.stderr.is_empty() {
+        for l in r.stderr.lines().take(5) {
+            println!("      client stderr: {l}");
+        }
+    }
+}
+
+/// Whether every reply showed the service address as its peer: `yes (30/30)`, `NO (28/30)`, or
+/// `-` without replies.
+fn peer_verdict(r: &TargetResult) -> String {
+    if r.ok == 0 {
+        "- (no replies)".to_owned()
+    } else if r.peer_is_vip == r.ok {
+        format!("yes ({}/{})", r.peer_is_vip, r.ok)
+    } else {
+        format!("NO ({}/{})", r.peer_is_vip, r.ok)
+    }
+}
+
+/// The backend's address in the target's family and the target port, e.g. `198.18.11.2:8080`.
+fn backend_address(tb: &Testbed, name: &str, target: SocketAddr) -> String {
+    let Some(b) = tb.backends.iter().find(|b| b.name == name) else {
+        return "(unknown backend)".to_owned();
+    };
+    let ip = match target {
+        SocketAddr::V4(_) => std::net::IpAddr::V4(b.ipv4),
+        SocketAddr::V6(_) => std::net::IpAddr::V6(b.ipv6),
+    };
+    SocketAddr::new(ip, ECHO_PORT).to_string()
+}
+
+fn print_summary(results: &[TargetResult]) {
+    println!();
+    println!("Summary");
+    println!("=======");
+    println!(
+        "  {:<10} {:<5} {:<24} {:<9} {:<15} peer = service address",
+        "mode", "proto", "service address", "ok", "backends hit"
+    );
+    for r in results {
+        let hit = r.per_backend.values().filter(|n| **n > 0).count();
+        let split: Vec<String> = r.per_backend.values().map(u32::to_string).collect();
+        println!(
+            "  {:<10} {:<5} {:<24} {:<9} {:<15} {}",
+            r.mode.name(),
+            r.proto.as_str(),
+            r.target.to_string(),
+            format!("{}/{}", r.ok, r.requests),
+            format!("{hit}/{BACKENDS} ({})", split.join("/")),
+            peer_verdict(r)
+        );
+    }
+}
+
+/// Why the demo failed: requests that failed and backends never reached.
+fn problems(results: &[TargetResult], requests: u32) -> Vec<String> {
+    let mut out = Vec::new();
+    let expected = 2 * TARGETS.len();
+    if results.len() < expected {
+        out.push(format!(
+            "only {} of {expected} target runs completed",
+            results.len()
+        ));
+    }
+    for r in results {
+        let what = format!("mode {} {} {}", r.mode.name(), r.proto.as_str(), r.target);
+        if r.errors() > 0 {
+            out.push(format!(
+                "{what}: {} of {requests} requests failed",
+                r.errors()
+            ));
+        }
+        let unreached: Vec<String> = (1..=BACKENDS)
+            .map(|i| format!("b{i}"))
+            .filter(|b| r.per_backend.get(b).copied().unwrap_or_default() == 0)
+            .collect();
+        if !unreached.is_empty() {
+            out.push(format!(
+                "{what}: backend(s) {} never reached in {requests} requests{}",
+                unreached.join(", "),
+                if requests < 20 {
+                    " (with few requests a backend can miss by chance; try --requests 30)"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    out
+}
+
+/// Replies in which the application saw another peer than the service address (reported, but
+/// not a failure).
+fn warnings(results: &[TargetResult]) -> Vec<String> {
+    results
+        .iter()
+        .filter(|r| r.ok > r.peer_is_vip)
+        .map(|r| {
+            format!(
+                "mode {} {} {}: in {} of {} replies the application saw {} instead of the \
+                 service address",
+                r.mode.name(),
+                r.proto.as_str(),
+                r.target,
+                r.ok - r.peer_is_vip,
+                r.ok,
+                r.other_peers.join(", ")
+            )
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Datapath counters
+
+/// Packets per verdict of lb's datapath (`lb_metrics`, summed over the CPUs), indexed like
+/// [`metrics::NAMES`].
+type Counters = [u64; metrics::NAMES.len()];
+
+/// Reads the pinned `lb_metrics` map; all zero if it does not exist yet.
+fn read_counters(pin_dir: &Path) -> anyhow::Result<Counters> {
+    let mut out = [0; metrics::NAMES.len()];
+    let path = pin_dir.join(map_names::METRICS);
+    if !path.exists() {
+        return Ok(out);
+    }
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    let array = PerCpuArray::<MapData, MetricValue>::try_from(Map::PerCpuArray(data))
+        .with_context(|| format!("{} is not lb's metrics array", path.display()))?;
+    for (index, slot) in (0u32..).zip(out.iter_mut()) {
+        let per_cpu = array
+            .get(&index, 0)
+            .with_context(|| format!("reading {} [{index}]", path.display()))?;
+        *slot = per_cpu.iter().map(|v| v.packets).sum();
+    }
+    Ok(out)
+}
+
+/// Prints what the datapath counted between `before` and `after`, and whether that matches the
+/// mode; returns a warning if it does not.
+fn print_counters(mode: Mode, before: &Counters, after: &Counters) -> Option<String> {
+    let delta = |i: u32| {
+        let i = usize::try_from(i).unwrap_or(usize::MAX);
+        match (after.get(i), before.get(i)) {
+            (Some(a), Some(b)) => a.saturating_sub(*b),
+            _ => 0,
+        }
+    };
+    let counted: Vec<String> = (0u32..)
+        .zip(metrics::NAMES)
+        .filter(|(i, _)| delta(*i) > 0)
+        .map(|(i, name)| format!("{name} {}", delta(i)))
+        .collect();
+    println!();
+    println!("  What lb's datapath counted meanwhile (pinned map lb_metrics, packets or calls):");
+    println!(
+        "      {}",
+        if counted.is_empty() {
+            "nothing".to_owned()
+        } else {
+            counted.join(", ")
+        }
+    );
+    let (sock, tc) = (delta(metrics::SOCK_FWD), delta(metrics::TC_FWD_NEW));
+    match mode {
+        Mode::SocketLb if sock > 0 && tc == 0 => {
+            println!(
+                "      -> the socket hooks translated every request; tc ingress only saw \
+                 backend addresses"
+            );
+            None
+        }
+        Mode::TcOnly if tc > 0 && sock == 0 => {
+            println!("      -> tc ingress translated every new flow; no socket hook ran");
+            None
+        }
+        _ => Some(format!(
+            "mode {}: unexpected datapath counters: sock_forward {sock}, tc_forward_new {tc}",
+            mode.name()
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients
+
+/// What one `lb-echo client` run returned.
+#[derive(Debug)]
+struct TargetResult {
+    mode: Mode,
+    proto: Proto,
+    target: SocketAddr,
+    requests: u32,
+    ok: u32,
+    /// Replies per backend name (every testbed backend is present, possibly with 0).
+    per_backend: BTreeMap<String, u32>,
+    /// Replies whose peer was the service address.
+    peer_is_vip: u32,
+    /// Peers seen other than the service address (first few).
+    other_peers: Vec<String>,
+    /// Error messages and how often each occurred.
+    error_kinds: BTreeMap<String, u32>,
+    /// Requests without a line (the client died early).
+    missing: u32,
+    stderr: String,
+}
+
+impl TargetResult {
+    fn errors(&self) -> u32 {
+        self.requests.saturating_sub(self.ok)
+    }
+}
+
+fn run_client(
+    tb: &Testbed,
+    echo_bin: &Path,
+    cgroup: Option<&Path>,
+    mode: Mode,
+    target: SocketAddr,
+    proto: Proto,
+    cli: &Cli,
+) -> anyhow::Result<TargetResult> {
+    let mut cmd = Command::new(echo_bin);
+    cmd.args([
+        "client",
+        "--target",
+        &target.to_string(),
+        "--proto",
+        proto.as_str(),
+        "--count",
+        &cli.requests.to_string(),
+        "--timeout-ms",
+        &cli.timeout_ms.to_string(),
+    ])
+    .stdin(Stdio::null());
+    let out = tb
+        .run(&tb.client.ns, cgroup, cmd)
+        .context("running lb-echo client")?;
+    let mut r = TargetResult {
+        mode,
+        proto,
+        target,
+        requests: cli.requests,
+        ok: 0,
+        per_backend: tb.backends.iter().map(|b| (b.name.clone(), 0)).collect(),
+        peer_is_vip: 0,
+        other_peers: Vec::new(),
+        error_kinds: BTreeMap::new(),
+        missing: 0,
+        stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+    };
+    let mut lines = 0;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        lines += 1;
+        let v: Value = match serde_json::from_str(line) {
+            Ok(v) => v,
+            Err(err) => {
+                *r.error_kinds
+                    .entry(format!("unparsable client output {line:?}: {err}"))
+                    .or_default() += 1;
+                continue;
+            }
+        };
+        if let Some(err) = v.get("error").and_then(Value::as_str) {
+            *r.error_kinds.entry(err.to_owned()).or_default() += 1;
+            continue;
+        }
+        let Some(backend) = v.get("backend").and_then(Value::as_str) else {
+            *r.error_kinds
+                .entry(format!("client line without backend: {line}"))
+                .or_default() += 1;
+            continue;
+        };
+        r.ok += 1;
+        *r.per_backend.entry(backend.to_owned()).or_default() += 1;
+        let peer = v.get("peer").and_then(Value::as_str).unwrap_or_default();
+        match peer.parse::<SocketAddr>() {
+            Ok(p) if p.ip() == target.ip() && p.port() == target.port() => r.peer_is_vip += 1,
+            _ => {
+                if r.other_peers.len() < 3 && !r.other_peers.iter().any(|o| o == peer) {
+                    r.other_peers.push(peer.to_owned());
+                }
+            }
+        }
+    }
+    r.missing = cli.requests.saturating_sub(lines);
+    if !out.status.success() && r.ok == cli.requests {
+        // Every request answered, but the client still failed: report it as a problem.
+        *r.error_kinds
+            .entry(format!("client exited with {}", out.status))
+            .or_default() += 1;
+    }
+    Ok(r)
+}
+
+// ---------------------------------------------------------------------------------------------
+// lb
+
+/// A running `lb run`; SIGTERMed (then killed) and reaped on drop.
+struct Lb {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    reader: Option<thread::JoinHandle<()>>,
+}
+
+impl Lb {
+    /// Starts lb in the node netns; its stderr goes to a thread that copies each line to `log`
+    /// and hands it to [`Lb::drain`].
+    fn start(
+        tb: &mut Testbed,
+        bin: &Path,
+        args: &[String],
+        log: Option<&File>,
+    ) -> anyhow::Result<Self> {
+        let mut cmd = Command::new(bin);
+        cmd.args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let log = log
+            .map(File::try_clone)
+            .transpose()
+            .context("cloning the log file handle")?;
+        let node_ns = tb.node_ns.clone();
+        let mut child = tb
+            .spawn(&node_ns, None, cmd)
+            .context("starting lb in the node netns")?;
+        let stderr = child.stderr.take().context("lb's stderr")?;
+        let (tx, rx) = mpsc::channel();
+        let reader = thread::Builder::new()
+            .name("lb-log".into())
+            .spawn(move || forward_log(stderr, log, &tx));
+        let reader = match reader {
+            Ok(r) => r,
+            Err(err) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(err).context("spawn lb log reader");
+            }
+        };
+        Ok(Self {
+            child,
+            lines: rx,
+            reader: Some(reader),
+        })
+    }
+
+    /// Prints lb's log until it says `ready`; fails if it exits or takes longer than `timeout`.
+    fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            check_interrupted()?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("lb did not log `ready` within {timeout:?}");
+            }
+            match self.lines.recv_timeout(left.min(POLL)) {
+                Ok(line) => {
+                    print_lb_line(&line);
+                    if line.split_whitespace().any(|w| w == "ready") {
+                        return Ok(());
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = self.child.wait().context("waiting for lb")?;
+                    bail!("lb exited with {status} before it was ready (its log is above)");
+                }
+            }
+        }
+    }
+
+    /// Prints the log lines that arrived since the last call.
+    fn drain(&self) {
+        while let Ok(line) = self.lines.try_recv() {
+            print_lb_line(&line);
+        }
+    }
+
+    /// SIGTERM, wait (at most [`STOP_TIMEOUT`], then SIGKILL), print the rest of the log.
+    fn stop(&mut self) -> anyhow::Result<ExitStatus> {
+        let status = self.terminate().context("stopping lb")?;
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        self.drain();
+        Ok(status)
+    }
+
+    fn terminate(&mut self) -> io::Result<ExitStatus> {
+        if let Some(status) = self.child.try_wait()? {
+            return Ok(status);
+        }
+        let pid = Pid::from_raw(i32::try_from(self.child.id()).map_err(io::Error::other)?);
+        // Not reaped yet (try_wait said so), so the pid is still this child's.
+        signal::kill(pid, Signal::SIGTERM).map_err(io::Error::from)?;
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("lb-demo: lb did not exit within {STOP_TIMEOUT:?} of SIGTERM; killing it");
+        self.child.kill()?;
+        self.child.wait()
+    }
+}
+
+impl Drop for Lb {
+    fn drop(&mut self) {
+        if let Err(err) = self.terminate() {
+            eprintln!("lb-demo: stopping lb: {err}");
+        }
+    }
+}
+
+/// Copies lb's stderr, line by line, to `log` and `tx` until EOF.
+fn forward_log(stderr: ChildStderr, mut log: Option<File>, tx: &mpsc::Sender<String>) {
+    let mut reader = BufReader::new(stderr);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let line = strip_ansi(String::from_utf8_lossy(&buf).trim_end());
+        if let Some(f) = log.as_mut()
+            && writeln!(f, "{line}").is_err()
+        {
+            log = None;
+        }
+        // The receiver may be gone (lb-demo is tearing down); keep draining the pipe.
+        let _ = tx.send(line);
+    }
+}
+
+/// Prints an lb log line indented, without its timestamp.
+fn print_lb_line(line: &str) {
+    let trimmed = line.trim_start();
+    let rest = match trimmed.split_once(char::is_whitespace) {
+        Some((first, rest))
+            if first.starts_with(|c: char| c.is_ascii_digit())
+                && first.contains('T')
+                && first.ends_with('Z') =>
+        {
+            rest.trim_start()
+        }
+        _ => trimmed,
+    };
+    println!("    lb | {rest}");
+}
+
+/// Removes ANSI escape sequences (`ESC [ … final-byte`), in case lb colours its log anyway.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.next() == Some('[') {
+                for c in chars.by_ref() {
+                    if ('\u{40}'..='\u{7e}').contains(&c) {
+                        break;
+                    }
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cleanup and signals
+
+/// lb's pin directory, removed on drop (lb leaves its maps pinned on exit).
+struct PinDir(PathBuf);
+
+impl PinDir {
+    fn remove(self) -> anyhow::Result<()> {
+        let path = self.0.clone();
+        drop(self);
+        ensure!(!path.exists(), "could not remove {}", path.display());
+        Ok(())
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        match fs::remove_dir_all(&self.0) {
+            Ok(()) => {}
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+            Err(err) => eprintln!("lb-demo: removing {}: {err}", self.0.display()),
+        }
+    }
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// SIGINT and SIGTERM set a flag that the demo checks between steps, so that it still tears
+/// everything down. (Ctrl-C also reaches lb and the clients: they share the process group.)
+fn install_signal_handlers() -> anyhow::Result<()> {
+    let action = SigAction::new(
+        SigHandler::Handler(on_signal),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for sig in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe { signal::sigaction(sig, &action) }
+            .with_context(|| format!("installing a {sig} handler"))?;
+    }
+    Ok(())
+}
+
+fn check_interrupted() -> anyhow::Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted; cleaning up");
+    }
+    Ok(())
+}

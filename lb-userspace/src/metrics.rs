@@ -1,0 +1,567 @@
+//! Prometheus metrics and kube-proxy-compatible health endpoints.
+//!
+//! `/metrics` serves the Prometheus text format (version 0.0.4, what kube-proxy serves by
+//! default); every name starts with `lb_`:
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `lb_sync_duration_seconds` | histogram | |
+//! | `lb_syncs_total` | counter | `result` = `ok` \| `error` |
+//! | `lb_last_sync_timestamp_seconds` | gauge | |
+//! | `lb_event_to_map_write_seconds` | histogram | |
+//! | `lb_objects_skipped_total` | counter | `kind`, `reason` |
+//! | `lb_map_entries` | gauge | `map` |
+//! | `lb_map_capacity` | gauge | `map` |
+//! | `lb_services` | gauge | |
+//! | `lb_backends` | gauge | |
+//! | `lb_datapath_packets_total` | counter | `event` (a `lb_common::metrics::NAMES` entry) |
+//! | `lb_datapath_bytes_total` | counter | `event` |
+//! | `lb_conntrack_entries` | gauge | `family` = `ipv4` \| `ipv6` |
+//!
+//! The datapath and conntrack series are read from the BPF maps at scrape time, and only once
+//! the maps have been handed over ([`Metrics::set_datapath_counters`],
+//! [`Metrics::set_conntrack_maps`]); a map that cannot be read leaves its series out of that
+//! scrape.
+//!
+//! Health follows kube-proxy's healthz server: `/healthz` answers 200 once the maps have been
+//! programmed and no source change has waited longer than [`HEALTH_TIMEOUT`] to be applied, and
+//! 503 otherwise (also before the first sync). Its JSON body is
+//! `{"lastUpdated": "<RFC 3339 UTC>", "currentTime": "<RFC 3339 UTC>", "nodeEligible": true}`;
+//! `lastUpdated` is the time of the last applied sync (Go's zero time,
+//! `0001-01-01T00:00:00Z`, before the first one, as kube-proxy prints), and `nodeEligible` is
+//! always `true` because lb does not watch its Node object. `/livez` answers 200 while the
+//! process serves.
+use std::{
+    fmt::Write as _,
+    net::SocketAddr,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::Context as _;
+use axum::{
+    Router,
+    extract::State,
+    http::{StatusCode, header},
+    response::IntoResponse,
+    routing::get,
+};
+use aya::maps::{HashMap, IterableMap as _, MapData, PerCpuArray};
+use lb_common::{Ct4Key, Ct6Key, CtValue, MetricValue, metrics::NAMES};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _, prometheus_text},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::{ConstGauge, Gauge},
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+
+/// How long a source change may wait to be applied before `/healthz` reports unhealthy
+/// (kube-proxy's `--healthz-bind-address` server uses twice its 30 s sync period).
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `Content-Type` of `/metrics`.
+pub const METRICS_CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
+
+/// Histogram buckets for reconcile and event-to-write latencies: 50 µs doubling up to ~13 s.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(50e-6, 2.0, 19)
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SkippedLabels {
+    kind: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MapLabels {
+    map: String,
+}
+
+/// The daemon's metrics and health state. Shared as `Arc<Metrics>`; every method takes `&self`.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    sync_duration: Histogram,
+    syncs: Family<ResultLabels, Counter>,
+    last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    event_to_write: Histogram,
+    skipped: Family<SkippedLabels, Counter>,
+    map_entries: Family<MapLabels, Gauge>,
+    map_capacity: Family<MapLabels, Gauge>,
+    services: Gauge,
+    backends: Gauge,
+    bpf: Arc<BpfCollector>,
+    health: Mutex<Health>,
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    /// When the state was last applied, monotonic and wall-clock.
+    last_synced: Option<(Instant, SystemTime)>,
+    /// The oldest source change not applied yet.
+    pending_since: Option<Instant>,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Metrics> {
+        let mut registry = Registry::default();
+        let sync_duration = Histogram::new(latency_buckets());
+        registry.register(
+            "lb_sync_duration_seconds",
+            "Time one reconcile of the BPF maps took",
+            sync_duration.clone(),
+        );
+        let syncs = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "lb_syncs",
+            "Reconciles of the BPF maps, by result (error: some service was not programmed)",
+            syncs.clone(),
+        );
+        for result in ["ok", "error"] {
+            syncs.get_or_create(&ResultLabels { result }).inc_by(0);
+        }
+        let last_sync = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "lb_last_sync_timestamp_seconds",
+            "Unix time of the last reconcile of the BPF maps",
+            last_sync.clone(),
+        );
+        let event_to_write = Histogram::new(latency_buckets());
+        registry.register(
+            "lb_event_to_map_write_seconds",
+            "Latency from a source event (watch event, file change) to the map write applying it",
+            event_to_write.clone(),
+        );
+        let skipped = Family::<SkippedLabels, Counter>::default();
+        registry.register(
+            "lb_objects_skipped",
+            "Source objects skipped as invalid or unsupported, by kind and reason",
+            skipped.clone(),
+        );
+        let map_entries = Family::<MapLabels, Gauge>::default();
+        registry.register(
+            "lb_map_entries",
+            "Entries lb has written to a BPF map",
+            map_entries.clone(),
+        );
+        let map_capacity = Family::<MapLabels, Gauge>::default();
+        registry.register(
+            "lb_map_capacity",
+            "Maximum entries of a BPF map",
+            map_capacity.clone(),
+        );
+        let services = Gauge::default();
+        registry.register(
+            "lb_services",
+            "Service frontends programmed into the datapath",
+            services.clone(),
+        );
+        let backends = Gauge::default();
+        registry.register(
+            "lb_backends",
+            "Backends programmed into the datapath",
+            backends.clone(),
+        );
+        let bpf = Arc::new(BpfCollector::default());
+        registry.register_collector(Box::new(Arc::clone(&bpf)));
+        Arc::new(Metrics {
+            registry,
+            sync_duration,
+            syncs,
+            last_sync,
+            event_to_write,
+            skipped,
+            map_entries,
+            map_capacity,
+            services,
+            backends,
+            bpf,
+            health: Mutex::new(Health::default()),
+        })
+    }
+
+    /// One reconcile of the maps took `d`; `ok` = no service errors.
+    pub fn observe_sync(&self, d: Duration, ok: bool) {
+        self.sync_duration.observe(d.as_secs_f64());
+        let result = if ok { "ok" } else { "error" };
+        self.syncs.get_or_create(&ResultLabels { result }).inc();
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        self.last_sync.set(now.as_secs_f64());
+    }
+
+    /// Latency from a source event (watch event / file change) to the map write that applied it.
+    pub fn observe_event_to_write(&self, d: Duration) {
+        self.event_to_write.observe(d.as_secs_f64());
+    }
+
+    /// A source object of `kind` was skipped for `reason` (keep both low-cardinality).
+    pub fn inc_skipped(&self, kind: &str, reason: &str) {
+        self.skipped
+            .get_or_create(&SkippedLabels {
+                kind: kind.to_owned(),
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    /// `map` holds `used` of its `capacity` entries.
+    pub fn set_map_entries(&self, map: &str, used: u64, capacity: u64) {
+        let labels = MapLabels {
+            map: map.to_owned(),
+        };
+        self.map_entries.get_or_create(&labels).set(to_i64(used));
+        self.map_capacity
+            .get_or_create(&labels)
+            .set(to_i64(capacity));
+    }
+
+    pub fn set_services(&self, n: u64) {
+        self.services.set(to_i64(n));
+    }
+
+    pub fn set_backends(&self, n: u64) {
+        self.backends.set(to_i64(n));
+    }
+
+    /// Datapath counters come from the per-CPU `lb_metrics` map, summed over CPUs at scrape
+    /// time; exported as `lb_datapath_packets_total{event}` and `lb_datapath_bytes_total{event}`
+    /// for the indices named in `lb_common::metrics::NAMES`.
+    pub fn set_datapath_counters(&self, map: PerCpuArray<MapData, MetricValue>) {
+        *lock(&self.bpf.counters) = Some(map);
+    }
+
+    /// Conntrack fill, counted at scrape time from the LRU maps `lb4_ct` / `lb6_ct`; exported as
+    /// `lb_conntrack_entries{family="ipv4"|"ipv6"}`.
+    pub fn set_conntrack_maps(
+        &self,
+        ct4: HashMap<MapData, Ct4Key, CtValue>,
+        ct6: HashMap<MapData, Ct6Key, CtValue>,
+    ) {
+        *lock(&self.bpf.conntrack) = Some((ct4, ct6));
+    }
+
+    /// The full exposition in the Prometheus text format ([`METRICS_CONTENT_TYPE`]).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if let Err(e) = prometheus_text::encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "encoding metrics failed; exposition is incomplete");
+        }
+        out
+    }
+
+    /// A source change arrived at `since` and is not applied yet. The oldest pending change
+    /// counts, as in kube-proxy's `QueuedUpdate`.
+    pub fn mark_change_pending(&self, since: Instant) {
+        let mut h = lock(&self.health);
+        h.pending_since = Some(h.pending_since.map_or(since, |p| p.min(since)));
+    }
+
+    /// The state was applied to the maps; clears any pending change (kube-proxy's `Updated`).
+    pub fn mark_synced(&self) {
+        let mut h = lock(&self.health);
+        h.last_synced = Some((Instant::now(), SystemTime::now()));
+        h.pending_since = None;
+    }
+
+    /// False before the first [`Metrics::mark_synced`]; afterwards true unless a change has
+    /// been pending for [`HEALTH_TIMEOUT`] or longer at `now`.
+    pub fn healthy(&self, now: Instant) -> bool {
+        let h = lock(&self.health);
+        h.last_synced.is_some()
+            && h.pending_since
+                .is_none_or(|p| now.saturating_duration_since(p) < HEALTH_TIMEOUT)
+    }
+
+    /// Wall-clock time of the last [`Metrics::mark_synced`].
+    pub fn last_synced(&self) -> Option<SystemTime> {
+        lock(&self.health).last_synced.map(|(_, t)| t)
+    }
+
+    /// The `/healthz` answer at this moment: healthy (200) or not (503), and the JSON body.
+    pub fn healthz(&self) -> (bool, String) {
+        let healthy = self.healthy(Instant::now());
+        let last = self
+            .last_synced()
+            .map_or_else(|| GO_ZERO_TIME.to_owned(), rfc3339);
+        let body = serde_json::json!({
+            "lastUpdated": last,
+            "currentTime": rfc3339(SystemTime::now()),
+            "nodeEligible": true,
+        });
+        (healthy, body.to_string())
+    }
+}
+
+/// Go's zero `time.Time` in RFC 3339, what kube-proxy reports before its first sync.
+const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Locks, ignoring poisoning: the guarded values stay consistent on their own.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// `t` as RFC 3339 in UTC with millisecond precision, e.g. `2024-05-01T12:00:00.123Z`.
+fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Howard Hinnant's civil_from_days, for days since 1970-01-01 (non-negative here).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    let mut s = String::with_capacity(24);
+    let _ = write!(
+        s,
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_millis()
+    );
+    s
+}
+
+type Ct4Map = HashMap<MapData, Ct4Key, CtValue>;
+type Ct6Map = HashMap<MapData, Ct6Key, CtValue>;
+
+/// Reads the BPF maps on every scrape.
+#[derive(Default)]
+struct BpfCollector {
+    counters: Mutex<Option<PerCpuArray<MapData, MetricValue>>>,
+    conntrack: Mutex<Option<(Ct4Map, Ct6Map)>>,
+}
+
+impl std::fmt::Debug for BpfCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BpfCollector")
+            .field("counters", &lock(&self.counters).is_some())
+            .field("conntrack", &lock(&self.conntrack).is_some())
+            .finish()
+    }
+}
+
+impl BpfCollector {
+    /// Per-event `(name, packets, bytes)` summed over CPUs; unreadable indices are left out.
+    fn datapath_counters(&self) -> Vec<(&'static str, u64, u64)> {
+        let guard = lock(&self.counters);
+        let Some(map) = guard.as_ref() else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(NAMES.len());
+        for (index, name) in (0u32..).zip(NAMES) {
+            match map.get(&index, 0) {
+                Ok(values) => {
+                    let (packets, bytes) = values.iter().fold((0u64, 0u64), |(p, b), v| {
+                        (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
+                    });
+                    out.push((name, packets, bytes));
+                }
+                Err(e) => tracing::debug!(index, event = name, error = %e, "reading lb_metrics"),
+            }
+        }
+        out
+    }
+
+    /// `(family, entries)` per readable conntrack map.
+    fn conntrack_entries(&self) -> Vec<(&'static str, u64)> {
+        let guard = lock(&self.conntrack);
+        let Some((ct4, ct6)) = guard.as_ref() else {
+            return Vec::new();
+        };
+        let mut out = Vec::with_capacity(2);
+        if let Some(n) = count_keys(ct4, "lb4_ct") {
+            out.push(("ipv4", n));
+        }
+        if let Some(n) = count_keys(ct6, "lb6_ct") {
+            out.push(("ipv6", n));
+        }
+        out
+    }
+}
+
+/// Counts a hash map's keys by walking them. Entries the datapath deletes during the walk can
+/// restart it from the first key, so the walk stops at the map's capacity; the result is a
+/// snapshot, not exact under churn. `None` if the map cannot be read.
+fn count_keys<K: aya::Pod>(map: &HashMap<MapData, K, CtValue>, name: &str) -> Option<u64> {
+    let capacity = match map.map().info() {
+        Ok(info) => u64::from(info.max_entries()),
+        Err(e) => {
+            tracing::debug!(map = name, error = %e, "reading map info");
+            return None;
+        }
+    };
+    let mut n = 0u64;
+    for key in map.keys() {
+        if let Err(e) = key {
+            tracing::debug!(map = name, error = %e, "walking conntrack keys");
+            return None;
+        }
+        n += 1;
+        if n >= capacity {
+            break;
+        }
+    }
+    Some(n)
+}
+
+impl Collector for BpfCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let counters = self.datapath_counters();
+        if !counters.is_empty() {
+            let proto = ConstCounter::new(0u64);
+            let mut packets = encoder.encode_descriptor(
+                "lb_datapath_packets",
+                "Packets or socket calls handled by the datapath, by verdict (summed over CPUs)",
+                None,
+                proto.metric_type(),
+            )?;
+            for (event, p, _) in &counters {
+                let labels = [("event", *event)];
+                ConstCounter::new(*p).encode(packets.encode_family(&labels)?)?;
+            }
+            let mut bytes = encoder.encode_descriptor(
+                "lb_datapath_bytes",
+                "Bytes handled by the datapath, by verdict (summed over CPUs)",
+                None,
+                proto.metric_type(),
+            )?;
+            for (event, _, b) in &counters {
+                let labels = [("event", *event)];
+                ConstCounter::new(*b).encode(bytes.encode_family(&labels)?)?;
+            }
+        }
+        let conntrack = self.conntrack_entries();
+        if !conntrack.is_empty() {
+            let mut entries = encoder.encode_descriptor(
+                "lb_conntrack_entries",
+                "Entries in the datapath's conntrack maps",
+                None,
+                ConstGauge::new(0i64).metric_type(),
+            )?;
+            for (family, n) in conntrack {
+                let labels = [("family", family)];
+                ConstGauge::new(to_i64(n)).encode(entries.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves `GET /metrics` on `metrics_addr`, and `GET /healthz` and `GET /livez` on
+/// `health_addr` (both on one listener when the addresses are equal and not port 0). Returns
+/// the bound addresses and the task running the servers; abort it to stop them.
+pub async fn serve(
+    metrics: Arc<Metrics>,
+    metrics_addr: SocketAddr,
+    health_addr: SocketAddr,
+) -> anyhow::Result<(SocketAddr, SocketAddr, tokio::task::JoinHandle<()>)> {
+    let metrics_app = Router::new()
+        .route("/metrics", get(metrics_handler))
+        .with_state(Arc::clone(&metrics));
+    let health_app = Router::new()
+        .route("/healthz", get(healthz_handler))
+        .route("/livez", get(livez_handler))
+        .with_state(metrics);
+    if metrics_addr == health_addr && metrics_addr.port() != 0 {
+        let (listener, addr) = bind(metrics_addr, "metrics and health").await?;
+        let app = metrics_app.merge(health_app);
+        let task = tokio::spawn(run(listener, app, "metrics and health"));
+        return Ok((addr, addr, task));
+    }
+    let (metrics_listener, metrics_bound) = bind(metrics_addr, "metrics").await?;
+    let (health_listener, health_bound) = bind(health_addr, "health").await?;
+    let task = tokio::spawn(async move {
+        tokio::join!(
+            run(metrics_listener, metrics_app, "metrics"),
+            run(health_listener, health_app, "health"),
+        );
+    });
+    Ok((metrics_bound, health_bound, task))
+}
+
+async fn bind(
+    addr: SocketAddr,
+    what: &str,
+) -> anyhow::Result<(tokio::net::TcpListener, SocketAddr)> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the {what} server to {addr}"))?;
+    let bound = listener.local_addr()?;
+    tracing::info!(addr = %bound, "{what} server listening");
+    Ok((listener, bound))
+}
+
+async fn run(listener: tokio::net::TcpListener, app: Router, what: &'static str) {
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!(error = %e, "{what} server stopped");
+    }
+}
+
+async fn metrics_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
+    // Walking the conntrack maps makes syscalls; keep them off the async workers.
+    let body = tokio::task::spawn_blocking(move || metrics.render())
+        .await
+        .unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "rendering metrics failed");
+            String::new()
+        });
+    ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body)
+}
+
+async fn healthz_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
+    let (healthy, body) = metrics.healthz();
+    let status = if healthy {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        body,
+    )
+}
+
+async fn livez_handler() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], "ok")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_formats_utc() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000Z");
+        let t = UNIX_EPOCH + Duration::from_millis(1_709_210_096_789);
+        assert_eq!(rfc3339(t), "2024-02-29T12:34:56.789Z");
+        let t = UNIX_EPOCH + Duration::from_secs(951_868_800);
+        assert_eq!(rfc3339(t), "2000-03-01T00:00:00.000Z");
+    }
+}

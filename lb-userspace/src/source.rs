@@ -1,0 +1,110 @@
+//! Sources publish complete snapshots of the objects lb cares about on a `watch` channel. The
+//! channel keeps only the newest snapshot, so a burst of changes that arrives while the daemon
+//! is applying one is coalesced into a single next sync.
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use tokio::sync::{Notify, watch};
+
+use crate::manifests::{self, Problem};
+
+/// Everything a source knows at one point in time.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
+    /// This node's Node object, if the source has one.
+    pub node: Option<Arc<Node>>,
+    /// Documents the source could not use.
+    pub problems: Vec<Problem>,
+    /// When the newest change in this snapshot was observed (event-to-write latency).
+    pub changed_at: Instant,
+}
+
+pub type SnapshotSender = watch::Sender<Option<Arc<Snapshot>>>;
+pub type SnapshotReceiver = watch::Receiver<Option<Arc<Snapshot>>>;
+
+pub fn channel() -> (SnapshotSender, SnapshotReceiver) {
+    watch::channel(None)
+}
+
+/// How often the manifest directory is checked for changes. Polling (rather than inotify)
+/// also sees ConfigMap-style symlink swaps and files on any filesystem.
+pub const MANIFEST_POLL: Duration = Duration::from_millis(250);
+
+/// A cheap fingerprint of a directory tree's manifest files: path, size and mtime of each.
+fn fingerprint(dir: &Path) -> Option<Vec<(PathBuf, u64, SystemTime)>> {
+    fn walk(dir: &Path, out: &mut Vec<(PathBuf, u64, SystemTime)>) -> std::io::Result<()> {
+        for entry in std::fs::read_dir(dir)? {
+            let path = entry?.path();
+            // Follow symlinks: a ConfigMap mount swaps a `..data` link.
+            let meta = std::fs::metadata(&path)?;
+            if meta.is_dir() {
+                walk(&path, out)?;
+            } else {
+                out.push((path, meta.len(), meta.modified()?));
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dir, &mut out).ok()?;
+    out.sort();
+    Some(out)
+}
+
+/// Publishes a snapshot of `dir` at start, whenever its files change (added, changed,
+/// removed), and whenever `reload` is notified (SIGHUP). A directory that cannot be read
+/// publishes nothing, so the previous state stays.
+pub async fn watch_manifests(
+    dir: PathBuf,
+    node_name: String,
+    tx: SnapshotSender,
+    reload: Arc<Notify>,
+) {
+    let mut last = None;
+    let mut forced = true;
+    loop {
+        let current = fingerprint(&dir);
+        if forced || current != last {
+            let changed_at = Instant::now();
+            match manifests::load_dir(&dir) {
+                Ok((objects, problems)) => {
+                    let node = objects
+                        .nodes
+                        .into_iter()
+                        .find(|n| n.metadata.name.as_deref() == Some(node_name.as_str()));
+                    let snapshot = Snapshot {
+                        services: objects.services.into_iter().map(Arc::new).collect(),
+                        slices: objects.slices.into_iter().map(Arc::new).collect(),
+                        node: node.map(Arc::new),
+                        problems,
+                        changed_at,
+                    };
+                    if tx.send(Some(Arc::new(snapshot))).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::error!(
+                    dir = %dir.display(),
+                    error = format!("{e:#}"),
+                    "cannot read manifests; keeping the previous state"
+                ),
+            }
+            last = current;
+            forced = false;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(MANIFEST_POLL) => {}
+            _ = reload.notified() => forced = true,
+            _ = tx.closed() => return,
+        }
+    }
+}

@@ -1,0 +1,558 @@
+//! `lb::metrics`: the Prometheus exposition scraped over real HTTP, and the kube-proxy-style
+//! health endpoints. Only `datapath_maps_are_read_at_scrape_time` needs root (it loads the
+//! datapath, privately).
+use std::{
+    collections::BTreeMap,
+    io::{Read as _, Write as _},
+    net::{SocketAddr, TcpStream},
+    sync::Arc,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use aya::maps::{HashMap, PerCpuArray, PerCpuValues};
+use lb::{
+    bpf::{Datapath, LoadOptions},
+    metrics::{HEALTH_TIMEOUT, Metrics, serve},
+};
+use lb_common::{Ct4Key, Ct6Key, CtValue, MetricValue, ct_dir, map_names, metrics};
+
+const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A minimal HTTP/1.1 GET over a fresh connection (`Connection: close`).
+fn get(addr: SocketAddr, path: &str) -> Response {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send request");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read response");
+    let raw = String::from_utf8(raw).expect("utf-8 response");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("end of headers");
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().expect("status line");
+    let status = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {status_line:?}"));
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+        .collect();
+    let mut response = Response {
+        status,
+        headers,
+        body: body.to_owned(),
+    };
+    if response
+        .header("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+    {
+        response.body = dechunk(body);
+    } else if let Some(len) = response.header("content-length") {
+        let len: usize = len.parse().expect("content-length");
+        assert_eq!(response.body.len(), len, "body length");
+    }
+    response
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = s.split_once("\r\n").expect("chunk size line");
+        let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)
+            .expect("chunk size");
+        if size == 0 {
+            return out;
+        }
+        out.push_str(&rest[..size]);
+        s = rest[size..].strip_prefix("\r\n").expect("chunk end");
+    }
+}
+
+/// One sample of the text exposition.
+#[derive(Debug)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// Parses the Prometheus text format: `# HELP` / `# TYPE` lines into `types`, samples into
+/// `samples`.
+fn parse(text: &str) -> (BTreeMap<String, String>, Vec<Sample>) {
+    let mut types = BTreeMap::new();
+    let mut samples = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, ty) = rest.split_once(' ').expect("TYPE line");
+            types.insert(name.to_owned(), ty.to_owned());
+            continue;
+        }
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let (name, labels, rest) = match line.find('{') {
+            Some(open) => {
+                let (labels, rest) = parse_labels(&line[open + 1..]);
+                (&line[..open], labels, rest)
+            }
+            None => {
+                let (name, rest) = line.split_once(' ').expect("sample value");
+                (name, BTreeMap::new(), rest)
+            }
+        };
+        let value = rest.split_whitespace().next().expect("value");
+        let value = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v
+                .parse()
+                .unwrap_or_else(|_| panic!("bad value in {line:?}")),
+        };
+        samples.push(Sample {
+            name: name.to_owned(),
+            labels,
+            value,
+        });
+    }
+    (types, samples)
+}
+
+/// Parses `k="v",k2="v2"} rest` into the labels and `rest`.
+fn parse_labels(mut s: &str) -> (BTreeMap<String, String>, &str) {
+    let mut labels = BTreeMap::new();
+    loop {
+        s = s.trim_start_matches(',');
+        if let Some(rest) = s.strip_prefix('}') {
+            return (labels, rest);
+        }
+        let (key, rest) = s.split_once("=\"").expect("label key");
+        let mut value = String::new();
+        let mut chars = rest.char_indices();
+        let end = loop {
+            match chars.next().expect("unterminated label value") {
+                (i, '"') => break i,
+                (_, '\\') => match chars.next().expect("escape").1 {
+                    'n' => value.push('\n'),
+                    c => value.push(c),
+                },
+                (_, c) => value.push(c),
+            }
+        };
+        labels.insert(key.to_owned(), value);
+        s = &rest[end + 1..];
+    }
+}
+
+fn find<'a>(samples: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> Vec<&'a Sample> {
+    samples
+        .iter()
+        .filter(|s| {
+            s.name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(*k).is_some_and(|l| l == v))
+        })
+        .collect()
+}
+
+/// The value of the one sample named `name` with (at least) `labels`.
+fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> f64 {
+    match find(samples, name, labels).as_slice() {
+        [s] => s.value,
+        other => panic!("expected one {name}{labels:?}, found {other:?}"),
+    }
+}
+
+fn assert_close(got: f64, want: f64, what: &str) {
+    assert!((got - want).abs() < 1e-9, "{what}: got {got}, want {want}");
+}
+
+async fn start(metrics: &Arc<Metrics>) -> (SocketAddr, SocketAddr, tokio::task::JoinHandle<()>) {
+    let any: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    serve(Arc::clone(metrics), any, any).await.expect("serve")
+}
+
+/// Runs a blocking HTTP GET off the runtime's workers.
+async fn fetch(addr: SocketAddr, path: &'static str) -> Response {
+    tokio::task::spawn_blocking(move || get(addr, path))
+        .await
+        .expect("client thread")
+}
+
+fn health_json(r: &Response) -> serde_json::Value {
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("healthz JSON");
+    assert_eq!(v["nodeEligible"], serde_json::Value::Bool(true), "{v}");
+    assert!(
+        v["currentTime"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{v}"
+    );
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn livez_and_healthz_follow_sync_state() {
+    let metrics = Metrics::new();
+    let (metrics_addr, health_addr, task) = start(&metrics).await;
+    assert_ne!(metrics_addr, health_addr, "port 0 gives two listeners");
+
+    let livez = fetch(health_addr, "/livez").await;
+    assert_eq!(livez.status, 200);
+
+    let before = fetch(health_addr, "/healthz").await;
+    assert_eq!(before.status, 503, "unhealthy before the first sync");
+    let v = health_json(&before);
+    assert_eq!(v["lastUpdated"], GO_ZERO_TIME, "{v}");
+
+    metrics.mark_synced();
+    let after = fetch(health_addr, "/healthz").await;
+    assert_eq!(after.status, 200, "{}", after.body);
+    let v = health_json(&after);
+    assert_ne!(v["lastUpdated"], GO_ZERO_TIME, "{v}");
+
+    // A change pending for less than the timeout keeps the proxy healthy.
+    metrics.mark_change_pending(Instant::now());
+    assert_eq!(fetch(health_addr, "/healthz").await.status, 200);
+
+    // One pending for longer than the timeout does not (when the clock allows an instant that
+    // far back; otherwise `healthy_times_out_a_pending_change` covers it).
+    if let Some(old) = Instant::now().checked_sub(HEALTH_TIMEOUT + Duration::from_secs(1)) {
+        metrics.mark_change_pending(old);
+        let stale = fetch(health_addr, "/healthz").await;
+        assert_eq!(stale.status, 503, "{}", stale.body);
+        health_json(&stale);
+    }
+    metrics.mark_synced();
+    assert_eq!(fetch(health_addr, "/healthz").await.status, 200);
+    assert_eq!(fetch(health_addr, "/livez").await.status, 200);
+
+    // The endpoints are split by listener, as kube-proxy's are.
+    assert_eq!(fetch(metrics_addr, "/healthz").await.status, 404);
+    assert_eq!(fetch(health_addr, "/metrics").await.status, 404);
+    task.abort();
+}
+
+#[test]
+fn healthy_is_false_before_the_first_sync() {
+    let metrics = Metrics::new();
+    let now = Instant::now();
+    assert!(!metrics.healthy(now));
+    metrics.mark_change_pending(now);
+    assert!(!metrics.healthy(now));
+    metrics.mark_synced();
+    assert!(metrics.healthy(Instant::now()));
+    let (healthy, body) = metrics.healthz();
+    assert!(healthy, "{body}");
+}
+
+#[test]
+fn healthy_times_out_a_pending_change() {
+    let metrics = Metrics::new();
+    metrics.mark_synced();
+    let t0 = Instant::now();
+    metrics.mark_change_pending(t0);
+    assert!(metrics.healthy(t0));
+    assert!(metrics.healthy(t0 + HEALTH_TIMEOUT - Duration::from_millis(1)));
+    assert!(!metrics.healthy(t0 + HEALTH_TIMEOUT));
+    assert!(!metrics.healthy(t0 + HEALTH_TIMEOUT + Duration::from_secs(1)));
+
+    // The oldest pending change counts: a later one does not restart the clock.
+    metrics.mark_change_pending(t0 + Duration::from_secs(30));
+    assert!(!metrics.healthy(t0 + HEALTH_TIMEOUT + Duration::from_secs(1)));
+
+    // Applying clears it.
+    metrics.mark_synced();
+    assert!(metrics.healthy(t0 + HEALTH_TIMEOUT * 10));
+    assert_eq!(HEALTH_TIMEOUT, Duration::from_secs(60));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrape_reports_observed_values() {
+    let metrics = Metrics::new();
+    let observations = [
+        (Duration::from_micros(1000), true),
+        (Duration::from_micros(1000), true),
+        (Duration::from_micros(2000), false),
+    ];
+    for (d, ok) in observations {
+        metrics.observe_sync(d, ok);
+    }
+    metrics.observe_event_to_write(Duration::from_micros(300));
+    metrics.inc_skipped("Service", "InvalidPort");
+    metrics.inc_skipped("Service", "InvalidPort");
+    metrics.inc_skipped("EndpointSlice", "NoService");
+    metrics.set_map_entries("lb4_services", 10, 524_288);
+    metrics.set_map_entries("lb6_services", 0, 524_288);
+    metrics.set_services(3);
+    metrics.set_backends(7);
+    // Later values replace earlier ones.
+    metrics.set_map_entries("lb4_services", 12, 524_288);
+
+    let (metrics_addr, _, task) = start(&metrics).await;
+    let r = fetch(metrics_addr, "/metrics").await;
+    task.abort();
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("content-type"),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    let (types, s) = parse(&r.body);
+
+    for (name, ty) in [
+        ("lb_sync_duration_seconds", "histogram"),
+        ("lb_syncs_total", "counter"),
+        ("lb_last_sync_timestamp_seconds", "gauge"),
+        ("lb_event_to_map_write_seconds", "histogram"),
+        ("lb_objects_skipped_total", "counter"),
+        ("lb_map_entries", "gauge"),
+        ("lb_map_capacity", "gauge"),
+        ("lb_services", "gauge"),
+        ("lb_backends", "gauge"),
+    ] {
+        assert_eq!(types.get(name).map(String::as_str), Some(ty), "{name}");
+    }
+    assert!(
+        !r.body.contains("lb_datapath_") && !r.body.contains("lb_conntrack_"),
+        "no map series without maps:\n{}",
+        r.body
+    );
+
+    assert_eq!(value(&s, "lb_syncs_total", &[("result", "ok")]), 2.0);
+    assert_eq!(value(&s, "lb_syncs_total", &[("result", "error")]), 1.0);
+    assert_eq!(value(&s, "lb_sync_duration_seconds_count", &[]), 3.0);
+    assert_close(value(&s, "lb_sync_duration_seconds_sum", &[]), 0.004, "sum");
+    // Cumulative buckets: each holds the observations at or below its bound; sub-millisecond
+    // bounds exist.
+    let buckets = find(&s, "lb_sync_duration_seconds_bucket", &[]);
+    assert!(buckets.len() > 10, "{buckets:?}");
+    let mut bounds = Vec::new();
+    for b in &buckets {
+        let le = b.labels.get("le").expect("le");
+        let le: f64 = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().expect("le value")
+        };
+        let want = observations
+            .iter()
+            .filter(|(d, _)| d.as_secs_f64() <= le)
+            .count();
+        assert_eq!(b.value, want as f64, "bucket le={le}");
+        bounds.push(le);
+    }
+    assert!(bounds.iter().any(|le| *le <= 100e-6), "{bounds:?}");
+    assert!(
+        bounds.iter().any(|le| *le >= 10.0 && le.is_finite()),
+        "{bounds:?}"
+    );
+    assert_eq!(bounds.last(), Some(&f64::INFINITY));
+
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs_f64();
+    let last = value(&s, "lb_last_sync_timestamp_seconds", &[]);
+    assert!((now - last).abs() < 60.0, "last sync {last}, now {now}");
+
+    assert_eq!(value(&s, "lb_event_to_map_write_seconds_count", &[]), 1.0);
+    assert_close(
+        value(&s, "lb_event_to_map_write_seconds_sum", &[]),
+        0.0003,
+        "event sum",
+    );
+    assert_eq!(
+        value(
+            &s,
+            "lb_event_to_map_write_seconds_bucket",
+            &[("le", "+Inf")]
+        ),
+        1.0
+    );
+
+    assert_eq!(
+        value(
+            &s,
+            "lb_objects_skipped_total",
+            &[("kind", "Service"), ("reason", "InvalidPort")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        value(
+            &s,
+            "lb_objects_skipped_total",
+            &[("kind", "EndpointSlice"), ("reason", "NoService")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        value(&s, "lb_map_entries", &[("map", "lb4_services")]),
+        12.0
+    );
+    assert_eq!(value(&s, "lb_map_entries", &[("map", "lb6_services")]), 0.0);
+    assert_eq!(
+        value(&s, "lb_map_capacity", &[("map", "lb4_services")]),
+        524_288.0
+    );
+    assert_eq!(value(&s, "lb_services", &[]), 3.0);
+    assert_eq!(value(&s, "lb_backends", &[]), 7.0);
+
+    // `render` gives the same exposition the endpoint serves.
+    let (_, direct) = parse(&metrics.render());
+    assert_eq!(direct.len(), s.len());
+}
+
+#[test]
+fn fresh_metrics_export_zeroed_sync_results() {
+    let metrics = Metrics::new();
+    let (_, s) = parse(&metrics.render());
+    assert_eq!(value(&s, "lb_syncs_total", &[("result", "ok")]), 0.0);
+    assert_eq!(value(&s, "lb_syncs_total", &[("result", "error")]), 0.0);
+    assert_eq!(value(&s, "lb_sync_duration_seconds_count", &[]), 0.0);
+}
+
+fn ct4_key(client_port: u16) -> Ct4Key {
+    Ct4Key {
+        saddr: [198, 18, 10, 2],
+        daddr: [198, 19, 0, 10],
+        sport: client_port,
+        dport: 80,
+        proto: lb_common::IPPROTO_TCP,
+        dir: ct_dir::SERVICE,
+        ..Default::default()
+    }
+}
+
+/// Needs root: loads the real datapath (private maps), writes the per-CPU counters and two
+/// conntrack entries from userspace, and reads them back through a scrape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn datapath_maps_are_read_at_scrape_time() {
+    let mut datapath = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
+    let ebpf = datapath.ebpf_mut();
+    let mut counters: PerCpuArray<_, MetricValue> =
+        PerCpuArray::try_from(ebpf.take_map(map_names::METRICS).expect("lb_metrics"))
+            .expect("per-CPU array");
+    let mut ct4: HashMap<_, Ct4Key, CtValue> =
+        HashMap::try_from(ebpf.take_map(map_names::CT4).expect("lb4_ct")).expect("ct4");
+    let ct6: HashMap<_, Ct6Key, CtValue> =
+        HashMap::try_from(ebpf.take_map(map_names::CT6).expect("lb6_ct")).expect("ct6");
+
+    let cpus = aya::util::nr_cpus().expect("nr_cpus");
+    let per_cpu = |packets: u64, bytes: u64| -> Vec<MetricValue> {
+        (1..=cpus as u64)
+            .map(|c| MetricValue {
+                packets: packets * c,
+                bytes: bytes * c,
+            })
+            .collect()
+    };
+    let written = [
+        (metrics::TC_FWD_NEW, per_cpu(3, 300)),
+        (metrics::TC_REVNAT, per_cpu(5, 700)),
+        (metrics::SOCK_REVNAT_INSERT_FAILED, per_cpu(1, 0)),
+        // Past the named indices: never exported.
+        (metrics::NAMES.len() as u32 + 1, per_cpu(9, 9)),
+    ];
+    for (index, values) in &written {
+        let values = PerCpuValues::try_from(values.clone()).expect("per-CPU values");
+        counters.set(*index, values, 0).expect("write lb_metrics");
+    }
+    let ct_value = CtValue {
+        backend_id: 1,
+        rev_nat_id: 1,
+        expires: u32::MAX,
+        ..Default::default()
+    };
+    for port in [40_000, 40_001] {
+        ct4.insert(ct4_key(port), ct_value, 0)
+            .expect("insert lb4_ct");
+    }
+
+    let m = Metrics::new();
+    m.set_datapath_counters(counters);
+    m.set_conntrack_maps(ct4, ct6);
+    let (metrics_addr, _, task) = start(&m).await;
+    let r = fetch(metrics_addr, "/metrics").await;
+    task.abort();
+    assert_eq!(r.status, 200);
+    let (types, s) = parse(&r.body);
+    assert_eq!(
+        types.get("lb_datapath_packets_total").map(String::as_str),
+        Some("counter")
+    );
+    assert_eq!(
+        types.get("lb_datapath_bytes_total").map(String::as_str),
+        Some("counter")
+    );
+    assert_eq!(
+        types.get("lb_conntrack_entries").map(String::as_str),
+        Some("gauge")
+    );
+
+    for (index, values) in &written[..3] {
+        let event = metrics::NAMES[*index as usize];
+        let packets: u64 = values.iter().map(|v| v.packets).sum();
+        let bytes: u64 = values.iter().map(|v| v.bytes).sum();
+        let labels = [("event", event)];
+        assert_eq!(
+            value(&s, "lb_datapath_packets_total", &labels),
+            packets as f64,
+            "{event}"
+        );
+        assert_eq!(
+            value(&s, "lb_datapath_bytes_total", &labels),
+            bytes as f64,
+            "{event}"
+        );
+    }
+    assert_eq!(
+        value(
+            &s,
+            "lb_datapath_packets_total",
+            &[(
+                "event",
+                metrics::NAMES[metrics::TC_PASS_NO_SERVICE as usize]
+            )]
+        ),
+        0.0
+    );
+    let series = find(&s, "lb_datapath_packets_total", &[]);
+    assert_eq!(series.len(), metrics::NAMES.len(), "{series:?}");
+    assert!(series.iter().all(|x| {
+        x.labels
+            .get("event")
+            .is_some_and(|e| metrics::NAMES.contains(&e.as_str()))
+    }));
+
+    assert_eq!(
+        value(&s, "lb_conntrack_entries", &[("family", "ipv4")]),
+        2.0
+    );
+    assert_eq!(
+        value(&s, "lb_conntrack_entries", &[("family", "ipv6")]),
+        0.0
+    );
+    drop(datapath);
+}

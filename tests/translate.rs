@@ -1,0 +1,1322 @@
+//! Tests of the pure translation from Services and EndpointSlices to the desired datapath state
+//! (`lb::translate::desired_state`). Objects are written as YAML, as a user or the API server
+//! would, and parsed with the manifest reader.
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
+};
+
+use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use lb::{
+    manifests::{Objects, parse_into},
+    model::{Frontend, Proto, ServiceEntry},
+    translate::{Ignored, SkipReason, Skipped, Translation, desired_state, ignored},
+};
+use lb_common::{backend_state, scope, svc_flags};
+
+/// Parses YAML documents into Services and EndpointSlices; the test input must be clean.
+fn objects(yaml: &str) -> Objects {
+    let mut objects = Objects::default();
+    let mut problems = Vec::new();
+    parse_into(Path::new("test.yaml"), yaml, &mut objects, &mut problems);
+    assert!(problems.is_empty(), "test input does not parse: {problems:?}");
+    objects
+}
+
+fn translate(yaml: &str) -> Translation {
+    let o = objects(yaml);
+    desired_state(&o.services, &o.slices)
+}
+
+fn v4(s: &str) -> IpAddr {
+    IpAddr::V4(s.parse::<Ipv4Addr>().expect("IPv4 literal"))
+}
+
+fn v6(s: &str) -> IpAddr {
+    IpAddr::V6(s.parse::<Ipv6Addr>().expect("IPv6 literal"))
+}
+
+fn fe(addr: IpAddr, port: u16, proto: Proto) -> Frontend {
+    Frontend::new(addr, port, proto)
+}
+
+/// The entry of a frontend, which must exist.
+fn entry<'a>(t: &'a Translation, frontend: Frontend) -> &'a ServiceEntry {
+    t.state.services.get(&frontend).unwrap_or_else(|| {
+        panic!(
+            "no frontend {frontend}; have {:?}",
+            t.state.services.keys().map(|f| f.to_string()).collect::<Vec<_>>()
+        )
+    })
+}
+
+/// A frontend's backends as `addr:port/PROTO` strings, sorted.
+fn backends(t: &Translation, frontend: Frontend) -> BTreeSet<String> {
+    entry(t, frontend)
+        .backends
+        .iter()
+        .map(|b| b.l4.to_string())
+        .collect()
+}
+
+fn set(items: &[&str]) -> BTreeSet<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+fn frontends(t: &Translation) -> BTreeSet<String> {
+    t.state.services.keys().map(|f| f.to_string()).collect()
+}
+
+/// A single-stack IPv4 ClusterIP service with one named TCP port.
+fn service_yaml(ns: &str, name: &str, ip: &str, port_name: &str, port: u16) -> String {
+    format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: {ns}}}
+spec:
+  clusterIP: {ip}
+  ports:
+    - {{name: {port_name}, protocol: TCP, port: {port}, targetPort: 1}}
+"
+    )
+}
+
+/// An IPv4 slice of `service` with one named TCP port and ready endpoints.
+fn slice_yaml(
+    ns: &str,
+    slice: &str,
+    service: &str,
+    port_name: &str,
+    port: u16,
+    addrs: &[&str],
+) -> String {
+    let mut s = format!(
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {slice}
+  namespace: {ns}
+  labels: {{kubernetes.io/service-name: {service}}}
+addressType: IPv4
+ports:
+  - {{name: {port_name}, protocol: TCP, port: {port}}}
+endpoints:
+"
+    );
+    for a in addrs {
+        s.push_str(&format!("  - addresses: [\"{a}\"]\n"));
+    }
+    s
+}
+
+fn docs(parts: &[String]) -> String {
+    parts.join("---\n")
+}
+
+#[test]
+fn cluster_ip_with_tcp_and_udp_ports_uses_slice_port_numbers_by_name() {
+    // The service's targetPorts (9999, 9998, a name) are deliberately not what the slice says:
+    // the datapath must use the slice's numbers. The slice lists its ports in another order than
+    // the service and has one extra port no service port names.
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  type: ClusterIP
+  clusterIP: 198.19.0.10
+  ports:
+    - {name: http, protocol: TCP, port: 80, targetPort: 9999}
+    - {name: dns, protocol: UDP, port: 53, targetPort: 9998}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abcde
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: metrics, protocol: TCP, port: 9090}
+  - {name: dns, protocol: UDP, port: 5353}
+  - {name: http, protocol: TCP, port: 8080}
+endpoints:
+  - addresses: [198.18.0.1]
+    conditions: {ready: true}
+  - addresses: [198.18.0.2]
+    conditions: {ready: true}
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    let http = fe(v4("198.19.0.10"), 80, Proto::Tcp);
+    let dns = fe(v4("198.19.0.10"), 53, Proto::Udp);
+    assert_eq!(
+        frontends(&t),
+        set(&["198.19.0.10:80/TCP", "198.19.0.10:53/UDP"]),
+        "exactly one frontend per service port, none for the slice-only port"
+    );
+    assert_eq!(
+        backends(&t, http),
+        set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
+    );
+    assert_eq!(
+        backends(&t, dns),
+        set(&["198.18.0.1:5353/UDP", "198.18.0.2:5353/UDP"])
+    );
+
+    let http_entry = entry(&t, http);
+    assert_eq!(http_entry.name.namespace, "shop");
+    assert_eq!(http_entry.name.name, "web");
+    assert_eq!(http_entry.name.port_name, "http");
+    assert_eq!(http_entry.name.to_string(), "shop/web:http");
+    assert_eq!(http_entry.flags, svc_flags::CLUSTER_IP);
+    assert_eq!(http_entry.kind(), "ClusterIP");
+    assert_eq!(entry(&t, dns).name.port_name, "dns");
+    assert_eq!(entry(&t, dns).flags, svc_flags::CLUSTER_IP);
+    for e in t.state.services.values() {
+        assert!(
+            e.backends.iter().all(|b| b.state == backend_state::ACTIVE),
+            "ready endpoints are active backends: {e:?}"
+        );
+    }
+    for f in t.state.services.keys() {
+        assert_eq!(f.scope, scope::EXTERNAL);
+    }
+}
+
+#[test]
+fn unnamed_single_port_matches_unnamed_slice_port_and_protocol_defaults_to_tcp() {
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: single, namespace: ns}
+spec:
+  clusterIP: 198.19.0.11
+  ports:
+    - {port: 80}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: single-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: single}
+addressType: IPv4
+ports:
+  - {port: 8080}
+endpoints:
+  - addresses: [198.18.0.1]
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    let f = fe(v4("198.19.0.11"), 80, Proto::Tcp);
+    assert_eq!(backends(&t, f), set(&["198.18.0.1:8080/TCP"]));
+    assert_eq!(entry(&t, f).name.port_name, "");
+    assert_eq!(entry(&t, f).name.to_string(), "ns/single");
+}
+
+#[test]
+fn sctp_is_balanced_and_protocol_must_match_the_slice_port() {
+    // Port "x" is SCTP in the service; the slice has an SCTP and a TCP port of that name, and
+    // the UDP port "y" only has a TCP counterpart in the slice.
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: mixed, namespace: ns}
+spec:
+  clusterIP: 198.19.0.12
+  ports:
+    - {name: x, protocol: SCTP, port: 3868}
+    - {name: y, protocol: UDP, port: 5000}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: mixed-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: mixed}
+addressType: IPv4
+ports:
+  - {name: x, protocol: TCP, port: 1111}
+  - {name: x, protocol: SCTP, port: 2222}
+  - {name: y, protocol: TCP, port: 3333}
+endpoints:
+  - addresses: [198.18.0.1]
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.12"), 3868, Proto::Sctp)),
+        set(&["198.18.0.1:2222/SCTP"])
+    );
+    assert!(
+        entry(&t, fe(v4("198.19.0.12"), 5000, Proto::Udp))
+            .backends
+            .is_empty(),
+        "a TCP slice port does not serve a UDP service port"
+    );
+}
+
+#[test]
+fn service_port_without_matching_slice_port_gets_frontend_without_backends() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: api, namespace: ns}
+spec:
+  clusterIP: 198.19.0.20
+  ports:
+    - {name: http, protocol: TCP, port: 80}
+    - {name: grpc, protocol: TCP, port: 9000}
+"
+        .to_string(),
+        slice_yaml("ns", "api-1", "api", "http", 8080, &["198.18.0.1"]),
+        // A service without any slice at all.
+        service_yaml("ns", "lonely", "198.19.0.21", "http", 80),
+    ]));
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.20"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+    let grpc = entry(&t, fe(v4("198.19.0.20"), 9000, Proto::Tcp));
+    assert!(grpc.backends.is_empty(), "{grpc:?}");
+    assert_eq!(grpc.name.port_name, "grpc");
+    assert_eq!(grpc.flags, svc_flags::CLUSTER_IP);
+    let lonely = entry(&t, fe(v4("198.19.0.21"), 80, Proto::Tcp));
+    assert!(lonely.backends.is_empty());
+    assert_eq!(lonely.name.name, "lonely");
+    assert_eq!(t.state.services.len(), 3);
+}
+
+#[test]
+fn slices_of_one_service_merge() {
+    let t = translate(&docs(&[
+        service_yaml("ns", "web", "198.19.0.30", "http", 80),
+        slice_yaml("ns", "web-a", "web", "http", 8080, &["198.18.0.1", "198.18.0.2"]),
+        slice_yaml("ns", "web-b", "web", "http", 8080, &["198.18.0.3"]),
+    ]));
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.30"), 80, Proto::Tcp)),
+        set(&[
+            "198.18.0.1:8080/TCP",
+            "198.18.0.2:8080/TCP",
+            "198.18.0.3:8080/TCP"
+        ])
+    );
+}
+
+#[test]
+fn same_endpoint_in_two_slices_is_one_backend() {
+    // During a slice rebalance the same pod can briefly appear in two slices.
+    let t = translate(&docs(&[
+        service_yaml("ns", "web", "198.19.0.31", "http", 80),
+        slice_yaml("ns", "web-a", "web", "http", 8080, &["198.18.0.1", "198.18.0.2"]),
+        slice_yaml("ns", "web-b", "web", "http", 8080, &["198.18.0.2"]),
+    ]));
+    let e = entry(&t, fe(v4("198.19.0.31"), 80, Proto::Tcp));
+    assert_eq!(e.backends.len(), 2, "{e:?}");
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.31"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
+    );
+    assert_eq!(t.state.backend_count(), 2);
+}
+
+#[test]
+fn ready_false_is_excluded_and_missing_ready_means_ready() {
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.40
+  ports:
+    - {name: http, port: 80}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.1]
+    conditions: {ready: true}
+  - addresses: [198.18.0.2]
+    conditions: {ready: false}
+  - addresses: [198.18.0.3]
+  - addresses: [198.18.0.4]
+    conditions: {}
+  - addresses: [198.18.0.5]
+    conditions: {serving: true}
+  - addresses: [198.18.0.6]
+    conditions: {ready: false, serving: true, terminating: true}
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.40"), 80, Proto::Tcp)),
+        set(&[
+            "198.18.0.1:8080/TCP",
+            "198.18.0.3:8080/TCP",
+            "198.18.0.4:8080/TCP",
+            "198.18.0.5:8080/TCP",
+        ])
+    );
+}
+
+#[test]
+fn only_the_first_address_of_an_endpoint_is_used() {
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.41
+  ports:
+    - {name: http, port: 80}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.1, 198.18.0.2, 198.18.0.3]
+  - addresses: [198.18.0.9]
+  - addresses: []
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.41"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP", "198.18.0.9:8080/TCP"])
+    );
+}
+
+#[test]
+fn dual_stack_frontends_take_backends_of_their_own_family_only() {
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: echo, namespace: demo}
+spec:
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 198.19.0.50
+  clusterIPs: [198.19.0.50, \"2001:db8:ffff::50\"]
+  ports:
+    - {name: tcp, protocol: TCP, port: 80}
+    - {name: udp, protocol: UDP, port: 53}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: echo-v4
+  namespace: demo
+  labels: {kubernetes.io/service-name: echo}
+addressType: IPv4
+ports:
+  - {name: tcp, protocol: TCP, port: 8080}
+  - {name: udp, protocol: UDP, port: 5353}
+endpoints:
+  - addresses: [198.18.0.1]
+  - addresses: [198.18.0.2]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: echo-v6
+  namespace: demo
+  labels: {kubernetes.io/service-name: echo}
+addressType: IPv6
+ports:
+  - {name: tcp, protocol: TCP, port: 8081}
+  - {name: udp, protocol: UDP, port: 5354}
+endpoints:
+  - addresses: [\"2001:db8::1\"]
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        frontends(&t),
+        set(&[
+            "198.19.0.50:80/TCP",
+            "198.19.0.50:53/UDP",
+            "[2001:db8:ffff::50]:80/TCP",
+            "[2001:db8:ffff::50]:53/UDP",
+        ])
+    );
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.50"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
+    );
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.50"), 53, Proto::Udp)),
+        set(&["198.18.0.1:5353/UDP", "198.18.0.2:5353/UDP"])
+    );
+    assert_eq!(
+        backends(&t, fe(v6("2001:db8:ffff::50"), 80, Proto::Tcp)),
+        set(&["[2001:db8::1]:8081/TCP"])
+    );
+    assert_eq!(
+        backends(&t, fe(v6("2001:db8:ffff::50"), 53, Proto::Udp)),
+        set(&["[2001:db8::1]:5354/UDP"])
+    );
+    for (f, e) in &t.state.services {
+        assert_eq!(e.name.to_string(), format!("demo/echo:{}", e.name.port_name));
+        assert_eq!(e.flags, svc_flags::CLUSTER_IP);
+        for b in &e.backends {
+            assert_eq!(b.l4.addr.is_ipv4(), f.l4.addr.is_ipv4(), "{f}: {b:?}");
+        }
+    }
+}
+
+#[test]
+fn dual_stack_service_with_only_ipv4_endpoints_has_empty_ipv6_frontend() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.51
+  clusterIPs: [198.19.0.51, \"2001:db8:ffff::51\"]
+  ports:
+    - {name: http, protocol: TCP, port: 80}
+"
+        .to_string(),
+        slice_yaml("ns", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+    ]));
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.51"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+    assert!(
+        entry(&t, fe(v6("2001:db8:ffff::51"), 80, Proto::Tcp))
+            .backends
+            .is_empty()
+    );
+}
+
+#[test]
+fn ipv6_only_service_ignores_ipv4_slices() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  ipFamilies: [IPv6]
+  clusterIP: \"2001:db8:ffff::52\"
+  clusterIPs: [\"2001:db8:ffff::52\"]
+  ports:
+    - {name: http, protocol: TCP, port: 80}
+"
+        .to_string(),
+        slice_yaml("ns", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+    ]));
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(frontends(&t), set(&["[2001:db8:ffff::52]:80/TCP"]));
+    assert!(
+        entry(&t, fe(v6("2001:db8:ffff::52"), 80, Proto::Tcp))
+            .backends
+            .is_empty()
+    );
+}
+
+#[test]
+fn fqdn_slices_are_ignored_without_a_skip() {
+    let t = translate(&docs(&[
+        service_yaml("ns", "web", "198.19.0.60", "http", 80),
+        slice_yaml("ns", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-fqdn
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: FQDN
+ports:
+  - {name: http, protocol: TCP, port: 8080}
+endpoints:
+  - addresses: [backend.example.invalid]
+"
+        .to_string(),
+    ]));
+    assert!(t.skipped.is_empty(), "FQDN is not an error: {:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.60"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+}
+
+#[test]
+fn unknown_address_type_is_skipped() {
+    let t = translate(&docs(&[
+        service_yaml("ns", "web", "198.19.0.61", "http", 80),
+        slice_yaml("ns", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-odd
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv7
+ports:
+  - {name: http, protocol: TCP, port: 8080}
+endpoints:
+  - addresses: [198.18.0.2]
+"
+        .to_string(),
+    ]));
+    assert_eq!(t.skipped.len(), 1, "{:?}", t.skipped);
+    assert_eq!(t.skipped[0].kind, "EndpointSlice");
+    assert_eq!(t.skipped[0].object, "ns/web-odd");
+    assert_eq!(t.skipped[0].reason, SkipReason::UnknownAddressType);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.61"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+}
+
+#[test]
+fn slices_of_a_same_named_service_in_another_namespace_are_not_used() {
+    let t = translate(&docs(&[
+        service_yaml("team-a", "web", "198.19.0.70", "http", 80),
+        service_yaml("team-b", "web", "198.19.0.71", "http", 80),
+        slice_yaml("team-a", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+        slice_yaml("team-b", "web-1", "web", "http", 8080, &["198.18.0.2"]),
+        // Same service name in a third namespace that has no such service.
+        slice_yaml("team-c", "web-1", "web", "http", 8080, &["198.18.0.3"]),
+    ]));
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.70"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.71"), 80, Proto::Tcp)),
+        set(&["198.18.0.2:8080/TCP"])
+    );
+    assert_eq!(
+        entry(&t, fe(v4("198.19.0.70"), 80, Proto::Tcp))
+            .name
+            .namespace,
+        "team-a"
+    );
+    assert_eq!(
+        entry(&t, fe(v4("198.19.0.71"), 80, Proto::Tcp))
+            .name
+            .namespace,
+        "team-b"
+    );
+    assert_eq!(t.state.services.len(), 2);
+}
+
+#[test]
+fn objects_without_namespace_are_in_default() {
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec:
+  clusterIP: 198.19.0.72
+  ports:
+    - {name: http, port: 80}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.1]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-2
+  namespace: default
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.2]
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    let f = fe(v4("198.19.0.72"), 80, Proto::Tcp);
+    assert_eq!(entry(&t, f).name.namespace, "default");
+    assert_eq!(
+        backends(&t, f),
+        set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
+    );
+}
+
+#[test]
+fn headless_external_name_and_other_proxy_services_produce_nothing_and_are_not_skipped() {
+    let yaml = docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: headless, namespace: ns}
+spec:
+  clusterIP: None
+  clusterIPs: [None]
+  ports:
+    - {name: http, port: 80}
+"
+        .to_string(),
+        slice_yaml("ns", "headless-1", "headless", "http", 8080, &["198.18.0.1"]),
+        "apiVersion: v1
+kind: Service
+metadata: {name: external, namespace: ns}
+spec:
+  type: ExternalName
+  externalName: db.example.invalid
+  ports:
+    - {name: http, port: 80}
+"
+        .to_string(),
+        "apiVersion: v1
+kind: Service
+metadata:
+  name: other
+  namespace: ns
+  labels: {service.kubernetes.io/service-proxy-name: someone-else}
+spec:
+  clusterIP: 198.19.0.81
+  ports:
+    - {name: http, port: 80}
+"
+        .to_string(),
+        slice_yaml("ns", "other-1", "other", "http", 8080, &["198.18.0.2"]),
+        service_yaml("ns", "normal", "198.19.0.82", "http", 80),
+        slice_yaml("ns", "normal-1", "normal", "http", 8080, &["198.18.0.3"]),
+    ]);
+    let o = objects(&yaml);
+    let by_name = |n: &str| -> &Service {
+        o.services
+            .iter()
+            .find(|s| s.metadata.name.as_deref() == Some(n))
+            .expect("service in input")
+    };
+    assert_eq!(ignored(by_name("headless")), Some(Ignored::Headless));
+    assert_eq!(ignored(by_name("external")), Some(Ignored::ExternalName));
+    assert_eq!(ignored(by_name("other")), Some(Ignored::OtherProxy));
+    assert_eq!(ignored(by_name("normal")), None);
+
+    let t = desired_state(&o.services, &o.slices);
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(frontends(&t), set(&["198.19.0.82:80/TCP"]));
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.82"), 80, Proto::Tcp)),
+        set(&["198.18.0.3:8080/TCP"])
+    );
+    assert!(
+        t.state
+            .services
+            .values()
+            .flat_map(|e| &e.backends)
+            .all(|b| b.l4.addr == v4("198.18.0.3")),
+        "no backend of an ignored service leaks into another: {:?}",
+        t.state
+    );
+}
+
+/// Asserts exactly one skip of `kind`/`object`/`reason` whose detail mentions `detail_has`, and
+/// that its display names the object and the reason.
+fn assert_skipped(
+    skipped: &[Skipped],
+    kind: &str,
+    object: &str,
+    reason: SkipReason,
+    detail_has: &str,
+) {
+    let hits: Vec<&Skipped> = skipped
+        .iter()
+        .filter(|s| {
+            s.kind == kind
+                && s.object == object
+                && s.reason == reason
+                && s.detail.contains(detail_has)
+        })
+        .collect();
+    assert_eq!(
+        hits.len(),
+        1,
+        "expected one {kind} {object} {reason:?} mentioning {detail_has:?} in {skipped:#?}"
+    );
+    let shown = hits[0].to_string();
+    assert!(shown.contains(object), "{shown}");
+    assert!(shown.contains(reason.as_str()), "{shown}");
+}
+
+#[test]
+fn invalid_cluster_ip_is_skipped_and_other_services_apply() {
+    let t = translate(&docs(&[
+        service_yaml("ns", "bad", "198.19.0.300", "http", 80),
+        slice_yaml("ns", "bad-1", "bad", "http", 8080, &["198.18.0.1"]),
+        service_yaml("ns", "good", "198.19.0.91", "http", 80),
+        slice_yaml("ns", "good-1", "good", "http", 8080, &["198.18.0.2"]),
+    ]));
+    assert_eq!(t.skipped.len(), 1, "{:#?}", t.skipped);
+    assert_skipped(
+        &t.skipped,
+        "Service",
+        "ns/bad",
+        SkipReason::InvalidIp,
+        "198.19.0.300",
+    );
+    assert_eq!(frontends(&t), set(&["198.19.0.91:80/TCP"]));
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.91"), 80, Proto::Tcp)),
+        set(&["198.18.0.2:8080/TCP"])
+    );
+}
+
+#[test]
+fn invalid_second_cluster_ip_keeps_the_valid_family() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.92
+  clusterIPs: [198.19.0.92, \"2001:db8:ffff::zz\"]
+  ports:
+    - {name: http, port: 80}
+"
+        .to_string(),
+        slice_yaml("ns", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+    ]));
+    assert_skipped(
+        &t.skipped,
+        "Service",
+        "ns/web",
+        SkipReason::InvalidIp,
+        "2001:db8:ffff::zz",
+    );
+    assert_eq!(frontends(&t), set(&["198.19.0.92:80/TCP"]));
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.92"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+}
+
+#[test]
+fn out_of_range_service_ports_are_skipped_and_the_valid_port_applies() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.93
+  ports:
+    - {name: zero, protocol: TCP, port: 0}
+    - {name: huge, protocol: TCP, port: 70000}
+    - {name: http, protocol: TCP, port: 80}
+"
+        .to_string(),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: zero, port: 8000}
+  - {name: huge, port: 8001}
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.1]
+"
+        .to_string(),
+    ]));
+    assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
+    assert!(
+        t.skipped
+            .iter()
+            .all(|s| s.kind == "Service" && s.object == "ns/web"
+                && s.reason == SkipReason::InvalidPort)
+    );
+    assert!(t.skipped.iter().any(|s| s.detail.contains("70000")));
+    assert!(
+        t.skipped
+            .iter()
+            .any(|s| s.detail.contains("\"zero\"") && s.detail.contains('0'))
+    );
+    // 70000 must not wrap around to 4464 (70000 - 65536).
+    assert_eq!(frontends(&t), set(&["198.19.0.93:80/TCP"]));
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.93"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+}
+
+#[test]
+fn out_of_range_slice_ports_are_skipped_and_the_valid_port_applies() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.94
+  ports:
+    - {name: a, port: 80}
+    - {name: b, port: 81}
+    - {name: c, port: 82}
+"
+        .to_string(),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: a, port: 0}
+  - {name: b, port: 70000}
+  - {name: c, port: 8082}
+endpoints:
+  - addresses: [198.18.0.1]
+"
+        .to_string(),
+    ]));
+    assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
+    assert!(t.skipped.iter().all(|s| s.kind == "EndpointSlice"
+        && s.object == "ns/web-1"
+        && s.reason == SkipReason::InvalidPort));
+    assert!(
+        entry(&t, fe(v4("198.19.0.94"), 80, Proto::Tcp))
+            .backends
+            .is_empty()
+    );
+    assert!(
+        entry(&t, fe(v4("198.19.0.94"), 81, Proto::Tcp))
+            .backends
+            .is_empty()
+    );
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.94"), 82, Proto::Tcp)),
+        set(&["198.18.0.1:8082/TCP"])
+    );
+}
+
+#[test]
+fn unknown_protocol_is_skipped_and_other_ports_apply() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.95
+  ports:
+    - {name: ping, protocol: ICMP, port: 7}
+    - {name: http, protocol: TCP, port: 80}
+"
+        .to_string(),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: ping, protocol: ICMP, port: 7}
+  - {name: http, protocol: TCP, port: 8080}
+endpoints:
+  - addresses: [198.18.0.1]
+"
+        .to_string(),
+    ]));
+    assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
+    assert_skipped(
+        &t.skipped,
+        "Service",
+        "ns/web",
+        SkipReason::UnknownProtocol,
+        "ICMP",
+    );
+    assert_skipped(
+        &t.skipped,
+        "EndpointSlice",
+        "ns/web-1",
+        SkipReason::UnknownProtocol,
+        "ICMP",
+    );
+    assert_eq!(frontends(&t), set(&["198.19.0.95:80/TCP"]));
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.95"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+}
+
+#[test]
+fn unparseable_endpoint_address_is_skipped_and_other_endpoints_apply() {
+    let t = translate(&docs(&[
+        service_yaml("ns", "web", "198.19.0.96", "http", 80),
+        slice_yaml(
+            "ns",
+            "web-1",
+            "web",
+            "http",
+            8080,
+            &["198.18.0.1", "198.18.0.256", "pod.example.invalid", "198.18.0.2"],
+        ),
+    ]));
+    assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
+    assert_skipped(
+        &t.skipped,
+        "EndpointSlice",
+        "ns/web-1",
+        SkipReason::InvalidIp,
+        "198.18.0.256",
+    );
+    assert_skipped(
+        &t.skipped,
+        "EndpointSlice",
+        "ns/web-1",
+        SkipReason::InvalidIp,
+        "pod.example.invalid",
+    );
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.96"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
+    );
+}
+
+#[test]
+fn address_of_the_wrong_family_in_a_slice_is_skipped() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.0.97
+  clusterIPs: [198.19.0.97, \"2001:db8:ffff::97\"]
+  ports:
+    - {name: http, port: 80}
+"
+        .to_string(),
+        slice_yaml(
+            "ns",
+            "web-v4",
+            "web",
+            "http",
+            8080,
+            &["198.18.0.1", "2001:db8::bad"],
+        ),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-v6
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv6
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [\"2001:db8::1\"]
+  - addresses: [198.18.0.99]
+"
+        .to_string(),
+    ]));
+    assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
+    assert_skipped(
+        &t.skipped,
+        "EndpointSlice",
+        "ns/web-v4",
+        SkipReason::AddressFamilyMismatch,
+        "2001:db8::bad",
+    );
+    assert_skipped(
+        &t.skipped,
+        "EndpointSlice",
+        "ns/web-v6",
+        SkipReason::AddressFamilyMismatch,
+        "198.18.0.99",
+    );
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.97"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+    assert_eq!(
+        backends(&t, fe(v6("2001:db8:ffff::97"), 80, Proto::Tcp)),
+        set(&["[2001:db8::1]:8080/TCP"])
+    );
+}
+
+#[test]
+fn slice_without_service_name_label_is_skipped() {
+    let t = translate(&docs(&[
+        service_yaml("ns", "web", "198.19.0.98", "http", 80),
+        slice_yaml("ns", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: unlabelled
+  namespace: ns
+  labels: {app: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.2]
+"
+        .to_string(),
+        "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: nolabels
+  namespace: ns
+addressType: IPv4
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.3]
+"
+        .to_string(),
+    ]));
+    assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
+    assert_skipped(
+        &t.skipped,
+        "EndpointSlice",
+        "ns/unlabelled",
+        SkipReason::MissingServiceLabel,
+        "kubernetes.io/service-name",
+    );
+    assert_skipped(
+        &t.skipped,
+        "EndpointSlice",
+        "ns/nolabels",
+        SkipReason::MissingServiceLabel,
+        "kubernetes.io/service-name",
+    );
+    assert_eq!(
+        backends(&t, fe(v4("198.19.0.98"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
+}
+
+#[test]
+fn service_without_name_is_skipped() {
+    let t = translate(&docs(&[
+        "apiVersion: v1
+kind: Service
+metadata: {namespace: ns}
+spec:
+  clusterIP: 198.19.0.99
+  ports:
+    - {name: http, port: 80}
+"
+        .to_string(),
+        service_yaml("ns", "web", "198.19.0.100", "http", 80),
+    ]));
+    assert_eq!(t.skipped.len(), 1, "{:#?}", t.skipped);
+    assert_eq!(t.skipped[0].reason, SkipReason::MissingName);
+    assert_eq!(t.skipped[0].kind, "Service");
+    assert_eq!(frontends(&t), set(&["198.19.0.100:80/TCP"]));
+}
+
+/// Good objects, and bad ones that must not change what the good ones produce.
+const GOOD: &str = "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.1.1
+  clusterIPs: [198.19.1.1, \"2001:db8:ffff::1:1\"]
+  ports:
+    - {name: http, protocol: TCP, port: 80}
+    - {name: dns, protocol: UDP, port: 53}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-v4
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, protocol: TCP, port: 8080}
+  - {name: dns, protocol: UDP, port: 5353}
+endpoints:
+  - addresses: [198.18.1.1]
+  - addresses: [198.18.1.2]
+    conditions: {ready: true}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-v6
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv6
+ports:
+  - {name: http, protocol: TCP, port: 8080}
+  - {name: dns, protocol: UDP, port: 5353}
+endpoints:
+  - addresses: [\"2001:db8:1::1\"]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: db, namespace: other}
+spec:
+  clusterIP: 198.19.1.2
+  ports:
+    - {name: pg, protocol: TCP, port: 5432}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: db-1
+  namespace: other
+  labels: {kubernetes.io/service-name: db}
+addressType: IPv4
+ports:
+  - {name: pg, protocol: TCP, port: 5432}
+endpoints:
+  - addresses: [198.18.2.1]
+";
+
+const BAD: &str = "apiVersion: v1
+kind: Service
+metadata: {name: bad-ip, namespace: ns}
+spec:
+  clusterIP: not-an-ip
+  ports:
+    - {name: http, port: 80}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: bad-ports, namespace: ns}
+spec:
+  clusterIP: 198.19.1.3
+  ports:
+    - {name: a, port: 0}
+    - {name: b, port: 70000}
+    - {name: c, protocol: ICMP, port: 80}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: bad-addrs
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, protocol: TCP, port: 8080}
+endpoints:
+  - addresses: [garbage]
+  - addresses: [\"2001:db8:1::99\"]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: no-label
+  namespace: ns
+addressType: IPv4
+ports:
+  - {name: http, protocol: TCP, port: 8080}
+endpoints:
+  - addresses: [198.18.1.99]
+";
+
+#[test]
+fn bad_objects_do_not_change_what_good_objects_produce() {
+    let good = translate(GOOD);
+    assert!(good.skipped.is_empty(), "{:#?}", good.skipped);
+    assert_eq!(good.state.services.len(), 5);
+
+    let all = translate(&format!("{GOOD}---\n{BAD}"));
+    assert_eq!(
+        all.state, good.state,
+        "the bad objects must leave the good state untouched"
+    );
+    let mut reasons: Vec<(&str, &str, SkipReason)> = all
+        .skipped
+        .iter()
+        .map(|s| (s.kind, s.object.as_str(), s.reason))
+        .collect();
+    reasons.sort();
+    let mut expected = vec![
+        ("EndpointSlice", "ns/bad-addrs", SkipReason::InvalidIp),
+        (
+            "EndpointSlice",
+            "ns/bad-addrs",
+            SkipReason::AddressFamilyMismatch,
+        ),
+        ("EndpointSlice", "ns/no-label", SkipReason::MissingServiceLabel),
+        ("Service", "ns/bad-ip", SkipReason::InvalidIp),
+        ("Service", "ns/bad-ports", SkipReason::InvalidPort),
+        ("Service", "ns/bad-ports", SkipReason::InvalidPort),
+        ("Service", "ns/bad-ports", SkipReason::UnknownProtocol),
+    ];
+    expected.sort();
+    assert_eq!(reasons, expected);
+}
+
+#[test]
+fn result_does_not_depend_on_input_order() {
+    let o = objects(&format!("{GOOD}---\n{BAD}"));
+    let forward = desired_state(&o.services, &o.slices);
+    let mut services: Vec<Service> = o.services.clone();
+    let mut slices: Vec<EndpointSlice> = o.slices.clone();
+    services.reverse();
+    slices.reverse();
+    let backward = desired_state(&services, &slices);
+    assert_eq!(forward.state, backward.state);
+    let mut a = forward.skipped.clone();
+    let mut b = backward.skipped.clone();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b);
+    // Backends come out in a stable order too (slot order is derived from it).
+    for (f, e) in &forward.state.services {
+        assert_eq!(e.backends, backward.state.services[f].backends, "{f}");
+    }
+}
+
+#[test]
+fn empty_input_gives_empty_state() {
+    let t = desired_state(&[], &[]);
+    assert!(t.state.services.is_empty());
+    assert!(t.skipped.is_empty());
+    assert_eq!(t.state.backend_count(), 0);
+}
+
+#[test]
+fn the_example_manifests_translate_to_the_demo_state() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    let (o, problems) = lb::manifests::load_dir(&dir).expect("deploy/examples is readable");
+    assert!(problems.is_empty(), "{problems:?}");
+    let t = desired_state(&o.services, &o.slices);
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(t.state.services.len(), 4, "2 ports x 2 families");
+    for (f, e) in &t.state.services {
+        assert_eq!(e.backends.len(), 3, "{f}");
+        assert_eq!(e.name.namespace, "demo");
+        assert_eq!(e.name.name, "echo");
+        for b in &e.backends {
+            assert_eq!(b.l4.port, 8080, "{f}: {b:?}");
+            assert_eq!(b.l4.proto, f.l4.proto);
+            assert_eq!(b.l4.addr.is_ipv4(), f.l4.addr.is_ipv4());
+        }
+    }
+}
