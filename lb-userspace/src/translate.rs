@@ -239,9 +239,13 @@ fn index_slices<E: Borrow<EndpointSlice>>(
             };
             match p.port {
                 Some(n) if (1..=65535).contains(&n) => ports.push((name, proto, n as u16)),
-                n => skipped.push(skip(
+                Some(n) => skipped.push(skip(
                     SkipReason::InvalidPort,
-                    format!("port {name:?} number {n:?}"),
+                    format!("port {name:?} number {n}"),
+                )),
+                None => skipped.push(skip(
+                    SkipReason::InvalidPort,
+                    format!("port {name:?} without a number"),
                 )),
             }
         }
