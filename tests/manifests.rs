@@ -208,10 +208,7 @@ fn list_kinds_contribute_their_items() {
             indent(service("in-service-list", "198.19.0.6")),
         ),
     );
-    dir.write(
-        "empty-list.yaml",
-        "apiVersion: v1\nkind: List\nitems: []\n",
-    );
+    dir.write("empty-list.yaml", "apiVersion: v1\nkind: List\nitems: []\n");
     let (o, problems) = load(&dir);
     assert!(problems.is_empty(), "{problems:?}");
     let mut names = service_names(&o);
@@ -308,7 +305,10 @@ fn broken_document_is_a_problem_and_other_files_still_load() {
 #[test]
 fn broken_first_document_is_reported_as_document_zero() {
     let dir = TempDir::new("broken0");
-    let broken = dir.write("x.yaml", "apiVersion: v1\nkind: Service\n  bad: indentation\n");
+    let broken = dir.write(
+        "x.yaml",
+        "apiVersion: v1\nkind: Service\n  bad: indentation\n",
+    );
     dir.write("y.yaml", &service("fine", "198.19.0.19"));
     let (o, problems) = load(&dir);
     assert_eq!(problems.len(), 1, "{problems:?}");
@@ -410,7 +410,8 @@ fn wrong_api_version_for_a_known_kind_is_not_loaded_as_that_kind() {
     let dir = TempDir::new("apiversion");
     dir.write(
         "old.yaml",
-        &slice("old", "web", "198.18.0.25").replace("discovery.k8s.io/v1", "discovery.k8s.io/v1beta1"),
+        &slice("old", "web", "198.18.0.25")
+            .replace("discovery.k8s.io/v1", "discovery.k8s.io/v1beta1"),
     );
     dir.write("new.yaml", &slice("new", "web", "198.18.0.26"));
     let (o, problems) = load(&dir);
@@ -457,7 +458,8 @@ fn loaded_objects_translate() {
     dir.write("slices/web-2.json", &slice("web-2", "web", "198.18.0.29"));
     let (o, problems) = load(&dir);
     assert!(problems.is_empty(), "{problems:?}");
-    let t = lb::translate::desired_state(&o.services, &o.slices);
+    let t =
+        lb::translate::desired_state(&o.services, &o.slices, &lb::translate::NodeInfo::default());
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);
     let entries: Vec<_> = t.state.services.iter().collect();
     assert_eq!(entries.len(), 1);
@@ -488,4 +490,40 @@ fn tab_indented_json_loads() {
     let (o, problems) = load(&dir);
     assert!(problems.is_empty(), "{problems:?}");
     assert_eq!(service_names(&o), ["tabbed"]);
+}
+
+#[test]
+fn node_objects_are_loaded_for_the_node_facts() {
+    let dir = TempDir::new("nodes");
+    dir.write(
+        "node.yaml",
+        "apiVersion: v1
+kind: Node
+metadata:
+  name: node-a
+  labels: {topology.kubernetes.io/zone: zone-1}
+---
+apiVersion: v1
+kind: NodeList
+items:
+  - apiVersion: v1
+    kind: Node
+    metadata: {name: node-b}
+",
+    );
+    let (o, problems) = load(&dir);
+    assert!(problems.is_empty(), "{problems:?}");
+    let names: Vec<_> = o
+        .nodes
+        .iter()
+        .map(|n| n.metadata.name.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(names, ["node-a", "node-b"]);
+    let info = lb::translate::NodeInfo::from_node("node-a", o.nodes.first());
+    assert_eq!(info.name, "node-a");
+    assert_eq!(info.zone.as_deref(), Some("zone-1"));
+    assert_eq!(
+        lb::translate::NodeInfo::from_node("node-b", o.nodes.get(1)).zone,
+        None
+    );
 }

@@ -26,17 +26,21 @@ struct LbProcess {
     lines: mpsc::Receiver<String>,
     log: Vec<String>,
     pin_dir: PathBuf,
+    state_dir: PathBuf,
 }
 
 impl LbProcess {
     fn start(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> Self {
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-{}", tb.id));
+        let state_dir = std::env::temp_dir().join(format!("lb-test-state-{}", tb.id));
         let mut cmd = Command::new(LB);
         cmd.arg("run")
             .arg("--manifests")
             .arg(manifests)
             .arg("--pin-dir")
             .arg(&pin_dir)
+            .arg("--state-dir")
+            .arg(&state_dir)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -63,6 +67,7 @@ impl LbProcess {
             lines,
             log: Vec::new(),
             pin_dir,
+            state_dir,
         };
         lb.wait_for(|l| l.contains(" ready"), "ready");
         lb
@@ -119,6 +124,7 @@ impl Drop for LbProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = fs::remove_dir_all(&self.pin_dir);
+        let _ = fs::remove_dir_all(&self.state_dir);
     }
 }
 

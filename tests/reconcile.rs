@@ -79,8 +79,7 @@ fn entry(name: &str, backends: &[Backend]) -> ServiceEntry {
 fn desired(services: &[(Frontend, &[Backend])]) -> DesiredState {
     let mut d = DesiredState::default();
     for (i, (fe, backends)) in services.iter().enumerate() {
-        d.services
-            .insert(*fe, entry(&format!("svc{i}"), backends));
+        d.services.insert(*fe, entry(&format!("svc{i}"), backends));
     }
     d
 }
@@ -190,16 +189,20 @@ fn position(ops: &[Op], what: &str, pred: impl Fn(&Op) -> bool) -> usize {
 
 fn master_put(ops: &[Op], fe: &Frontend) -> usize {
     let name = fe.to_string();
-    position(ops, &format!("master put of {name}"), |o| {
-        matches!(o, Op::PutSlot { fe, slot: 0, .. } if *fe == name)
-    })
+    position(
+        ops,
+        &format!("master put of {name}"),
+        |o| matches!(o, Op::PutSlot { fe, slot: 0, .. } if *fe == name),
+    )
 }
 
 fn slot_del(ops: &[Op], fe: &Frontend, slot: u16) -> usize {
     let name = fe.to_string();
-    position(ops, &format!("delete of {name} slot {slot}"), |o| {
-        matches!(o, Op::DelSlot { fe, slot: s } if *fe == name && *s == slot)
-    })
+    position(
+        ops,
+        &format!("delete of {name} slot {slot}"),
+        |o| matches!(o, Op::DelSlot { fe, slot: s } if *fe == name && *s == slot),
+    )
 }
 
 fn touches(op: &Op, fe: &Frontend) -> bool {
@@ -235,10 +238,7 @@ fn check_visible_consistency(dump: &Dump) -> Result<(), String> {
         match dump.revnat.get(&master.rev_nat_id) {
             Some((a, p)) if (*a, *p) == (fe.l4.addr, fe.l4.port) => {}
             other => {
-                return Err(format!(
-                    "{fe}: rev-NAT {} is {other:?}",
-                    master.rev_nat_id
-                ));
+                return Err(format!("{fe}: rev-NAT {} is {other:?}", master.rev_nat_id));
             }
         }
         for s in 1..=(master.count + master.qcount) {
@@ -246,7 +246,10 @@ fn check_visible_consistency(dump: &Dump) -> Result<(), String> {
                 return Err(format!("{fe}: slot {s} of {} missing", master.count));
             };
             let Some(b) = dump.backends.get(&sv.backend_id) else {
-                return Err(format!("{fe}: slot {s} names missing backend {}", sv.backend_id));
+                return Err(format!(
+                    "{fe}: slot {s} names missing backend {}",
+                    sv.backend_id
+                ));
             };
             if b.l4.addr.is_ipv4() != fe.l4.addr.is_ipv4() {
                 return Err(format!("{fe}: slot {s} names {} of the other family", b.l4));
@@ -314,9 +317,19 @@ fn assert_converged(dump: &Dump, d: &DesiredState) {
         render(dump)
     );
     let backend_ids: BTreeSet<u32> = dump.backends.keys().copied().collect();
-    assert_eq!(backend_ids, used_backends, "no orphan backends\n{}", render(dump));
+    assert_eq!(
+        backend_ids,
+        used_backends,
+        "no orphan backends\n{}",
+        render(dump)
+    );
     let revnat_ids: BTreeSet<u32> = dump.revnat.keys().copied().collect();
-    assert_eq!(revnat_ids, used_revnat, "no orphan rev-NAT\n{}", render(dump));
+    assert_eq!(
+        revnat_ids,
+        used_revnat,
+        "no orphan rev-NAT\n{}",
+        render(dump)
+    );
     let distinct: BTreeSet<L4Addr> = dump.backends.values().map(|b| b.l4).collect();
     assert_eq!(
         distinct.len(),
@@ -485,7 +498,11 @@ impl LbMaps for Checked {
     }
 
     fn put_revnat(&mut self, id: u32, addr: IpAddr, port: u16) -> Result<(), MapOpError> {
-        self.should_fail(&format!("put revnat {id}"), Table::RevNat, Family::of(&addr))?;
+        self.should_fail(
+            &format!("put revnat {id}"),
+            Table::RevNat,
+            Family::of(&addr),
+        )?;
         let r = self.inner.put_revnat(id, addr, port);
         self.after(r)
     }
@@ -542,7 +559,10 @@ fn fresh_apply_programs_every_frontend() {
     ]);
     let (report, ops) = apply_logged(&mut rec, &d);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
-    assert_eq!(report.deletes, 0, "nothing to delete on empty maps: {ops:#?}");
+    assert_eq!(
+        report.deletes, 0,
+        "nothing to delete on empty maps: {ops:#?}"
+    );
     let dump = dump_of(&rec);
     assert_converged(dump, &d);
     // A backend shared by two frontends is stored once.
@@ -557,6 +577,53 @@ fn fresh_apply_programs_every_frontend() {
     // A frontend without backends still has its master, with count 0.
     assert_eq!(dump.services[&(fe4(3), 0)].count, 0);
     assert!(!dump.services.contains_key(&(fe4(3), 1)));
+}
+
+#[test]
+fn usage_reports_what_the_maps_hold_per_map_and_family() {
+    let mut maps = MemMaps::with_capacity(100);
+    maps.capacities.insert((Table::Backends, Family::V6), 7);
+    let mut rec = Reconciler::new(maps).expect("dump");
+    rec.apply(&desired(&[
+        (fe4(1), &[be4(1), be4(2)]),
+        (fe4(2), &[be4(2)]),
+        (fe6(1), &[be6(1), be6(2), be6(3)]),
+    ]));
+    let dump = dump_of(&rec).clone();
+    let count_services = |v4: bool| {
+        dump.services
+            .keys()
+            .filter(|(fe, _)| fe.l4.addr.is_ipv4() == v4)
+            .count()
+    };
+    let count_backends = |v4: bool| {
+        dump.backends
+            .values()
+            .filter(|b| b.l4.addr.is_ipv4() == v4)
+            .count()
+    };
+    let count_revnat = |v4: bool| {
+        dump.revnat
+            .values()
+            .filter(|(a, _)| a.is_ipv4() == v4)
+            .count()
+    };
+    let usage: BTreeMap<&str, (usize, u32)> = rec
+        .usage()
+        .into_iter()
+        .map(|(name, used, cap)| (name, (used, cap)))
+        .collect();
+    assert_eq!(usage.len(), 6, "{usage:?}");
+    assert_eq!(usage["lb4_services"], (count_services(true), 100));
+    assert_eq!(usage["lb6_services"], (count_services(false), 100));
+    assert_eq!(usage["lb4_backends"], (count_backends(true), 100));
+    assert_eq!(usage["lb6_backends"], (count_backends(false), 7));
+    assert_eq!(usage["lb4_revnat"], (count_revnat(true), 100));
+    assert_eq!(usage["lb6_revnat"], (count_revnat(false), 100));
+    // And the counts themselves follow from the desired state.
+    assert_eq!(usage["lb4_services"].0, 3 + 2);
+    assert_eq!(usage["lb6_services"].0, 4);
+    assert_eq!(usage["lb4_backends"].0, 2);
 }
 
 #[test]
@@ -579,7 +646,10 @@ fn fresh_apply_writes_backends_then_revnat_then_slots_then_master() {
             let put = position(&ops, &format!("put of backend {backend}"), |o| {
                 *o == Op::PutBackend(*backend)
             });
-            assert!(put < i, "backend {backend} put at {put}, named at {i}: {ops:#?}");
+            assert!(
+                put < i,
+                "backend {backend} put at {put}, named at {i}: {ops:#?}"
+            );
         }
     }
     for (fe, e) in &d.services {
@@ -588,9 +658,11 @@ fn fresh_apply_writes_backends_then_revnat_then_slots_then_master() {
         for slot in 1..=e.backends.len() {
             let slot = u16::try_from(slot).expect("fits");
             let name = fe.to_string();
-            let at = position(&ops, &format!("{name} slot {slot}"), |o| {
-                matches!(o, Op::PutSlot { fe, slot: s, .. } if *fe == name && *s == slot)
-            });
+            let at = position(
+                &ops,
+                &format!("{name} slot {slot}"),
+                |o| matches!(o, Op::PutSlot { fe, slot: s, .. } if *fe == name && *s == slot),
+            );
             assert!(at < master, "{fe}: slot {slot} at {at}, master at {master}");
         }
         // The master put carries the count.
@@ -601,7 +673,9 @@ fn fresh_apply_writes_backends_then_revnat_then_slots_then_master() {
         assert_eq!(*backend, 0);
         // Rev-NAT before the master.
         let rid = revnat_id(&dump, fe);
-        let rev = position(&ops, &format!("put revnat {rid}"), |o| *o == Op::PutRevNat(rid));
+        let rev = position(&ops, &format!("put revnat {rid}"), |o| {
+            *o == Op::PutRevNat(rid)
+        });
         assert!(rev < master, "{fe}: rev-NAT at {rev}, master at {master}");
         // Exactly one master write per frontend, and slots written once.
         assert_eq!(
@@ -707,12 +781,7 @@ fn applying_the_same_state_again_writes_nothing() {
 fn an_equal_state_built_separately_is_also_a_no_op() {
     // Idempotence must not depend on object identity: a second, independently built state.
     let mut rec = fresh();
-    let build = || {
-        desired(&[
-            (fe4(1), &[be4(1), be4(2)]),
-            (fe6(1), &[be6(1)]),
-        ])
-    };
+    let build = || desired(&[(fe4(1), &[be4(1), be4(2)]), (fe6(1), &[be6(1)])]);
     rec.apply(&build());
     let (again, ops) = apply_logged(&mut rec, &build());
     assert_eq!((again.writes, again.deletes), (0, 0), "{ops:#?}");
@@ -737,7 +806,10 @@ fn two_scopes_of_one_address_share_the_revnat_entry() {
     d.services.remove(&internal);
     let (report, ops) = apply_logged(&mut rec, &d);
     assert!(report.errors.is_empty());
-    assert!(!ops.iter().any(|o| matches!(o, Op::DelRevNat(_))), "{ops:#?}");
+    assert!(
+        !ops.iter().any(|o| matches!(o, Op::DelRevNat(_))),
+        "{ops:#?}"
+    );
     assert_converged(dump_of(&rec), &d);
 }
 
@@ -762,7 +834,10 @@ fn shrinking_lowers_the_count_before_deleting_the_slot() {
     };
     assert_eq!(*count, 2, "master rewritten with the new count");
     let del = slot_del(&ops, &fe4(1), 3);
-    assert!(master < del, "count lowered at {master}, slot 3 deleted at {del}");
+    assert!(
+        master < del,
+        "count lowered at {master}, slot 3 deleted at {del}"
+    );
     assert!(
         !ops.iter().any(|o| matches!(o, Op::DelBackend(_))),
         "the shared backend is still used: {ops:#?}"
@@ -781,7 +856,9 @@ fn shrinking_lowers_the_count_before_deleting_the_slot() {
     let gc = position(&ops, "backend GC", |o| *o == Op::DelBackend(gone));
     assert!(master < del && del < gc, "{ops:#?}");
     assert_eq!(
-        ops.iter().filter(|o| matches!(o, Op::DelBackend(_))).count(),
+        ops.iter()
+            .filter(|o| matches!(o, Op::DelBackend(_)))
+            .count(),
         1,
         "{ops:#?}"
     );
@@ -798,9 +875,11 @@ fn shrinking_out_of_the_middle_keeps_the_visible_slots_valid() {
     let (report, ops) = apply_logged(&mut rec, &d);
     assert!(report.errors.is_empty());
     let id3 = ids[&be4(3).l4];
-    let rewrite = position(&ops, "slot 2 rewrite", |o| {
-        matches!(o, Op::PutSlot { slot: 2, backend, .. } if *backend == id3)
-    });
+    let rewrite = position(
+        &ops,
+        "slot 2 rewrite",
+        |o| matches!(o, Op::PutSlot { slot: 2, backend, .. } if *backend == id3),
+    );
     let master = master_put(&ops, &fe4(1));
     let del = slot_del(&ops, &fe4(1), 3);
     let gc = position(&ops, "GC of backend 2", |o| {
@@ -827,19 +906,27 @@ fn growing_writes_new_backends_and_slots_before_the_master() {
     for (slot, b) in [(3u16, be4(3)), (4, be4(4))] {
         let id = backend_id(dump, b);
         let put_b = position(&ops, "backend put", |o| *o == Op::PutBackend(id));
-        let put_s = position(&ops, "slot put", |o| {
-            matches!(o, Op::PutSlot { slot: s, backend, .. } if *s == slot && *backend == id)
-        });
+        let put_s = position(
+            &ops,
+            "slot put",
+            |o| matches!(o, Op::PutSlot { slot: s, backend, .. } if *s == slot && *backend == id),
+        );
         assert!(put_b < put_s && put_s < master, "{ops:#?}");
     }
     // Unchanged slots and backends are not rewritten, and keep their ids.
-    assert!(!ops.iter().any(|o| matches!(o, Op::PutSlot { slot: 1 | 2, .. })));
+    assert!(
+        !ops.iter()
+            .any(|o| matches!(o, Op::PutSlot { slot: 1 | 2, .. }))
+    );
     for b in [be4(1), be4(2)] {
         assert_eq!(backend_id(dump, b), ids_before[&b.l4]);
         assert!(!ops.contains(&Op::PutBackend(ids_before[&b.l4])));
     }
     assert!(!ops.iter().any(|o| matches!(o, Op::PutRevNat(_))));
-    assert!(!ops.iter().any(|o| !o.is_write()), "growing deletes nothing");
+    assert!(
+        !ops.iter().any(|o| !o.is_write()),
+        "growing deletes nothing"
+    );
     assert_converged(dump, &d);
 }
 
@@ -858,15 +945,20 @@ fn replacing_a_backend_switches_the_slot_then_collects_the_old_one() {
         "the new backend gets a fresh id while the old one still exists"
     );
     let put_b = position(&ops, "new backend", |o| *o == Op::PutBackend(new_id));
-    let put_s = position(&ops, "slot 3 switch", |o| {
-        matches!(o, Op::PutSlot { slot: 3, backend, .. } if *backend == new_id)
-    });
+    let put_s = position(
+        &ops,
+        "slot 3 switch",
+        |o| matches!(o, Op::PutSlot { slot: 3, backend, .. } if *backend == new_id),
+    );
     let master = master_put(&ops, &fe4(1));
     let gc = position(&ops, "old backend GC", |o| {
         *o == Op::DelBackend(old[&be4(3).l4])
     });
     assert!(put_b < put_s && put_s < master && master < gc, "{ops:#?}");
-    assert!(!ops.iter().any(|o| matches!(o, Op::DelSlot { .. })), "{ops:#?}");
+    assert!(
+        !ops.iter().any(|o| matches!(o, Op::DelSlot { .. })),
+        "{ops:#?}"
+    );
     assert_converged(dump, &d);
 }
 
@@ -900,7 +992,10 @@ fn removing_a_service_deletes_master_then_slots_then_revnat_and_backends() {
         assert!(master < *s, "master first: {ops:#?}");
         assert!(*s < rev && *s < b1 && *s < b2, "{ops:#?}");
     }
-    assert!(!ops.contains(&Op::DelBackend(ids[&be4(3).l4])), "shared backend kept");
+    assert!(
+        !ops.contains(&Op::DelBackend(ids[&be4(3).l4])),
+        "shared backend kept"
+    );
     assert!(!ops.contains(&Op::DelRevNat(keep_rid)));
     assert!(!ops.iter().any(|o| touches(o, &fe4(2))), "{ops:#?}");
     assert_eq!(ops.len(), 1 + 3 + 1 + 2, "{ops:#?}");
@@ -941,7 +1036,10 @@ fn backend_state_change_rewrites_backend_and_counts() {
         unreachable!()
     };
     assert_eq!(*count, 2);
-    assert!(!ops.iter().any(|o| matches!(o, Op::DelSlot { .. } | Op::DelBackend(_))));
+    assert!(
+        !ops.iter()
+            .any(|o| matches!(o, Op::DelSlot { .. } | Op::DelBackend(_)))
+    );
     let dump = dump_of(&rec);
     assert_eq!(backend_id(dump, be4(3)), id3, "same id, new state");
     assert_eq!(dump.services[&(fe4(1), 0)].qcount, 1);
@@ -989,16 +1087,29 @@ fn restart_from_the_pinned_maps_changes_nothing_then_converges_with_stable_ids()
     let dump = dump_of(&rec);
     assert_converged(dump, &s2);
     for b in [be4(1), be4(3)] {
-        assert_eq!(backend_id(dump, b), ids_before[&b.l4], "{} keeps its id", b.l4);
+        assert_eq!(
+            backend_id(dump, b),
+            ids_before[&b.l4],
+            "{} keeps its id",
+            b.l4
+        );
     }
     for fe in [fe4(1), fe4(2)] {
-        assert_eq!(revnat_id(dump, &fe), revnat_before[&fe], "{fe} keeps its rev-NAT id");
+        assert_eq!(
+            revnat_id(dump, &fe),
+            revnat_before[&fe],
+            "{fe} keeps its rev-NAT id"
+        );
     }
     // New ids never reuse an id that was in use when the maps were written before the restart
     // (an established flow's conntrack entry may still name it).
     for b in [be4(4), be4(5)] {
         let id = backend_id(dump, b);
-        assert!(!ids_before.values().any(|old| *old == id), "{} got reused id {id}", b.l4);
+        assert!(
+            !ids_before.values().any(|old| *old == id),
+            "{} got reused id {id}",
+            b.l4
+        );
     }
 
     // And a restart from that state is a no-op again.
@@ -1038,12 +1149,18 @@ fn stray_state_found_on_start_is_cleaned_by_the_first_apply() {
     maps.dump.revnat.insert(700, (vip4(77), VPORT));
     maps.dump.revnat.insert(701, (vip6(77), VPORT));
     let text = render(&maps.dump);
-    assert!(text.contains("orphan"), "the test input has orphans:\n{text}");
+    assert!(
+        text.contains("orphan"),
+        "the test input has orphans:\n{text}"
+    );
 
     let mut rec = Reconciler::new(maps).expect("dump");
     let (report, ops) = apply_logged(&mut rec, &d);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
-    assert_eq!(report.writes, 0, "the live services are fine as they are: {ops:#?}");
+    assert_eq!(
+        report.writes, 0,
+        "the live services are fine as they are: {ops:#?}"
+    );
     for op in [
         Op::DelSlot {
             fe: fe4(1).to_string(),
@@ -1093,7 +1210,6 @@ fn missing_slot_and_revnat_found_on_start_are_repaired() {
 }
 
 #[test]
-#[ignore = "bug: a stray slot found on start is deleted after growth re-uses it (reconcile.rs apply, stray_slots loop)"]
 fn stray_slot_reused_by_growth_is_not_deleted() {
     // The maps hold fe4(1) with 2 slots and a stray slot 3 left over from an interrupted shrink.
     // The desired state grows fe4(1) to 3 backends, so slot 3 is written again and becomes
@@ -1125,7 +1241,6 @@ fn stray_slot_reused_by_growth_is_not_deleted() {
 }
 
 #[test]
-#[ignore = "bug: a slot whose delete failed is deleted later even after growth re-used it (reconcile.rs apply, stray_slots loop)"]
 fn failed_surplus_delete_then_growth_keeps_the_slot() {
     // Same defect reached without a restart: a shrink whose slot delete fails records the slot as
     // stray; when the service grows back before the retry, the retry deletes a live slot.
@@ -1240,8 +1355,15 @@ fn grown_service_that_does_not_fit_keeps_its_previous_state() {
     assert!(error_for(&report, &fe4(1)).contains("lb4_services"));
     assert!(!ops.iter().any(|o| touches(o, &fe4(1))), "{ops:#?}");
     let dump = dump_of(&rec);
-    assert_eq!(render_block(dump, &fe4(1)), block_before, "previous state intact");
-    assert_eq!(backend_ids(dump).get(&be4(1).l4), ids_before.get(&be4(1).l4));
+    assert_eq!(
+        render_block(dump, &fe4(1)),
+        block_before,
+        "previous state intact"
+    );
+    assert_eq!(
+        backend_ids(dump).get(&be4(1).l4),
+        ids_before.get(&be4(1).l4)
+    );
     assert!(!backend_ids(dump).contains_key(&be4(3).l4));
     // Everything else is as desired: fe4(1) as before, the rest as asked.
     after
@@ -1280,7 +1402,9 @@ fn full_revnat_map_is_reported_by_name() {
     assert!(error_for(&report, &fe4(2)).contains("lb4_revnat"));
     assert!(!ops.iter().any(|o| touches(o, &fe4(2))));
     assert_eq!(
-        ops.iter().filter(|o| matches!(o, Op::PutBackend(_))).count(),
+        ops.iter()
+            .filter(|o| matches!(o, Op::PutBackend(_)))
+            .count(),
         1,
         "only fe4(1)'s backend is written: {ops:#?}"
     );
@@ -1306,7 +1430,6 @@ fn service_that_failed_for_room_is_programmed_once_room_is_freed() {
 }
 
 #[test]
-#[ignore = "bug: room freed by services removed in the same apply is not available to new ones (reconcile.rs apply: removals run after the desired services)"]
 fn replacing_a_service_at_full_capacity_succeeds_in_one_apply() {
     // The maps hold exactly one 3-entry service. The new manifests replace it by another
     // 3-entry service: the end state fits, but the new service is checked for room before the
@@ -1338,12 +1461,23 @@ fn backend_of_the_other_family_fails_that_service_only() {
     let (report, ops) = apply_logged(&mut rec, &d);
     assert_eq!(report.errors.len(), 2, "{:?}", report.errors);
     for fe in [fe4(1), fe6(1)] {
-        assert!(error_for(&report, &fe).contains("family"), "{:?}", report.errors);
+        assert!(
+            error_for(&report, &fe).contains("family"),
+            "{:?}",
+            report.errors
+        );
         assert!(!ops.iter().any(|o| touches(o, &fe)), "{ops:#?}");
     }
     let dump = dump_of(&rec);
-    assert_eq!(render_block(dump, &fe4(1)), block_before, "installed service kept");
-    assert!(render_block(dump, &fe6(1)).is_empty(), "new service not written");
+    assert_eq!(
+        render_block(dump, &fe4(1)),
+        block_before,
+        "installed service kept"
+    );
+    assert!(
+        render_block(dump, &fe6(1)).is_empty(),
+        "new service not written"
+    );
     assert!(!backend_ids(dump).contains_key(&be6(1).l4));
     assert!(!backend_ids(dump).contains_key(&be4(4).l4));
     d.services.insert(fe4(1), before.services[&fe4(1)].clone());
@@ -1382,9 +1516,7 @@ fn ipv4_and_ipv6_coexist_with_capacity_per_family() {
 
     // Freeing IPv6 room does not help IPv4, and vice versa.
     let mut v6_shrunk = more.clone();
-    v6_shrunk
-        .services
-        .insert(fe6(1), entry("svc1", &[be6(1)]));
+    v6_shrunk.services.insert(fe6(1), entry("svc1", &[be6(1)]));
     rec.apply(&v6_shrunk);
     let report = rec.apply(&v6_shrunk);
     assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
@@ -1457,8 +1589,28 @@ fn failed_backend_or_revnat_write_leaves_a_new_service_invisible() {
         // Fail only writes made for the new service: ids above those already in use.
         // For backends the second one fails, after the first was written.
         let target = match what {
-            "backend" => rec.maps().inner.dump.backends.keys().max().copied().unwrap_or(0) + 2,
-            _ => rec.maps().inner.dump.revnat.keys().max().copied().unwrap_or(0) + 1,
+            "backend" => {
+                rec.maps()
+                    .inner
+                    .dump
+                    .backends
+                    .keys()
+                    .max()
+                    .copied()
+                    .unwrap_or(0)
+                    + 2
+            }
+            _ => {
+                rec.maps()
+                    .inner
+                    .dump
+                    .revnat
+                    .keys()
+                    .max()
+                    .copied()
+                    .unwrap_or(0)
+                    + 1
+            }
         };
         rec.maps().fail_on(Some(&format!("{fail} {target}")));
         let mut d = keep.clone();
@@ -1498,7 +1650,6 @@ fn failed_slot_write_of_a_new_service_leaves_nothing_visible_and_is_cleaned_up()
 }
 
 #[test]
-#[ignore = "bug: a new service whose slot write fails leaves orphan slot, backend and rev-NAT entries until the next apply (reconcile.rs write_slots_and_master keeps the placeholder)"]
 fn failed_slot_write_of_a_new_service_leaves_no_orphans() {
     let mut rec = checked(64);
     rec.maps()
@@ -1510,7 +1661,6 @@ fn failed_slot_write_of_a_new_service_leaves_no_orphans() {
 }
 
 #[test]
-#[ignore = "bug: two frontends sharing a backend address with different states rewrite it on every apply (reconcile.rs apply_service: backend state is per address, not per frontend)"]
 fn shared_backend_in_different_states_is_idempotent() {
     // The model lets each frontend give a backend its own state; the backends map holds one
     // state per address. The two frontends overwrite each other's state on every apply, and one
@@ -1526,7 +1676,6 @@ fn shared_backend_in_different_states_is_idempotent() {
 }
 
 #[test]
-#[ignore = "bug: a missing rev-NAT entry found on start is not rewritten when the id allocated for it equals the master's (reconcile.rs apply_service `unchanged` ignores the rev-NAT entry)"]
 fn missing_revnat_with_the_highest_id_is_repaired() {
     let d = desired(&[(fe4(1), &[be4(1)]), (fe4(2), &[be4(2)])]);
     let mut first = fresh();

@@ -11,7 +11,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use lb::{
     manifests::{Objects, parse_into},
     model::{Frontend, Proto, ServiceEntry},
-    translate::{Ignored, SkipReason, Skipped, Translation, desired_state, ignored},
+    translate::{Ignored, NodeInfo, SkipReason, Skipped, Translation, desired_state, ignored},
 };
 use lb_common::{backend_state, scope, svc_flags};
 
@@ -20,13 +20,20 @@ fn objects(yaml: &str) -> Objects {
     let mut objects = Objects::default();
     let mut problems = Vec::new();
     parse_into(Path::new("test.yaml"), yaml, &mut objects, &mut problems);
-    assert!(problems.is_empty(), "test input does not parse: {problems:?}");
+    assert!(
+        problems.is_empty(),
+        "test input does not parse: {problems:?}"
+    );
     objects
 }
 
+/// Translation on a node that no endpoint names and that has no zone: the cluster-wide view.
+fn anywhere(o: &Objects) -> Translation {
+    desired_state(&o.services, &o.slices, &NodeInfo::default())
+}
+
 fn translate(yaml: &str) -> Translation {
-    let o = objects(yaml);
-    desired_state(&o.services, &o.slices)
+    anywhere(&objects(yaml))
 }
 
 fn v4(s: &str) -> IpAddr {
@@ -42,11 +49,15 @@ fn fe(addr: IpAddr, port: u16, proto: Proto) -> Frontend {
 }
 
 /// The entry of a frontend, which must exist.
-fn entry<'a>(t: &'a Translation, frontend: Frontend) -> &'a ServiceEntry {
+fn entry(t: &Translation, frontend: Frontend) -> &ServiceEntry {
     t.state.services.get(&frontend).unwrap_or_else(|| {
         panic!(
             "no frontend {frontend}; have {:?}",
-            t.state.services.keys().map(|f| f.to_string()).collect::<Vec<_>>()
+            t.state
+                .services
+                .keys()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
         )
     })
 }
@@ -186,7 +197,9 @@ endpoints:
 }
 
 #[test]
-fn unnamed_single_port_matches_unnamed_slice_port_and_protocol_defaults_to_tcp() {
+fn unnamed_service_port_matches_the_empty_slice_port_name_and_protocol_defaults_to_tcp() {
+    // The EndpointSlice controller writes `name: ""` for an unnamed service port. A slice port
+    // with no name at all is malformed (kube-proxy ignores it) and contributes nothing.
     let t = translate(
         "apiVersion: v1
 kind: Service
@@ -204,16 +217,30 @@ metadata:
   labels: {kubernetes.io/service-name: single}
 addressType: IPv4
 ports:
-  - {port: 8080}
+  - {name: \"\", port: 8080}
 endpoints:
   - addresses: [198.18.0.1]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: single-2
+  namespace: ns
+  labels: {kubernetes.io/service-name: single}
+addressType: IPv4
+ports:
+  - {port: 9090}
+endpoints:
+  - addresses: [198.18.0.2]
 ",
     );
-    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
     let f = fe(v4("198.19.0.11"), 80, Proto::Tcp);
     assert_eq!(backends(&t, f), set(&["198.18.0.1:8080/TCP"]));
     assert_eq!(entry(&t, f).name.port_name, "");
     assert_eq!(entry(&t, f).name.to_string(), "ns/single");
+    assert_eq!(t.skipped.len(), 1, "{:?}", t.skipped);
+    assert_eq!(t.skipped[0].object, "ns/single-2");
+    assert_eq!(t.skipped[0].reason, SkipReason::InvalidPort);
 }
 
 #[test]
@@ -294,7 +321,14 @@ spec:
 fn slices_of_one_service_merge() {
     let t = translate(&docs(&[
         service_yaml("ns", "web", "198.19.0.30", "http", 80),
-        slice_yaml("ns", "web-a", "web", "http", 8080, &["198.18.0.1", "198.18.0.2"]),
+        slice_yaml(
+            "ns",
+            "web-a",
+            "web",
+            "http",
+            8080,
+            &["198.18.0.1", "198.18.0.2"],
+        ),
         slice_yaml("ns", "web-b", "web", "http", 8080, &["198.18.0.3"]),
     ]));
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);
@@ -313,7 +347,14 @@ fn same_endpoint_in_two_slices_is_one_backend() {
     // During a slice rebalance the same pod can briefly appear in two slices.
     let t = translate(&docs(&[
         service_yaml("ns", "web", "198.19.0.31", "http", 80),
-        slice_yaml("ns", "web-a", "web", "http", 8080, &["198.18.0.1", "198.18.0.2"]),
+        slice_yaml(
+            "ns",
+            "web-a",
+            "web",
+            "http",
+            8080,
+            &["198.18.0.1", "198.18.0.2"],
+        ),
         slice_yaml("ns", "web-b", "web", "http", 8080, &["198.18.0.2"]),
     ]));
     let e = entry(&t, fe(v4("198.19.0.31"), 80, Proto::Tcp));
@@ -474,7 +515,10 @@ endpoints:
         set(&["[2001:db8::1]:5354/UDP"])
     );
     for (f, e) in &t.state.services {
-        assert_eq!(e.name.to_string(), format!("demo/echo:{}", e.name.port_name));
+        assert_eq!(
+            e.name.to_string(),
+            format!("demo/echo:{}", e.name.port_name)
+        );
         assert_eq!(e.flags, svc_flags::CLUSTER_IP);
         for b in &e.backends {
             assert_eq!(b.l4.addr.is_ipv4(), f.l4.addr.is_ipv4(), "{f}: {b:?}");
@@ -553,7 +597,11 @@ endpoints:
 "
         .to_string(),
     ]));
-    assert!(t.skipped.is_empty(), "FQDN is not an error: {:?}", t.skipped);
+    assert!(
+        t.skipped.is_empty(),
+        "FQDN is not an error: {:?}",
+        t.skipped
+    );
     assert_eq!(
         backends(&t, fe(v4("198.19.0.60"), 80, Proto::Tcp)),
         set(&["198.18.0.1:8080/TCP"])
@@ -680,7 +728,14 @@ spec:
     - {name: http, port: 80}
 "
         .to_string(),
-        slice_yaml("ns", "headless-1", "headless", "http", 8080, &["198.18.0.1"]),
+        slice_yaml(
+            "ns",
+            "headless-1",
+            "headless",
+            "http",
+            8080,
+            &["198.18.0.1"],
+        ),
         "apiVersion: v1
 kind: Service
 metadata: {name: external, namespace: ns}
@@ -719,7 +774,7 @@ spec:
     assert_eq!(ignored(by_name("other")), Some(Ignored::OtherProxy));
     assert_eq!(ignored(by_name("normal")), None);
 
-    let t = desired_state(&o.services, &o.slices);
+    let t = anywhere(&o);
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);
     assert_eq!(frontends(&t), set(&["198.19.0.82:80/TCP"]));
     assert_eq!(
@@ -848,12 +903,9 @@ endpoints:
         .to_string(),
     ]));
     assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
-    assert!(
-        t.skipped
-            .iter()
-            .all(|s| s.kind == "Service" && s.object == "ns/web"
-                && s.reason == SkipReason::InvalidPort)
-    );
+    assert!(t.skipped.iter().all(|s| s.kind == "Service"
+        && s.object == "ns/web"
+        && s.reason == SkipReason::InvalidPort));
     assert!(t.skipped.iter().any(|s| s.detail.contains("70000")));
     assert!(
         t.skipped
@@ -978,7 +1030,12 @@ fn unparseable_endpoint_address_is_skipped_and_other_endpoints_apply() {
             "web",
             "http",
             8080,
-            &["198.18.0.1", "198.18.0.256", "pod.example.invalid", "198.18.0.2"],
+            &[
+                "198.18.0.1",
+                "198.18.0.256",
+                "pod.example.invalid",
+                "198.18.0.2",
+            ],
         ),
     ]));
     assert_eq!(t.skipped.len(), 2, "{:#?}", t.skipped);
@@ -1262,7 +1319,11 @@ fn bad_objects_do_not_change_what_good_objects_produce() {
             "ns/bad-addrs",
             SkipReason::AddressFamilyMismatch,
         ),
-        ("EndpointSlice", "ns/no-label", SkipReason::MissingServiceLabel),
+        (
+            "EndpointSlice",
+            "ns/no-label",
+            SkipReason::MissingServiceLabel,
+        ),
         ("Service", "ns/bad-ip", SkipReason::InvalidIp),
         ("Service", "ns/bad-ports", SkipReason::InvalidPort),
         ("Service", "ns/bad-ports", SkipReason::InvalidPort),
@@ -1275,12 +1336,12 @@ fn bad_objects_do_not_change_what_good_objects_produce() {
 #[test]
 fn result_does_not_depend_on_input_order() {
     let o = objects(&format!("{GOOD}---\n{BAD}"));
-    let forward = desired_state(&o.services, &o.slices);
+    let forward = anywhere(&o);
     let mut services: Vec<Service> = o.services.clone();
     let mut slices: Vec<EndpointSlice> = o.slices.clone();
     services.reverse();
     slices.reverse();
-    let backward = desired_state(&services, &slices);
+    let backward = desired_state(&services, &slices, &NodeInfo::default());
     assert_eq!(forward.state, backward.state);
     let mut a = forward.skipped.clone();
     let mut b = backward.skipped.clone();
@@ -1295,7 +1356,7 @@ fn result_does_not_depend_on_input_order() {
 
 #[test]
 fn empty_input_gives_empty_state() {
-    let t = desired_state(&[], &[]);
+    let t = desired_state::<Service, EndpointSlice>(&[], &[], &NodeInfo::default());
     assert!(t.state.services.is_empty());
     assert!(t.skipped.is_empty());
     assert_eq!(t.state.backend_count(), 0);
@@ -1306,7 +1367,7 @@ fn the_example_manifests_translate_to_the_demo_state() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
     let (o, problems) = lb::manifests::load_dir(&dir).expect("deploy/examples is readable");
     assert!(problems.is_empty(), "{problems:?}");
-    let t = desired_state(&o.services, &o.slices);
+    let t = anywhere(&o);
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);
     assert_eq!(t.state.services.len(), 4, "2 ports x 2 families");
     for (f, e) in &t.state.services {
@@ -1319,4 +1380,119 @@ fn the_example_manifests_translate_to_the_demo_state() {
             assert_eq!(b.l4.addr.is_ipv4(), f.l4.addr.is_ipv4());
         }
     }
+}
+
+#[test]
+fn serving_terminating_endpoints_are_used_only_when_none_is_ready() {
+    let slice = |extra: &str| {
+        format!(
+            "apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: ns}}
+spec:
+  clusterIP: 198.19.2.1
+  ports:
+    - {{name: http, port: 80}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: ns
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+  - {{name: http, port: 8080}}
+endpoints:
+  - addresses: [198.18.0.1]
+    conditions: {{ready: false, serving: true, terminating: true}}
+  - addresses: [198.18.0.2]
+    conditions: {{ready: false, serving: false, terminating: true}}
+  - addresses: [198.18.0.3]
+    conditions: {{ready: false}}
+{extra}"
+        )
+    };
+    let f = fe(v4("198.19.2.1"), 80, Proto::Tcp);
+    // No ready endpoint: the serving, terminating one keeps the service reachable.
+    let t = translate(&slice(""));
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(backends(&t, f), set(&["198.18.0.1:8080/TCP"]));
+    // With a ready endpoint, only ready ones are used.
+    let t = translate(&slice(
+        "  - addresses: [198.18.0.4]\n    conditions: {ready: true}\n",
+    ));
+    assert_eq!(backends(&t, f), set(&["198.18.0.4:8080/TCP"]));
+}
+
+#[test]
+fn internal_traffic_policy_local_uses_this_nodes_endpoints_only() {
+    let o = objects(
+        "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: ns}
+spec:
+  clusterIP: 198.19.2.2
+  internalTrafficPolicy: Local
+  ports:
+    - {name: http, port: 80}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+  - {name: http, port: 8080}
+endpoints:
+  - addresses: [198.18.0.1]
+    nodeName: node-a
+  - addresses: [198.18.0.2]
+    nodeName: node-b
+  - addresses: [198.18.0.3]
+",
+    );
+    let f = fe(v4("198.19.2.2"), 80, Proto::Tcp);
+    let on = |name: &str| {
+        desired_state(
+            &o.services,
+            &o.slices,
+            &NodeInfo {
+                name: name.into(),
+                zone: None,
+            },
+        )
+    };
+    let a = on("node-a");
+    assert!(a.skipped.is_empty(), "{:?}", a.skipped);
+    assert_eq!(backends(&a, f), set(&["198.18.0.1:8080/TCP"]));
+    assert_eq!(
+        entry(&a, f).flags,
+        svc_flags::CLUSTER_IP | svc_flags::INT_LOCAL
+    );
+    assert_eq!(backends(&on("node-b"), f), set(&["198.18.0.2:8080/TCP"]));
+    // A node with no endpoint of its own keeps the frontend, with no backend (kube-proxy drops
+    // the traffic rather than leaving the node).
+    let c = on("node-c");
+    assert!(entry(&c, f).backends.is_empty());
+    assert!(anywhere(&o).state.services[&f].backends.is_empty());
+}
+
+#[test]
+fn headless_labelled_slices_are_ignored() {
+    let t = translate(&docs(&[
+        service_yaml("ns", "web", "198.19.2.3", "http", 80),
+        slice_yaml("ns", "web-1", "web", "http", 8080, &["198.18.0.1"]),
+        slice_yaml("ns", "web-2", "web", "http", 8080, &["198.18.0.2"]).replace(
+            "labels: {kubernetes.io/service-name: web}",
+            "labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: \"\"}",
+        ),
+    ]));
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    assert_eq!(
+        backends(&t, fe(v4("198.19.2.3"), 80, Proto::Tcp)),
+        set(&["198.18.0.1:8080/TCP"])
+    );
 }

@@ -41,6 +41,56 @@ pub struct RunOptions {
     pub metrics_addr: Option<SocketAddr>,
     /// `/healthz` and `/livez`; `None` disables them.
     pub healthz_addr: Option<SocketAddr>,
+    /// Where `frontends.json` (frontend → service name, for `lb services`) is written.
+    pub state_dir: PathBuf,
+}
+
+/// Default `--state-dir`.
+pub const DEFAULT_STATE_DIR: &str = "/run/lb";
+/// File in the state dir naming each programmed frontend's service.
+pub const FRONTENDS_FILE: &str = "frontends.json";
+
+/// One line of `frontends.json`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FrontendName {
+    /// `ip:port/PROTO` (IPv6 in brackets), as `model::L4Addr` displays it.
+    pub frontend: String,
+    /// `external` or `internal`.
+    pub scope: String,
+    pub namespace: String,
+    pub name: String,
+    pub port_name: String,
+    /// ClusterIP, ExternalIP, LoadBalancer, NodePort.
+    pub kind: String,
+}
+
+/// Writes the names of the desired frontends atomically (temp file + rename).
+fn write_frontend_names(
+    dir: &std::path::Path,
+    state: &crate::model::DesiredState,
+) -> anyhow::Result<()> {
+    let names: Vec<FrontendName> = state
+        .services
+        .iter()
+        .map(|(fe, entry)| FrontendName {
+            frontend: fe.l4.to_string(),
+            scope: if fe.scope == lb_common::scope::INTERNAL {
+                "internal"
+            } else {
+                "external"
+            }
+            .into(),
+            namespace: entry.name.namespace.clone(),
+            name: entry.name.name.clone(),
+            port_name: entry.name.port_name.clone(),
+            kind: entry.kind().into(),
+        })
+        .collect();
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = dir.join(format!(".{FRONTENDS_FILE}.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&names)?)?;
+    std::fs::rename(&tmp, dir.join(FRONTENDS_FILE))?;
+    Ok(())
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -96,7 +146,10 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
                 metrics.mark_change_pending(snapshot.changed_at);
                 generation += 1;
-                sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
+                let state = sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
+                if let Err(e) = write_frontend_names(&opts.state_dir, &state) {
+                    tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
+                }
                 if generation == 1 {
                     // Attach only once the maps hold the full state, so no packet sees less.
                     attach(&mut datapath, &opts)?;
@@ -126,14 +179,14 @@ fn attach(datapath: &mut Datapath, opts: &RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Translates a snapshot and applies it. Returns whether every service was programmed.
+/// Translates a snapshot and applies it; returns the desired state it applied.
 pub fn sync<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     snapshot: &Snapshot,
     node_name: &str,
     generation: u64,
     metrics: &Metrics,
-) -> bool {
+) -> crate::model::DesiredState {
     let start = Instant::now();
     for p in &snapshot.problems {
         tracing::warn!(problem = %p, "skipping manifest document");
@@ -156,6 +209,7 @@ pub fn sync<M: LbMaps>(
         );
     }
     let ok = report.errors.is_empty();
+    let applied_services = translation.state.services.len();
     let event_to_write = written.saturating_duration_since(snapshot.changed_at);
     metrics.observe_sync(written - start, ok);
     metrics.observe_event_to_write(event_to_write);
@@ -172,7 +226,7 @@ pub fn sync<M: LbMaps>(
     );
     tracing::info!(
         generation,
-        services = translation.state.services.len(),
+        services = applied_services,
         backends = translation.state.backend_count(),
         writes = report.writes,
         deletes = report.deletes,
@@ -181,5 +235,5 @@ pub fn sync<M: LbMaps>(
         elapsed_us = (written - start).as_micros() as u64,
         "synced"
     );
-    ok
+    translation.state
 }

@@ -57,6 +57,9 @@ struct RunArgs {
     /// /healthz and /livez address (kube-proxy's default).
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: String,
+    /// Directory for runtime state shared with `lb services` (frontend names).
+    #[arg(long, default_value = daemon::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
 }
 
 /// Manifests used when neither --manifests nor a cluster is configured.
@@ -135,6 +138,7 @@ async fn main() -> anyhow::Result<()> {
                 tc_egress: args.tc_egress,
                 metrics_addr: metrics_addr.and(healthz_addr).and(metrics_addr),
                 healthz_addr: metrics_addr.and(healthz_addr),
+                state_dir: args.state_dir,
             })
             .await
         }

@@ -163,25 +163,10 @@ impl<M: LbMaps> Reconciler<M> {
     /// Makes the maps hold `desired`.
     pub fn apply(&mut self, desired: &DesiredState) -> ApplyReport {
         let mut report = ApplyReport::default();
-        let mut room: BTreeMap<(Table, Family), i64> = BTreeMap::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
-            for f in [Family::V4, Family::V6] {
-                let free = self.maps.capacity(t, f) as i64 - self.used(t, f) as i64;
-                room.insert((t, f), free);
-            }
-        }
 
-        for (fe, entry) in &desired.services {
-            if let Err(error) = self.apply_service(fe, entry, &mut room, &mut report) {
-                report.errors.push(ServiceError {
-                    frontend: *fe,
-                    service: entry.name.to_string(),
-                    error,
-                });
-            }
-        }
-
-        // Services that are gone.
+        // First what goes away, so the room it frees is usable by what comes (replacing a
+        // service at full capacity works in one apply). Removed frontends were already out of
+        // use, so no packet can miss anything by their going first.
         let gone: Vec<Frontend> = self
             .services
             .keys()
@@ -197,6 +182,48 @@ impl<M: LbMaps> Reconciler<M> {
                 });
             }
         }
+        self.delete_stray_slots(&mut report);
+        let wanted: BTreeSet<L4Addr> = desired
+            .services
+            .values()
+            .flat_map(|e| e.backends.iter().map(|b| b.l4))
+            .collect();
+        self.collect_garbage(&wanted, &mut report);
+
+        // One state per backend address: the backends map has a single entry for it, so the
+        // most usable state any frontend gives it wins (active, then terminating, ...).
+        let mut states: HashMap<L4Addr, u8> = HashMap::new();
+        for b in desired.services.values().flat_map(|e| &e.backends) {
+            states
+                .entry(b.l4)
+                .and_modify(|s| *s = (*s).min(b.state))
+                .or_insert(b.state);
+        }
+
+        let mut room: BTreeMap<(Table, Family), i64> = BTreeMap::new();
+        for t in [Table::Services, Table::Backends, Table::RevNat] {
+            for f in [Family::V4, Family::V6] {
+                let free = self.maps.capacity(t, f) as i64 - self.used(t, f) as i64;
+                room.insert((t, f), free);
+            }
+        }
+        for (fe, entry) in &desired.services {
+            if let Err(error) = self.apply_service(fe, entry, &states, &mut room, &mut report) {
+                report.errors.push(ServiceError {
+                    frontend: *fe,
+                    service: entry.name.to_string(),
+                    error,
+                });
+            }
+        }
+
+        // Slots dropped by shrinking services leave their backends unreferenced.
+        self.delete_stray_slots(&mut report);
+        self.collect_garbage(&BTreeSet::new(), &mut report);
+        report
+    }
+
+    fn delete_stray_slots(&mut self, report: &mut ApplyReport) {
         for (fe, slot) in std::mem::take(&mut self.stray_slots) {
             match self.maps.del_service(&fe, slot) {
                 Ok(()) => report.deletes += 1,
@@ -206,8 +233,6 @@ impl<M: LbMaps> Reconciler<M> {
                 }
             }
         }
-        self.collect_garbage(&mut report);
-        report
     }
 
     fn alloc_backend_id(&mut self) -> u32 {
@@ -234,6 +259,7 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         entry: &ServiceEntry,
+        states: &HashMap<L4Addr, u8>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
     ) -> Result<(), String> {
@@ -309,14 +335,20 @@ impl<M: LbMaps> Reconciler<M> {
             pad: 0,
             affinity_timeout: 0,
         };
+        // The state a backend gets in the (shared) backends map.
+        let global = |b: &Backend| Backend {
+            l4: b.l4,
+            state: states.get(&b.l4).copied().unwrap_or(b.state),
+        };
         let unchanged = existing
             .as_ref()
             .is_some_and(|i| i.master == master && i.slots == planned_ids)
+            && self.revnat.get(&rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
             && entry
                 .backends
                 .iter()
                 .zip(&planned_ids)
-                .all(|(b, id)| self.backends.get(id) == Some(b));
+                .all(|(b, id)| self.backends.get(id) == Some(&global(b)));
         if unchanged {
             return Ok(());
         }
@@ -330,10 +362,11 @@ impl<M: LbMaps> Reconciler<M> {
 
         // 1. Backends (new ones, and known ones whose state changed).
         for (b, id) in entry.backends.iter().zip(&planned_ids) {
-            if self.backends.get(id) != Some(b) {
-                self.maps.put_backend(*id, b).map_err(|e| e.to_string())?;
+            let b = global(b);
+            if self.backends.get(id) != Some(&b) {
+                self.maps.put_backend(*id, &b).map_err(|e| e.to_string())?;
                 report.writes += 1;
-                self.backends.insert(*id, *b);
+                self.backends.insert(*id, b);
                 self.backend_ids.insert(b.l4, *id);
             }
         }
@@ -386,29 +419,49 @@ impl<M: LbMaps> Reconciler<M> {
         master: &SvcValue,
         report: &mut ApplyReport,
     ) -> Result<(), MapOpError> {
+        let fresh = !self.services.contains_key(fe);
+        let result = self.try_write_slots_and_master(fe, ids, master, report);
+        if result.is_err() && fresh {
+            // No master was ever visible: take back the slots written so far, so a new
+            // service that failed leaves nothing behind.
+            let written = self.services.remove(fe).map_or(0, |i| i.slots.len());
+            for slot in (1..=written).rev() {
+                match self.maps.del_service(fe, slot as u16) {
+                    Ok(()) => report.deletes += 1,
+                    Err(_) => {
+                        self.stray_slots.insert((*fe, slot as u16));
+                    }
+                }
+            }
+        }
+        result
+    }
+
+    fn try_write_slots_and_master(
+        &mut self,
+        fe: &Frontend,
+        ids: &[u32],
+        master: &SvcValue,
+        report: &mut ApplyReport,
+    ) -> Result<(), MapOpError> {
         let installed = self.services.entry(*fe).or_insert_with(|| Installed {
             master: SvcValue::default(),
             slots: Vec::new(),
         });
-        let fresh = installed.slots.is_empty() && installed.master == SvcValue::default();
         for (i, id) in ids.iter().enumerate() {
             if installed.slots.get(i) == Some(id) {
                 continue;
             }
+            let slot = (i + 1) as u16;
             let v = SvcValue {
                 backend_id: *id,
                 rev_nat_id: master.rev_nat_id,
                 ..SvcValue::default()
             };
-            let r = self.maps.put_service(fe, (i + 1) as u16, &v);
-            if let Err(e) = r {
-                if fresh && installed.slots.iter().all(|s| *s == 0) {
-                    // Nothing of this service was visible; forget the placeholder.
-                    self.services.remove(fe);
-                }
-                return Err(e);
-            }
+            self.maps.put_service(fe, slot, &v)?;
             report.writes += 1;
+            // A slot left over from before is in use again: it is no longer stray.
+            self.stray_slots.remove(&(*fe, slot));
             if i < installed.slots.len() {
                 installed.slots[i] = *id;
             } else {
@@ -476,7 +529,10 @@ impl<M: LbMaps> Reconciler<M> {
     }
 
     /// Deletes backends and rev-NAT entries no installed service refers to.
-    fn collect_garbage(&mut self, report: &mut ApplyReport) {
+    ///
+    /// Backends in `keep` survive even when unreferenced: they are about to be used again, and
+    /// keeping them keeps their ids (and the conntrack entries naming them) valid.
+    fn collect_garbage(&mut self, keep: &BTreeSet<L4Addr>, report: &mut ApplyReport) {
         let used_backends: BTreeSet<u32> = self
             .services
             .values()
@@ -484,9 +540,9 @@ impl<M: LbMaps> Reconciler<M> {
             .collect();
         let unused: Vec<u32> = self
             .backends
-            .keys()
-            .filter(|id| !used_backends.contains(id))
-            .copied()
+            .iter()
+            .filter(|(id, b)| !used_backends.contains(id) && !keep.contains(&b.l4))
+            .map(|(id, _)| *id)
             .collect();
         for id in unused {
             let Some(b) = self.backends.get(&id).copied() else {

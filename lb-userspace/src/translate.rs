@@ -72,6 +72,8 @@ pub enum SkipReason {
     AddressFamilyMismatch,
     UnknownAddressType,
     MissingServiceLabel,
+    /// Another service (first in namespace/name order) already has this frontend.
+    DuplicateFrontend,
 }
 
 impl SkipReason {
@@ -85,6 +87,7 @@ impl SkipReason {
             SkipReason::AddressFamilyMismatch => "address_family_mismatch",
             SkipReason::UnknownAddressType => "unknown_address_type",
             SkipReason::MissingServiceLabel => "missing_service_label",
+            SkipReason::DuplicateFrontend => "duplicate_frontend",
         }
     }
 }
@@ -399,6 +402,20 @@ fn categorize(
     (cluster, local)
 }
 
+/// Adds a frontend unless an earlier service (namespace/name order) already has it.
+fn insert(state: &mut DesiredState, skipped: &mut Vec<Skipped>, fe: Frontend, entry: ServiceEntry) {
+    if let Some(first) = state.services.get(&fe) {
+        skipped.push(Skipped {
+            kind: "Service",
+            object: format!("{}/{}", entry.name.namespace, entry.name.name),
+            reason: SkipReason::DuplicateFrontend,
+            detail: format!("frontend {fe} already belongs to {}", first.name),
+        });
+        return;
+    }
+    state.services.insert(fe, entry);
+}
+
 fn backends(l4s: &[L4Addr]) -> Vec<Backend> {
     l4s.iter().copied().map(Backend::active).collect()
 }
@@ -544,7 +561,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     (&cluster, 0)
                 };
                 for ip in cluster_ips.iter().filter(of_family) {
-                    state.services.insert(
+                    insert(
+                        &mut state,
+                        &mut skipped,
                         Frontend::new(*ip, port.port as u16, proto),
                         ServiceEntry {
                             name: svc_name.clone(),
@@ -568,7 +587,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         let fe = Frontend::new(*ip, port.port as u16, proto);
                         let two_scopes = external_local && cluster != local;
                         let scope_flag = if two_scopes { svc_flags::TWO_SCOPES } else { 0 };
-                        state.services.insert(
+                        insert(
+                            &mut state,
+                            &mut skipped,
                             fe,
                             ServiceEntry {
                                 name: svc_name.clone(),
@@ -579,7 +600,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         if two_scopes {
                             // Pod and host traffic to an ETP=Local external IP is not
                             // restricted to local endpoints (kube-proxy's short-circuit).
-                            state.services.insert(
+                            insert(
+                                &mut state,
+                                &mut skipped,
                                 Frontend {
                                     scope: scope::INTERNAL,
                                     ..fe

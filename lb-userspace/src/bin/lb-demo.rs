@@ -223,7 +223,8 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
     check_interrupted()?;
 
     // Declared after the testbed, so it is removed (after lb stopped) before the testbed goes.
-    let pin_dir = PinDir(Path::new(BPFFS).join(format!("lb-demo-{}", tb.id)));
+    let pin_dir = DirGuard(Path::new(BPFFS).join(format!("lb-demo-{}", tb.id)));
+    let state_dir = DirGuard(std::env::temp_dir().join(format!("lb-demo-state-{}", tb.id)));
     let ifaces = tb.node_ifaces().join(",");
 
     for mode in [Mode::SocketLb, Mode::TcOnly] {
@@ -233,6 +234,8 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
             manifests.display().to_string(),
             "--pin-dir".into(),
             pin_dir.0.display().to_string(),
+            "--state-dir".into(),
+            state_dir.0.display().to_string(),
         ];
         match mode {
             Mode::SocketLb => {
@@ -1019,9 +1022,9 @@ fn strip_ansi(s: &str) -> String {
 // Cleanup and signals
 
 /// lb's pin directory, removed on drop (lb leaves its maps pinned on exit).
-struct PinDir(PathBuf);
+struct DirGuard(PathBuf);
 
-impl PinDir {
+impl DirGuard {
     fn remove(self) -> anyhow::Result<()> {
         let path = self.0.clone();
         drop(self);
@@ -1030,7 +1033,7 @@ impl PinDir {
     }
 }
 
-impl Drop for PinDir {
+impl Drop for DirGuard {
     fn drop(&mut self) {
         match fs::remove_dir_all(&self.0) {
             Ok(()) => {}
