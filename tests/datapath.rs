@@ -586,3 +586,42 @@ fn removed_backend_gets_no_new_flows_and_established_flows_move() {
     ));
     assert!(remaining.contains(&parse_and_verify(&out).dst));
 }
+
+#[test]
+fn pod_hook_uses_internal_scope_of_two_scope_frontends() {
+    // An externalIP with externalTrafficPolicy=Local: external traffic only to the local
+    // backend, in-cluster traffic (lb_tc_pod, like socket LB) to all of them.
+    let mut fx = fixture();
+    let ext: IpAddr = Ipv4Addr::new(198, 18, 200, 1).into();
+    let all: Vec<IpAddr> = BACKENDS4.iter().map(|a| (*a).into()).collect();
+    let (mut fe, mut external) = service(ext, Proto::Tcp, &all[..1]);
+    external.flags = svc_flags::EXTERNAL_IP | svc_flags::EXT_LOCAL | svc_flags::TWO_SCOPES;
+    let mut internal = service(ext, Proto::Tcp, &all).1;
+    internal.flags = external.flags;
+    let mut desired = DesiredState::default();
+    desired.services.insert(fe, external);
+    fe.scope = lb_common::scope::INTERNAL;
+    desired.services.insert(fe, internal);
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+
+    let mut from_outside = BTreeSet::new();
+    let mut from_pods = BTreeSet::new();
+    // Distinct source ports per hook: one 5-tuple would be one conntrack flow.
+    for sport in 20_000..20_060u16 {
+        let outside = packet(CLIENT4.into(), sport, ext, VPORT, L4::TcpSyn);
+        from_outside.insert(parse_and_verify(&fx.ingress(&outside).1).dst);
+        let pod = packet(CLIENT4.into(), sport + 1000, ext, VPORT, L4::TcpSyn);
+        from_pods.insert(parse_and_verify(&fx.run(prog_names::TC_POD, &pod).1).dst);
+    }
+    assert_eq!(
+        from_outside,
+        BTreeSet::from([all[0]]),
+        "external scope: local backend only"
+    );
+    assert_eq!(
+        from_pods.len(),
+        3,
+        "internal scope: every backend, got {from_pods:?}"
+    );
+}

@@ -48,7 +48,7 @@ impl LbProcess {
             cmd.arg("--cgroup-path").arg(&tb.cgroup);
         } else {
             cmd.arg("--socket-lb=false")
-                .arg("--tc-ingress")
+                .arg("--tc-pod")
                 .arg(tb.node_ifaces().join(","));
         }
         let node_ns = tb.node_ns.clone();

@@ -41,6 +41,7 @@ pub mod map_names {
 /// Program names as the kernel and bpftool show them (at most 15 bytes).
 pub mod prog_names {
     pub const TC_INGRESS: &str = "lb_tc_ingress";
+    pub const TC_POD: &str = "lb_tc_pod";
     pub const TC_EGRESS: &str = "lb_tc_egress";
     pub const CONNECT4: &str = "lb_connect4";
     pub const SENDMSG4: &str = "lb_sendmsg4";
@@ -427,6 +428,7 @@ mod tests {
         }
         for name in [
             prog_names::TC_INGRESS,
+            prog_names::TC_POD,
             prog_names::TC_EGRESS,
             prog_names::CONNECT4,
             prog_names::SENDMSG4,

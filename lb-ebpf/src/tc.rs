@@ -1,6 +1,7 @@
 //! Per-packet service load balancing on tc.
 //!
-//! Ingress: a packet to a frontend (VIP, port, proto) is DNATed to a backend chosen uniformly
+//! Ingress (`lb_tc_ingress` on external-facing devices, `lb_tc_pod` on the host side of pod
+//! veths): a packet to a frontend (VIP, port, proto) is DNATed to a backend chosen uniformly
 //! for a new flow, or to the flow's conntrack backend; a packet matching a reply conntrack
 //! entry gets its source rewritten back to the frontend. Egress does the reverse NAT only.
 //! Anything not fully parsed (non-IP, IPv4 fragments, IPv6 extension headers, other L4,
@@ -15,7 +16,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    CtValue, IPPROTO_TCP, IPPROTO_UDP, ct_dir, ct_flags, ct_timeouts, metrics, scope, select_slot,
+    CtValue, IPPROTO_TCP, IPPROTO_UDP, SvcValue, ct_dir, ct_flags, ct_timeouts, metrics, scope,
+    select_slot, svc_flags,
 };
 
 use crate::{
@@ -57,19 +59,36 @@ struct Packet<A> {
     csum_off: usize,
 }
 
+/// Which frontends a tc program balances, by where it is attached.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hook {
+    /// Ingress of an external-facing device: DNAT with a frontend's external scope.
+    External,
+    /// Ingress of a pod-facing device (the host side of a pod's veth): in-cluster traffic,
+    /// DNAT with a frontend's internal scope where it has one, like socket LB.
+    Pod,
+    /// Egress: reverse NAT only.
+    Egress,
+}
+
 #[classifier]
 pub fn lb_tc_ingress(ctx: TcContext) -> i32 {
-    run(&ctx, true)
+    run(&ctx, Hook::External)
+}
+
+#[classifier]
+pub fn lb_tc_pod(ctx: TcContext) -> i32 {
+    run(&ctx, Hook::Pod)
 }
 
 #[classifier]
 pub fn lb_tc_egress(ctx: TcContext) -> i32 {
-    run(&ctx, false)
+    run(&ctx, Hook::Egress)
 }
 
 #[inline(always)]
-fn run(ctx: &TcContext, forward: bool) -> i32 {
-    match try_tc(ctx, forward) {
+fn run(ctx: &TcContext, hook: Hook) -> i32 {
+    match try_tc(ctx, hook) {
         Ok(verdict) => verdict,
         Err(Error::Unparsed) => {
             count(metrics::TC_PASS_UNPARSED, ctx.len());
@@ -85,7 +104,7 @@ fn run(ctx: &TcContext, forward: bool) -> i32 {
 }
 
 #[inline(always)]
-fn try_tc(ctx: &TcContext, forward: bool) -> Result<i32, Error> {
+fn try_tc(ctx: &TcContext, hook: Hook) -> Result<i32, Error> {
     // Direct packet access needs the headers in the linear part of the skb.
     let linear = ctx.data_end() - ctx.data();
     if linear < MAX_HDR_LEN as usize && (linear as u32) < ctx.len() {
@@ -100,11 +119,11 @@ fn try_tc(ctx: &TcContext, forward: bool) -> Result<i32, Error> {
     match eth_proto {
         ETH_P_IP => {
             let p = V4::parse(ctx)?;
-            nat::<V4>(ctx, &p, forward)
+            nat::<V4>(ctx, &p, hook)
         }
         ETH_P_IPV6 => {
             let p = V6::parse(ctx)?;
-            nat::<V6>(ctx, &p, forward)
+            nat::<V6>(ctx, &p, hook)
         }
         _ => Err(Error::Unparsed),
     }
@@ -341,10 +360,19 @@ fn refreshed(v: &CtValue, flags: u16, now: u32, proto: u8) -> Option<CtValue> {
 }
 
 #[inline(always)]
-fn nat<A: PacketAf>(ctx: &TcContext, p: &Packet<A::Addr>, forward: bool) -> Result<i32, Error> {
-    // tc sees the traffic socket LB did not, so it uses a frontend's external scope.
-    if forward && let Some(svc) = A::service(p.daddr, p.dport, p.proto, 0, scope::EXTERNAL) {
-        return service_forward::<A>(ctx, p, svc.count, svc.rev_nat_id);
+fn nat<A: PacketAf>(ctx: &TcContext, p: &Packet<A::Addr>, hook: Hook) -> Result<i32, Error> {
+    if hook != Hook::Egress
+        && let Some(mut svc) = A::service(p.daddr, p.dport, p.proto, 0, scope::EXTERNAL)
+    {
+        let mut svc_scope = scope::EXTERNAL;
+        if hook == Hook::Pod
+            && svc.flags & svc_flags::TWO_SCOPES != 0
+            && let Some(internal) = A::service(p.daddr, p.dport, p.proto, 0, scope::INTERNAL)
+        {
+            svc = internal;
+            svc_scope = scope::INTERNAL;
+        }
+        return service_forward::<A>(ctx, p, &svc, svc_scope);
     }
     if reverse_nat::<A>(ctx, p)? {
         count(metrics::TC_REVNAT, ctx.len());
@@ -354,14 +382,15 @@ fn nat<A: PacketAf>(ctx: &TcContext, p: &Packet<A::Addr>, forward: bool) -> Resu
     Ok(TC_ACT_OK)
 }
 
-/// DNAT of a packet to a frontend. `count` and `rev_nat_id` come from the master entry.
+/// DNAT of a packet to a frontend whose master entry (in `svc_scope`) is `svc`.
 #[inline(always)]
 fn service_forward<A: PacketAf>(
     ctx: &TcContext,
     p: &Packet<A::Addr>,
-    count_active: u16,
-    rev_nat_id: u32,
+    svc: &SvcValue,
+    svc_scope: u8,
 ) -> Result<i32, Error> {
+    let (count_active, rev_nat_id) = (svc.count, svc.rev_nat_id);
     let now = now_secs();
     let fkey = A::ct_key(p.saddr, p.daddr, p.sport, p.dport, p.proto, ct_dir::SERVICE);
     if let Some(ct) = A::ct_get(&fkey) {
@@ -403,7 +432,7 @@ fn service_forward<A: PacketAf>(
     // SAFETY: helper without arguments.
     let slot = select_slot(unsafe { bpf_get_prandom_u32() }, count_active);
     let Some(backend_id) =
-        A::service(p.daddr, p.dport, p.proto, slot, scope::EXTERNAL).map(|s| s.backend_id)
+        A::service(p.daddr, p.dport, p.proto, slot, svc_scope).map(|s| s.backend_id)
     else {
         count(metrics::TC_DROP_NO_BACKEND, ctx.len());
         return Ok(TC_ACT_SHOT);

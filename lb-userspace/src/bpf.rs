@@ -77,6 +77,18 @@ const MAP_SPECS: [MapSpec; 11] = [
     spec::<u32, MetricValue>(map_names::METRICS, MapType::PerCpuArray, map_sizes::METRICS),
 ];
 
+/// Where a tc program is attached, which decides the frontends' scope it uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcHook {
+    /// Ingress of an external-facing device (`lb_tc_ingress`): external scope.
+    External,
+    /// Ingress of the host side of a pod's veth (`lb_tc_pod`): in-cluster traffic, internal
+    /// scope, like socket LB.
+    Pod,
+    /// Egress (`lb_tc_egress`): reverse NAT of replies only.
+    Egress,
+}
+
 /// Where the maps live.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
@@ -127,12 +139,13 @@ impl Datapath {
         })
     }
 
-    /// Attaches the tc program to `iface` (TCX on 6.6+, a clsact qdisc filter before).
-    pub fn attach_tc(&mut self, iface: &str, attach: TcAttachType) -> anyhow::Result<()> {
-        let name = match attach {
-            TcAttachType::Ingress => prog_names::TC_INGRESS,
-            TcAttachType::Egress => prog_names::TC_EGRESS,
-            TcAttachType::Custom(_) => bail!("custom tc parents are not supported"),
+    /// Attaches the tc program for `hook` to `iface` (TCX on 6.6+, a clsact qdisc filter
+    /// before).
+    pub fn attach_tc(&mut self, iface: &str, hook: TcHook) -> anyhow::Result<()> {
+        let (name, attach) = match hook {
+            TcHook::External => (prog_names::TC_INGRESS, TcAttachType::Ingress),
+            TcHook::Pod => (prog_names::TC_POD, TcAttachType::Ingress),
+            TcHook::Egress => (prog_names::TC_EGRESS, TcAttachType::Egress),
         };
         if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
             // Netlink attachment needs clsact; it may already be there.

@@ -2,14 +2,13 @@
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Instant};
 
 use anyhow::Context as _;
-use aya::programs::TcAttachType;
 use tokio::{
     signal::unix::{SignalKind, signal},
     sync::Notify,
 };
 
 use crate::{
-    bpf::{Datapath, LoadOptions},
+    bpf::{Datapath, LoadOptions, TcHook},
     k8s,
     maps::LbMaps,
     metrics::{self, Metrics},
@@ -35,7 +34,10 @@ pub struct RunOptions {
     pub pin_dir: PathBuf,
     /// cgroup v2 directory for socket LB; `None` turns socket LB off.
     pub cgroup: Option<PathBuf>,
+    /// External-facing devices: tc ingress NAT with frontends' external scope.
     pub tc_ingress: Vec<String>,
+    /// Pod-facing devices (host side of pod veths): tc ingress NAT, internal scope.
+    pub tc_pod: Vec<String>,
     pub tc_egress: Vec<String>,
     /// Prometheus endpoint; `None` disables it.
     pub metrics_addr: Option<SocketAddr>,
@@ -168,10 +170,13 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
 
 fn attach(datapath: &mut Datapath, opts: &RunOptions) -> anyhow::Result<()> {
     for iface in &opts.tc_ingress {
-        datapath.attach_tc(iface, TcAttachType::Ingress)?;
+        datapath.attach_tc(iface, TcHook::External)?;
+    }
+    for iface in &opts.tc_pod {
+        datapath.attach_tc(iface, TcHook::Pod)?;
     }
     for iface in &opts.tc_egress {
-        datapath.attach_tc(iface, TcAttachType::Egress)?;
+        datapath.attach_tc(iface, TcHook::Egress)?;
     }
     if let Some(cgroup) = &opts.cgroup {
         datapath.attach_cgroup(cgroup)?;

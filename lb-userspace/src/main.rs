@@ -45,9 +45,14 @@ struct RunArgs {
     /// cgroup v2 directory the socket-LB programs attach to [default: the cgroup v2 root].
     #[arg(long)]
     cgroup_path: Option<PathBuf>,
-    /// Interfaces whose tc ingress gets per-packet service NAT (comma-separated or repeated).
+    /// External-facing interfaces whose tc ingress gets per-packet service NAT, with the
+    /// frontends' external scope (comma-separated or repeated).
     #[arg(long, value_delimiter = ',')]
     tc_ingress: Vec<String>,
+    /// Pod-facing interfaces (host side of pod veths) whose tc ingress gets per-packet service
+    /// NAT for in-cluster traffic (the frontends' internal scope, like socket LB).
+    #[arg(long, value_delimiter = ',')]
+    tc_pod: Vec<String>,
     /// Interfaces whose tc egress gets reverse NAT of replies.
     #[arg(long, value_delimiter = ',')]
     tc_egress: Vec<String>,
@@ -135,6 +140,7 @@ async fn main() -> anyhow::Result<()> {
                 pin_dir: args.pin_dir,
                 cgroup,
                 tc_ingress: args.tc_ingress,
+                tc_pod: args.tc_pod,
                 tc_egress: args.tc_egress,
                 metrics_addr: metrics_addr.and(healthz_addr).and(metrics_addr),
                 healthz_addr: metrics_addr.and(healthz_addr),

@@ -294,6 +294,8 @@ struct Inner {
     next_continue: u64,
     lists: BTreeMap<Kind, usize>,
     watches: BTreeMap<Kind, usize>,
+    /// Watches ended with a 410 ERROR event (on resume or by the test).
+    gone: BTreeMap<Kind, usize>,
     requests: Vec<RequestRecord>,
 }
 
@@ -324,10 +326,7 @@ fn with_rv(obj: &Value, rv: u64) -> Value {
 impl Inner {
     /// The watch event a watcher with `selector` sees for `change`, if any.
     fn event_for(selector: &Selector, change: &Change) -> Option<String> {
-        let before = change
-            .before
-            .as_ref()
-            .is_some_and(|b| selector.matches(b));
+        let before = change.before.as_ref().is_some_and(|b| selector.matches(b));
         let after = !change.deleted && selector.matches(&change.after);
         match (before, after) {
             (false, true) => Some(event_line("ADDED", &change.after)),
@@ -657,7 +656,9 @@ impl ApiServer {
             "ERROR",
             &expired_status("too old resource version: expired by the test"),
         );
-        for w in inner.watchers.drain(..) {
+        let watchers: Vec<Watcher> = inner.watchers.drain(..).collect();
+        for w in watchers {
+            *inner.gone.entry(w.kind).or_default() += 1;
             let _ = w.tx.send(Frame::Line(line.clone()));
             let _ = w.tx.send(Frame::End);
         }
@@ -677,6 +678,12 @@ impl ApiServer {
     /// Watch requests served for `kind`.
     pub fn watch_count(&self, kind: Kind) -> usize {
         self.shared.lock().watches.get(&kind).copied().unwrap_or(0)
+    }
+
+    /// Watches of `kind` ended with a 410 ERROR event: resumed from a compacted
+    /// resourceVersion, or expired by [`ApiServer::expire_watches_with_410`].
+    pub fn gone_count(&self, kind: Kind) -> usize {
+        self.shared.lock().gone.get(&kind).copied().unwrap_or(0)
     }
 
     /// Watches of `kind` that are open now.
@@ -929,6 +936,7 @@ fn watch(inner: &mut Inner, kind: Kind, selector: Selector, record: &RequestReco
             ));
             let _ = tx.send(Frame::Line(event_line("ERROR", &status)));
             let _ = tx.send(Frame::End);
+            *inner.gone.entry(kind).or_default() += 1;
             expired = true;
         }
         Err(_) => {

@@ -12,7 +12,13 @@ use serde_json::{Value, json};
 pub const PORT_NAME: &str = "http";
 
 /// A single-stack IPv4 ClusterIP Service with one TCP port `port` → `target_port`.
-pub fn service(namespace: &str, name: &str, cluster_ip: &str, port: i32, target_port: i32) -> Service {
+pub fn service(
+    namespace: &str,
+    name: &str,
+    cluster_ip: &str,
+    port: i32,
+    target_port: i32,
+) -> Service {
     serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Service",

@@ -243,7 +243,7 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
             }
             Mode::TcOnly => args.push("--socket-lb=false".into()),
         }
-        args.extend(["--tc-ingress".into(), ifaces.clone()]);
+        args.extend(["--tc-pod".into(), ifaces.clone()]);
 
         println!();
         match mode {
