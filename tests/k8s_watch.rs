@@ -137,6 +137,11 @@ impl Harness {
     /// Starts the server, lets `setup` create the objects the initial list sees, then starts
     /// the watch.
     async fn start(setup: impl FnOnce(&ApiServer)) -> Harness {
+        // RUST_LOG=debug shows the watcher's and lb's view (with --nocapture).
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
         let server = ApiServer::start().await.expect("fake API server");
         setup(&server);
         let kubeconfig = server.kubeconfig_file().expect("kubeconfig");

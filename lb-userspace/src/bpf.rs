@@ -93,9 +93,23 @@ pub enum TcHook {
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
     /// Pin (and reuse) the maps in this bpffs directory; `None` gives private maps that vanish
-    /// with the process (tests, `lb trace`).
+    /// with the process (tests, `lb trace --manifests`).
     pub pin_dir: Option<PathBuf>,
+    /// With `pin_dir`: reuse only these pinned maps, which must exist, and keep every other map
+    /// private. `lb trace` shares the live services but never touches live conntrack or
+    /// counters this way.
+    pub only_pinned: Option<Vec<&'static str>>,
 }
+
+/// The maps that describe services: what a read-only tool shares with a running lb.
+pub const SERVICE_MAPS: [&str; 6] = [
+    map_names::SERVICES4,
+    map_names::BACKENDS4,
+    map_names::REVNAT4,
+    map_names::SERVICES6,
+    map_names::BACKENDS6,
+    map_names::REVNAT6,
+];
 
 /// The loaded programs and maps. Dropping it detaches everything it attached.
 pub struct Datapath {
@@ -106,13 +120,29 @@ pub struct Datapath {
 impl Datapath {
     pub fn load(opts: &LoadOptions) -> anyhow::Result<Self> {
         raise_memlock_limit();
+        let pinned: Vec<&str> = match &opts.only_pinned {
+            Some(names) => names.clone(),
+            None => map_names::ALL.to_vec(),
+        };
         if let Some(dir) = &opts.pin_dir {
-            prepare_pin_dir(dir)?;
+            if opts.only_pinned.is_some() {
+                for name in &pinned {
+                    let path = dir.join(name);
+                    if !path.exists() {
+                        bail!(
+                            "no pinned map {}: is `lb run` running? (--pin-dir)",
+                            path.display()
+                        );
+                    }
+                }
+            } else {
+                prepare_pin_dir(dir)?;
+            }
             check_pinned_maps(dir)?;
         }
         let mut loader = EbpfLoader::new();
         let pins: Vec<(&str, PathBuf)> = match &opts.pin_dir {
-            Some(dir) => map_names::ALL.iter().map(|n| (*n, dir.join(n))).collect(),
+            Some(dir) => pinned.iter().map(|n| (*n, dir.join(n))).collect(),
             None => Vec::new(),
         };
         for (name, path) in &pins {
@@ -121,9 +151,11 @@ impl Datapath {
         let mut ebpf = loader
             .load(EBPF_OBJECT)
             .context("loading lb's eBPF object (maps and BTF)")?;
-        for (_, path) in &pins {
-            fs::set_permissions(path, fs::Permissions::from_mode(0o600))
-                .with_context(|| format!("chmod 0600 {}", path.display()))?;
+        if opts.only_pinned.is_none() {
+            for (_, path) in &pins {
+                fs::set_permissions(path, fs::Permissions::from_mode(0o600))
+                    .with_context(|| format!("chmod 0600 {}", path.display()))?;
+            }
         }
         for (name, program) in ebpf.programs_mut() {
             let r = match program {

@@ -105,6 +105,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
 
     let mut datapath = Datapath::load(&LoadOptions {
         pin_dir: Some(opts.pin_dir.clone()),
+        only_pinned: None,
     })?;
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;

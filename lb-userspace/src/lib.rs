@@ -5,6 +5,7 @@
 //! maps (`maps`, `bpf`) hold it; the kernel programs in lb-ebpf do the balancing.
 pub mod bpf;
 pub mod daemon;
+pub mod inspect;
 pub mod k8s;
 pub mod manifests;
 pub mod maps;
@@ -13,4 +14,5 @@ pub mod model;
 pub mod reconcile;
 pub mod source;
 pub mod testbed;
+pub mod trace;
 pub mod translate;

@@ -19,9 +19,22 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "parsed once at start-up; RunArgs is much larger than the inspection commands' args"
+)]
 enum Command {
     /// Load the datapath, program it from a source and keep it in sync.
     Run(RunArgs),
+    /// List the service frontends programmed in the pinned maps, with their backends.
+    Services(lb::inspect::ServicesArgs),
+    /// List every backend in the pinned maps and how many frontends use it.
+    Backends(lb::inspect::PinDirArgs),
+    /// Show the kernel, lb's loaded programs and attachments, map fill levels and counters.
+    Status(lb::inspect::PinDirArgs),
+    /// Run a synthetic packet through the real datapath (BPF_PROG_TEST_RUN) and show where it
+    /// goes and why; never changes live conntrack.
+    Trace(lb::trace::TraceArgs),
 }
 
 #[derive(clap::Args)]
@@ -113,6 +126,10 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     match Cli::parse().command {
+        Command::Trace(args) => {
+            let name = args.hostname_override.clone();
+            lb::trace::run(&args, || node_name(name))
+        }
         Command::Run(args) => {
             let cgroup = if args.socket_lb {
                 Some(match args.cgroup_path {
@@ -148,5 +165,8 @@ async fn main() -> anyhow::Result<()> {
             })
             .await
         }
+        Command::Services(args) => lb::inspect::services_cmd(&args),
+        Command::Backends(args) => lb::inspect::backends_cmd(&args),
+        Command::Status(args) => lb::inspect::status_cmd(&args),
     }
 }

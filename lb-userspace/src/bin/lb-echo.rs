@@ -1,12 +1,13 @@
 //! `lb-echo`: the backend and the client used by the demo and the network-namespace tests.
 //!
 //! * `lb-echo serve --name NAME --port PORT` answers every TCP line and every UDP datagram with
-//!   `NAME\n`, on one dual-stack `[::]:PORT` socket per protocol (IPv4 arrives as v4-mapped).
+//!   `NAME PEER\n` (PEER: the client address it saw), on one dual-stack `[::]:PORT` socket per
+//!   protocol (IPv4 arrives as v4-mapped and is shown as IPv4).
 //!   It prints `ready NAME PORT` on stdout once both sockets are bound.
 //! * `lb-echo client --target IP:PORT --proto tcp|udp [--count N] [--connected-udp]
 //!   [--timeout-ms MS]` sends `hello\n` N times, each time from a fresh socket (a new flow with a
 //!   new source port), and prints one JSON line per request:
-//!   `{"seq":0,"backend":"NAME","peer":"IP:PORT","local":"IP:PORT"}` or
+//!   `{"seq":0,"backend":"NAME","seen_by_backend":"IP:PORT","peer":"IP:PORT","local":"IP:PORT"}` or
 //!   `{"seq":0,"error":"…"}`. `peer` is what the kernel reports as the other end (TCP:
 //!   `getpeername`; UDP: the source of the reply from `recvfrom`, or `getpeername` with
 //!   `--connected-udp`). `local` is the socket's local address; for unconnected UDP its IP is the
@@ -42,7 +43,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Answer every TCP line and UDP datagram with `NAME\n` on [::]:PORT (IPv4 and IPv6).
+    /// Answer every TCP line and UDP datagram with `NAME PEER\n` on [::]:PORT (IPv4 and IPv6).
     Serve {
         #[arg(long)]
         name: String,
@@ -104,7 +105,9 @@ fn main() -> ExitCode {
 // serve
 
 fn serve(name: &str, port: u16) -> anyhow::Result<()> {
-    let reply: &'static [u8] = format!("{name}\n").into_bytes().leak();
+    // Replies are "NAME PEER": the backend's name and the client address it saw, so tests can
+    // tell whether the source was rewritten on the way.
+    let name: &'static str = name.to_owned().leak();
     let tcp = dual_stack_socket(libc::SOCK_STREAM, port).context("TCP socket")?;
     // SAFETY: the fd is a valid socket we own.
     if unsafe { libc::listen(tcp.as_raw_fd(), 1024) } != 0 {
@@ -115,7 +118,7 @@ fn serve(name: &str, port: u16) -> anyhow::Result<()> {
 
     thread::Builder::new()
         .name("udp".into())
-        .spawn(move || serve_udp(&udp, reply))
+        .spawn(move || serve_udp(&udp, name))
         .context("spawn UDP thread")?;
 
     {
@@ -127,7 +130,7 @@ fn serve(name: &str, port: u16) -> anyhow::Result<()> {
     for conn in tcp.incoming() {
         match conn {
             Ok(stream) => {
-                if let Err(err) = thread::Builder::new().spawn(move || serve_tcp(stream, reply)) {
+                if let Err(err) = thread::Builder::new().spawn(move || serve_tcp(stream, name)) {
                     eprintln!("lb-echo: spawn connection thread: {err}");
                 }
             }
@@ -197,12 +200,19 @@ fn socklen_of<T>() -> libc::socklen_t {
     libc::socklen_t::try_from(size_of::<T>()).unwrap_or(libc::socklen_t::MAX)
 }
 
-fn serve_udp(sock: &UdpSocket, reply: &[u8]) {
+/// The reply line: name and the peer as the backend saw it (IPv4 clients of the dual-stack
+/// socket shown as IPv4).
+fn reply_for(name: &str, peer: SocketAddr) -> Vec<u8> {
+    let seen = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+    format!("{name} {seen}\n").into_bytes()
+}
+
+fn serve_udp(sock: &UdpSocket, name: &str) {
     let mut buf = [0u8; 65536];
     loop {
         match sock.recv_from(&mut buf) {
             Ok((_, peer)) => {
-                if let Err(err) = sock.send_to(reply, peer) {
+                if let Err(err) = sock.send_to(&reply_for(name, peer), peer) {
                     eprintln!("lb-echo: UDP send_to {peer}: {err}");
                 }
             }
@@ -214,7 +224,14 @@ fn serve_udp(sock: &UdpSocket, reply: &[u8]) {
     }
 }
 
-fn serve_tcp(stream: TcpStream, reply: &[u8]) {
+fn serve_tcp(stream: TcpStream, name: &str) {
+    let reply = match stream.peer_addr() {
+        Ok(peer) => reply_for(name, peer),
+        Err(err) => {
+            eprintln!("lb-echo: TCP peer address: {err}");
+            return;
+        }
+    };
     let mut writer = match stream.try_clone() {
         Ok(w) => w,
         Err(err) => {
@@ -229,7 +246,7 @@ fn serve_tcp(stream: TcpStream, reply: &[u8]) {
         match reader.read_until(b'\n', &mut line) {
             Ok(0) | Err(_) => return,
             Ok(_) => {
-                if writer.write_all(reply).is_err() {
+                if writer.write_all(&reply).is_err() {
                     return;
                 }
             }
@@ -242,6 +259,8 @@ fn serve_tcp(stream: TcpStream, reply: &[u8]) {
 
 struct Reply {
     backend: String,
+    /// The client address the backend saw.
+    seen: String,
     peer: SocketAddr,
     local: SocketAddr,
 }
@@ -268,6 +287,7 @@ fn client(
             Ok(r) => serde_json::json!({
                 "seq": seq,
                 "backend": r.backend,
+                "seen_by_backend": r.seen,
                 "peer": r.peer.to_string(),
                 "local": r.local.to_string(),
             }),
@@ -304,8 +324,10 @@ fn request_tcp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
             line.len()
         );
     }
+    let (backend, seen) = parse_reply(&line)?;
     Ok(Reply {
-        backend: backend_name(&line)?,
+        backend,
+        seen,
         peer,
         local,
     })
@@ -329,8 +351,10 @@ fn request_udp_connected(target: SocketAddr, timeout: Duration) -> anyhow::Resul
     sock.send(HELLO).context("send")?;
     let mut buf = [0u8; 4096];
     let n = sock.recv(&mut buf).map_err(timeout_err).context("recv")?;
+    let (backend, seen) = parse_reply(&buf[..n])?;
     Ok(Reply {
-        backend: backend_name(&buf[..n])?,
+        backend,
+        seen,
         peer: sock.peer_addr().context("getpeername")?,
         local: sock.local_addr().context("getsockname")?,
     })
@@ -352,8 +376,10 @@ fn request_udp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
     if let Some(dst) = dst {
         local.set_ip(dst);
     }
+    let (backend, seen) = parse_reply(&buf[..n])?;
     Ok(Reply {
-        backend: backend_name(&buf[..n])?,
+        backend,
+        seen,
         peer,
         local,
     })
@@ -436,11 +462,14 @@ fn timeout_err(err: io::Error) -> io::Error {
     }
 }
 
-fn backend_name(reply: &[u8]) -> anyhow::Result<String> {
+/// Splits a reply line `NAME PEER` into the backend's name and the address it saw.
+fn parse_reply(reply: &[u8]) -> anyhow::Result<(String, String)> {
     let text = std::str::from_utf8(reply).context("reply is not UTF-8")?;
-    let name = text.trim_end_matches(['\n', '\r']);
-    if name.is_empty() || name.contains('\n') {
-        bail!("unexpected reply {text:?}");
+    let line = text.trim_end_matches(['\n', '\r']);
+    match line.split_once(' ') {
+        Some((name, seen)) if !name.is_empty() && !seen.is_empty() && !line.contains('\n') => {
+            Ok((name.to_owned(), seen.to_owned()))
+        }
+        _ => bail!("unexpected reply {text:?}"),
     }
-    Ok(name.to_owned())
 }

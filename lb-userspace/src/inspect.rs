@@ -1,0 +1,997 @@
+//! `lb services`, `lb backends` and `lb status`: read-only views of a running lb, taken from
+//! the LIVE pinned maps (like `cilium-dbg service list`), not from the daemon's memory.
+//!
+//! Nothing here writes to a map. Service names come from `<state-dir>/frontends.json`, which
+//! `lb run` rewrites after every sync; a frontend missing from it is shown with the name `-`.
+//! The JSON printed by `--json` is documented in docs/operations.md and kept stable: fields may
+//! be added, never renamed or removed.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    io::{self, Write as _},
+    net::{IpAddr, SocketAddr},
+    os::{
+        fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
+        unix::fs::MetadataExt as _,
+    },
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, bail};
+use aya::{
+    maps::{HashMap, Map, MapData, MapInfo, PerCpuArray},
+    programs::{links::LinkType, loaded_links, loaded_programs},
+    util::KernelVersion,
+};
+use lb_common::{
+    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, DEFAULT_PIN_DIR, MetricValue, RevNat4, RevNat6,
+    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
+    backend_state, map_names, metrics, prog_names, scope, svc_flags,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    daemon::{DEFAULT_STATE_DIR, FRONTENDS_FILE, FrontendName},
+    maps::{BpfMaps, Dump, Family, LbMaps as _, Table, flag_names},
+    model::Frontend,
+};
+
+/// Every program lb loads (as the kernel names them).
+pub const PROGRAM_NAMES: [&str; 10] = [
+    prog_names::TC_INGRESS,
+    prog_names::TC_EGRESS,
+    prog_names::CONNECT4,
+    prog_names::SENDMSG4,
+    prog_names::RECVMSG4,
+    prog_names::GETPEERNAME4,
+    prog_names::CONNECT6,
+    prog_names::SENDMSG6,
+    prog_names::RECVMSG6,
+    prog_names::GETPEERNAME6,
+];
+
+/// `lb services`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ServicesArgs {
+    /// bpffs directory holding lb's pinned maps (as given to `lb run`).
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
+    /// lb's state directory (as given to `lb run`), for the service names.
+    #[arg(long, default_value = DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+    /// Print JSON (an array, see docs/operations.md) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `lb backends` and `lb status`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PinDirArgs {
+    /// bpffs directory holding lb's pinned maps (as given to `lb run`).
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: PathBuf,
+    /// Print JSON (see docs/operations.md) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One frontend (master entry) of `lb services --json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceView {
+    /// Rev-NAT id of the frontend.
+    pub id: u32,
+    /// `ip:port/PROTO`, IPv6 in brackets.
+    pub frontend: String,
+    /// `external` (or the only scope) or `internal`.
+    pub scope: String,
+    /// ClusterIP, ExternalIP, LoadBalancer or NodePort.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The Kubernetes service port; `null` when the state file does not name this frontend.
+    pub service: Option<ServiceRef>,
+    /// Names of the set `svc_flags` bits.
+    pub flags: Vec<String>,
+    /// Active backends (slots `1..=count`).
+    pub count: u16,
+    /// Terminating backends after them.
+    pub qcount: u16,
+    /// One entry per slot `1..=count+qcount`, in slot order.
+    pub backends: Vec<SlotView>,
+}
+
+/// `service` of a [`ServiceView`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceRef {
+    pub namespace: String,
+    pub name: String,
+    /// The service port's name (may be empty for a single unnamed port).
+    pub port: String,
+}
+
+/// One backend slot of a [`ServiceView`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotView {
+    pub slot: u16,
+    /// Backend id; `null` when the slot entry itself is missing.
+    pub id: Option<u32>,
+    /// `ip:port` (IPv6 in brackets); `null` when the slot or the backend is missing.
+    pub address: Option<String>,
+    /// `TCP`, `UDP` or `SCTP`; `null` when missing.
+    pub protocol: Option<String>,
+    /// active, terminating, quarantined, maintenance, unknown, or missing.
+    pub state: String,
+}
+
+/// One entry of `lb backends --json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendView {
+    pub id: u32,
+    pub address: String,
+    pub protocol: String,
+    pub state: String,
+    /// How many frontends (master entries) have this backend in a slot.
+    pub references: usize,
+}
+
+/// `lb status --json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub pin_dir: String,
+    pub kernel: KernelStatus,
+    pub features: Features,
+    /// lb's programs that use the pinned maps, with their bpf_link attachments.
+    pub programs: Vec<ProgramStatus>,
+    pub maps: Vec<MapStatus>,
+    /// Datapath counters from `lb_metrics`, summed over CPUs.
+    pub counters: Vec<CounterStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelStatus {
+    /// `uname -r`.
+    pub release: String,
+    /// Parsed `major.minor.patch`, `null` if it could not be parsed.
+    pub version: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Features {
+    /// `/sys/kernel/btf/vmlinux` exists.
+    pub btf: bool,
+    /// tcx attachment (kernel >= 6.6); older kernels get a clsact qdisc filter.
+    pub tcx: bool,
+    /// bpf_link for cgroup programs (kernel >= 5.7).
+    pub cgroup_link: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProgramStatus {
+    pub name: String,
+    pub id: u32,
+    /// Kernel program type, e.g. `sched_cls`, `cgroup_sock_addr`.
+    #[serde(rename = "type")]
+    pub prog_type: String,
+    /// bpf_link attachments of this program. Attachments made without a link (tc on kernels
+    /// before 6.6, cgroups before 5.7) are not listed.
+    pub attachments: Vec<Attachment>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attachment {
+    pub link_id: u32,
+    /// `tcx`, `cgroup`, `netkit`, … (the kernel's link type).
+    pub link_type: String,
+    /// tcx: the interface name as seen from the caller's network namespace (`null` if the
+    /// ifindex does not exist there); cgroup: the cgroup directory, if found.
+    pub target: Option<String>,
+    /// tcx: the interface index in lb's network namespace.
+    pub ifindex: Option<u32>,
+    /// cgroup: the cgroup id (inode number of its directory).
+    pub cgroup_id: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapStatus {
+    pub name: String,
+    /// `null` when the map is not pinned.
+    pub id: Option<u32>,
+    /// aya's map type name (`Hash`, `LruHash`, `PerCpuArray`).
+    #[serde(rename = "type")]
+    pub map_type: Option<String>,
+    /// Keys present (for arrays: always max_entries).
+    pub entries: Option<u64>,
+    pub max_entries: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CounterStatus {
+    pub name: String,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+impl BpfMaps {
+    /// Opens the service, backend and rev-NAT maps pinned in `dir` by a running (or stopped)
+    /// `lb run`. aya checks key and value sizes, so maps of an incompatible layout are refused
+    /// rather than misread.
+    pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
+        check_pin_dir(dir)?;
+        let mut capacities = BTreeMap::new();
+        for t in [Table::Services, Table::Backends, Table::RevNat] {
+            for f in [Family::V4, Family::V6] {
+                let name = t.map_name(f);
+                let path = dir.join(name);
+                let info = MapInfo::from_pin(&path).map_err(|e| pin_error(&path, e))?;
+                capacities.insert((t, f), info.max_entries());
+            }
+        }
+        Ok(BpfMaps {
+            services4: open_hash::<Svc4Key, SvcValue>(dir, map_names::SERVICES4)?,
+            backends4: open_hash::<u32, Backend4>(dir, map_names::BACKENDS4)?,
+            revnat4: open_hash::<u32, RevNat4>(dir, map_names::REVNAT4)?,
+            services6: open_hash::<Svc6Key, SvcValue>(dir, map_names::SERVICES6)?,
+            backends6: open_hash::<u32, Backend6>(dir, map_names::BACKENDS6)?,
+            revnat6: open_hash::<u32, RevNat6>(dir, map_names::REVNAT6)?,
+            capacities,
+        })
+    }
+}
+
+/// Fails with a hint when `dir` does not hold lb's maps.
+fn check_pin_dir(dir: &Path) -> anyhow::Result<()> {
+    if !dir.join(map_names::SERVICES4).exists() {
+        bail!(
+            "no pinned maps at {}: is `lb run` running? (--pin-dir)",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn pin_error(path: &Path, e: aya::maps::MapError) -> anyhow::Error {
+    let hint = match &e {
+        aya::maps::MapError::SyscallError(s)
+            if matches!(s.io_error.raw_os_error(), Some(libc::EPERM | libc::EACCES)) =>
+        {
+            " (lb's pins are readable by root only)"
+        }
+        _ => "",
+    };
+    anyhow::Error::new(e).context(format!("opening pinned map {}{hint}", path.display()))
+}
+
+fn open_map(dir: &Path, name: &str) -> anyhow::Result<Map> {
+    let path = dir.join(name);
+    let data = MapData::from_pin(&path).map_err(|e| pin_error(&path, e))?;
+    Map::from_map_data(data).with_context(|| format!("pinned map {}", path.display()))
+}
+
+fn open_hash<K: aya::Pod, V: aya::Pod>(
+    dir: &Path,
+    name: &str,
+) -> anyhow::Result<HashMap<MapData, K, V>> {
+    HashMap::try_from(open_map(dir, name)?).with_context(|| {
+        format!(
+            "pinned map {} does not have the layout this lb expects (made by an incompatible lb?)",
+            dir.join(name).display()
+        )
+    })
+}
+
+/// Reads `<state_dir>/frontends.json`, keyed by `(frontend, scope)`. A missing file gives no
+/// names; an unreadable one is reported on stderr and also gives no names.
+pub fn read_names(state_dir: &Path) -> BTreeMap<(String, String), FrontendName> {
+    let path = state_dir.join(FRONTENDS_FILE);
+    let text = match fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return BTreeMap::new(),
+        Err(e) => {
+            eprintln!("warning: cannot read {}: {e}", path.display());
+            return BTreeMap::new();
+        }
+    };
+    match serde_json::from_slice::<Vec<FrontendName>>(&text) {
+        Ok(names) => names
+            .into_iter()
+            .map(|n| ((n.frontend.clone(), n.scope.clone()), n))
+            .collect(),
+        Err(e) => {
+            eprintln!("warning: cannot parse {}: {e}", path.display());
+            BTreeMap::new()
+        }
+    }
+}
+
+fn scope_name(s: u8) -> &'static str {
+    if s == scope::INTERNAL {
+        "internal"
+    } else {
+        "external"
+    }
+}
+
+/// Name of a `backend_state` value.
+pub fn state_name(state: u8) -> &'static str {
+    match state {
+        backend_state::ACTIVE => "active",
+        backend_state::TERMINATING => "terminating",
+        backend_state::QUARANTINED => "quarantined",
+        backend_state::MAINTENANCE => "maintenance",
+        _ => "unknown",
+    }
+}
+
+/// The service type the flags stand for (the same precedence as `ServiceEntry::kind`).
+fn kind_of(flags: u16) -> &'static str {
+    if flags & svc_flags::NODE_PORT != 0 {
+        "NodePort"
+    } else if flags & svc_flags::LOAD_BALANCER != 0 {
+        "LoadBalancer"
+    } else if flags & svc_flags::EXTERNAL_IP != 0 {
+        "ExternalIP"
+    } else {
+        "ClusterIP"
+    }
+}
+
+fn socket_addr(addr: IpAddr, port: u16) -> String {
+    SocketAddr::new(addr, port).to_string()
+}
+
+/// Joins the master entries of `dump` with their slots, backends and names; sorted by id.
+pub fn service_views(
+    dump: &Dump,
+    names: &BTreeMap<(String, String), FrontendName>,
+) -> Vec<ServiceView> {
+    let mut out: Vec<ServiceView> = dump
+        .services
+        .iter()
+        .filter(|((_, slot), _)| *slot == 0)
+        .map(|((fe, _), master)| service_view(dump, names, fe, master))
+        .collect();
+    out.sort_by(|a, b| (a.id, &a.frontend, &a.scope).cmp(&(b.id, &b.frontend, &b.scope)));
+    out
+}
+
+fn service_view(
+    dump: &Dump,
+    names: &BTreeMap<(String, String), FrontendName>,
+    fe: &Frontend,
+    master: &SvcValue,
+) -> ServiceView {
+    let frontend = fe.l4.to_string();
+    let scope = scope_name(fe.scope).to_string();
+    let name = names.get(&(frontend.clone(), scope.clone()));
+    let backends = (1..=master.count.saturating_add(master.qcount))
+        .map(|slot| match dump.services.get(&(*fe, slot)) {
+            None => SlotView {
+                slot,
+                id: None,
+                address: None,
+                protocol: None,
+                state: "missing".into(),
+            },
+            Some(sv) => match dump.backends.get(&sv.backend_id) {
+                None => SlotView {
+                    slot,
+                    id: Some(sv.backend_id),
+                    address: None,
+                    protocol: None,
+                    state: "missing".into(),
+                },
+                Some(b) => SlotView {
+                    slot,
+                    id: Some(sv.backend_id),
+                    address: Some(socket_addr(b.l4.addr, b.l4.port)),
+                    protocol: Some(b.l4.proto.to_string()),
+                    state: state_name(b.state).into(),
+                },
+            },
+        })
+        .collect();
+    ServiceView {
+        id: master.rev_nat_id,
+        frontend,
+        scope,
+        kind: name.map_or_else(|| kind_of(master.flags).to_string(), |n| n.kind.clone()),
+        service: name.map(|n| ServiceRef {
+            namespace: n.namespace.clone(),
+            name: n.name.clone(),
+            port: n.port_name.clone(),
+        }),
+        flags: flag_names(master.flags)
+            .split('|')
+            .filter(|f| *f != "-")
+            .map(String::from)
+            .collect(),
+        count: master.count,
+        qcount: master.qcount,
+        backends,
+    }
+}
+
+/// Every backend with the number of frontends whose slots name it; sorted by id.
+pub fn backend_views(dump: &Dump) -> Vec<BackendView> {
+    let mut refs: BTreeMap<u32, BTreeSet<Frontend>> = BTreeMap::new();
+    for ((fe, slot), master) in &dump.services {
+        if *slot != 0 {
+            continue;
+        }
+        for s in 1..=master.count.saturating_add(master.qcount) {
+            if let Some(sv) = dump.services.get(&(*fe, s)) {
+                refs.entry(sv.backend_id).or_default().insert(*fe);
+            }
+        }
+    }
+    dump.backends
+        .iter()
+        .map(|(id, b)| BackendView {
+            id: *id,
+            address: socket_addr(b.l4.addr, b.l4.port),
+            protocol: b.l4.proto.to_string(),
+            state: state_name(b.state).into(),
+            references: refs.get(id).map_or(0, BTreeSet::len),
+        })
+        .collect()
+}
+
+fn col_widths(header: &[&str], rows: &[Vec<String>]) -> Vec<usize> {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    widths
+}
+
+/// One line of left-aligned columns separated by two spaces; the last column is not padded.
+fn fmt_row<S: AsRef<str>>(cells: &[S], widths: &[usize], indent: &str) -> String {
+    let mut line = String::from(indent);
+    for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+        if i + 1 == cells.len() {
+            line.push_str(cell.as_ref());
+        } else {
+            line.push_str(&format!("{:<w$}  ", cell.as_ref()));
+        }
+    }
+    line.push('\n');
+    line
+}
+
+fn table(header: &[&str], rows: &[Vec<String>], indent: &str) -> String {
+    let widths = col_widths(header, rows);
+    let mut out = fmt_row(header, &widths, indent);
+    for row in rows {
+        out.push_str(&fmt_row(row, &widths, indent));
+    }
+    out
+}
+
+/// The `lb services` table: one line per frontend, then one per backend slot.
+pub fn render_services(views: &[ServiceView]) -> String {
+    const HEADER: [&str; 6] = ["ID", "FRONTEND", "SCOPE", "TYPE", "SERVICE", "BACKENDS"];
+    let rows: Vec<Vec<String>> = views
+        .iter()
+        .map(|v| {
+            let service = v.service.as_ref().map_or_else(
+                || "-".to_string(),
+                |s| {
+                    if s.port.is_empty() {
+                        format!("{}/{}", s.namespace, s.name)
+                    } else {
+                        format!("{}/{}:{}", s.namespace, s.name, s.port)
+                    }
+                },
+            );
+            vec![
+                v.id.to_string(),
+                v.frontend.clone(),
+                v.scope.clone(),
+                v.kind.clone(),
+                service,
+                format!("{} active, {} terminating", v.count, v.qcount),
+            ]
+        })
+        .collect();
+    let widths = col_widths(&HEADER, &rows);
+    let mut out = fmt_row(&HEADER, &widths, "");
+    for (v, row) in views.iter().zip(&rows) {
+        out.push_str(&fmt_row(row, &widths, ""));
+        for b in &v.backends {
+            let target = match (&b.address, &b.protocol, b.id) {
+                (Some(a), Some(p), _) => format!("{a}/{p}"),
+                (_, _, Some(id)) => format!("backend {id}"),
+                _ => "-".to_string(),
+            };
+            out.push_str(&format!("  {} => {target} ({})\n", b.slot, b.state));
+        }
+    }
+    out
+}
+
+/// The `lb backends` table.
+pub fn render_backends(views: &[BackendView]) -> String {
+    let rows: Vec<Vec<String>> = views
+        .iter()
+        .map(|b| {
+            vec![
+                b.id.to_string(),
+                b.address.clone(),
+                b.protocol.clone(),
+                b.state.clone(),
+                b.references.to_string(),
+            ]
+        })
+        .collect();
+    table(&["ID", "ADDRESS", "PROTO", "STATE", "FRONTENDS"], &rows, "")
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}
+
+fn or_dash<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_string(), |v| v.to_string())
+}
+
+/// The `lb status` text.
+pub fn render_status(s: &Status) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("Kernel:    {}\n", s.kernel.release));
+    out.push_str(&format!(
+        "Features:  BTF {}, tcx {}, cgroup bpf_link {}\n",
+        yes_no(s.features.btf),
+        yes_no(s.features.tcx),
+        yes_no(s.features.cgroup_link)
+    ));
+    out.push_str(&format!("Pin dir:   {}\n", s.pin_dir));
+    if s.programs.is_empty() {
+        out.push_str("Programs:  none loaded that use these maps (is `lb run` running?)\n");
+    } else {
+        out.push_str("Programs:\n");
+        let rows: Vec<Vec<String>> = s
+            .programs
+            .iter()
+            .map(|p| {
+                let attached = if p.attachments.is_empty() {
+                    "-".to_string()
+                } else {
+                    p.attachments
+                        .iter()
+                        .map(|a| {
+                            let target = match (&a.target, a.ifindex, a.cgroup_id) {
+                                (Some(t), Some(i), _) => format!("{t} (ifindex {i})"),
+                                (Some(t), None, _) => t.clone(),
+                                (None, Some(i), _) => format!("ifindex {i}"),
+                                (None, None, Some(c)) => format!("cgroup id {c}"),
+                                (None, None, None) => "?".to_string(),
+                            };
+                            format!("{} link {}: {target}", a.link_type, a.link_id)
+                        })
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                };
+                vec![
+                    p.id.to_string(),
+                    p.name.clone(),
+                    p.prog_type.clone(),
+                    attached,
+                ]
+            })
+            .collect();
+        out.push_str(&table(&["ID", "NAME", "TYPE", "ATTACHED"], &rows, "  "));
+    }
+    out.push_str("Maps:\n");
+    let rows: Vec<Vec<String>> = s
+        .maps
+        .iter()
+        .map(|m| {
+            let array = m.map_type.as_deref().is_some_and(|t| t.ends_with("Array"));
+            let fill = match (m.entries, m.max_entries) {
+                (Some(e), Some(max)) if max > 0 && !array => {
+                    format!("{:.1}%", e as f64 * 100.0 / f64::from(max))
+                }
+                _ => "-".to_string(),
+            };
+            vec![
+                m.name.clone(),
+                or_dash(m.id),
+                m.map_type.clone().unwrap_or_else(|| "not pinned".into()),
+                or_dash(m.entries),
+                or_dash(m.max_entries),
+                fill,
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &["NAME", "ID", "TYPE", "ENTRIES", "MAX", "FILL"],
+        &rows,
+        "  ",
+    ));
+    out.push_str("Datapath counters (summed over CPUs):\n");
+    let rows: Vec<Vec<String>> = s
+        .counters
+        .iter()
+        .map(|c| vec![c.name.clone(), c.packets.to_string(), c.bytes.to_string()])
+        .collect();
+    out.push_str(&table(&["EVENT", "PACKETS", "BYTES"], &rows, "  "));
+    out
+}
+
+/// Number of keys, walking at most `max` of them.
+fn count_keys<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    max: u32,
+) -> anyhow::Result<u64> {
+    let mut n = 0u64;
+    for key in map.keys() {
+        key?;
+        n += 1;
+        if n >= u64::from(max) {
+            break;
+        }
+    }
+    Ok(n)
+}
+
+fn map_status(dir: &Path, name: &str) -> anyhow::Result<MapStatus> {
+    let path = dir.join(name);
+    if !path.exists() {
+        return Ok(MapStatus {
+            name: name.into(),
+            id: None,
+            map_type: None,
+            entries: None,
+            max_entries: None,
+        });
+    }
+    let info = MapInfo::from_pin(&path).map_err(|e| pin_error(&path, e))?;
+    let max = info.max_entries();
+    let entries = match name {
+        map_names::SERVICES4 => count_keys(&open_hash::<Svc4Key, SvcValue>(dir, name)?, max)?,
+        map_names::SERVICES6 => count_keys(&open_hash::<Svc6Key, SvcValue>(dir, name)?, max)?,
+        map_names::BACKENDS4 => count_keys(&open_hash::<u32, Backend4>(dir, name)?, max)?,
+        map_names::BACKENDS6 => count_keys(&open_hash::<u32, Backend6>(dir, name)?, max)?,
+        map_names::REVNAT4 => count_keys(&open_hash::<u32, RevNat4>(dir, name)?, max)?,
+        map_names::REVNAT6 => count_keys(&open_hash::<u32, RevNat6>(dir, name)?, max)?,
+        map_names::CT4 => count_keys(&open_hash::<Ct4Key, CtValue>(dir, name)?, max)?,
+        map_names::CT6 => count_keys(&open_hash::<Ct6Key, CtValue>(dir, name)?, max)?,
+        map_names::SK_REVNAT4 => {
+            count_keys(&open_hash::<SkRevNat4Key, SkRevNat4Value>(dir, name)?, max)?
+        }
+        map_names::SK_REVNAT6 => {
+            count_keys(&open_hash::<SkRevNat6Key, SkRevNat6Value>(dir, name)?, max)?
+        }
+        // Arrays always hold max_entries elements.
+        _ => u64::from(max),
+    };
+    Ok(MapStatus {
+        name: name.into(),
+        id: Some(info.id()),
+        map_type: info.map_type().ok().map(|t| format!("{t:?}")),
+        entries: Some(entries),
+        max_entries: Some(max),
+    })
+}
+
+fn read_counters(dir: &Path) -> anyhow::Result<Vec<CounterStatus>> {
+    let path = dir.join(map_names::METRICS);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let map: PerCpuArray<MapData, MetricValue> =
+        PerCpuArray::try_from(open_map(dir, map_names::METRICS)?)
+            .with_context(|| format!("pinned map {} has an unexpected layout", path.display()))?;
+    let mut out = Vec::with_capacity(metrics::NAMES.len());
+    for (index, name) in (0u32..).zip(metrics::NAMES) {
+        let values = map
+            .get(&index, 0)
+            .with_context(|| format!("reading {} index {index}", path.display()))?;
+        let (packets, bytes) = values.iter().fold((0u64, 0u64), |(p, b), v| {
+            (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
+        });
+        out.push(CounterStatus {
+            name: name.into(),
+            packets,
+            bytes,
+        });
+    }
+    Ok(out)
+}
+
+/// `BPF_PROG_TYPE_SCHED_CLS` → `sched_cls`.
+fn prog_type_name(debug: &str) -> String {
+    debug
+        .strip_prefix("BPF_PROG_TYPE_")
+        .unwrap_or(debug)
+        .to_lowercase()
+}
+
+fn link_type_name(t: Result<LinkType, aya::programs::links::LinkError>) -> String {
+    match t {
+        Ok(LinkType::Tcx) => "tcx".into(),
+        Ok(LinkType::Cgroup) => "cgroup".into(),
+        Ok(LinkType::Netkit) => "netkit".into(),
+        Ok(LinkType::Xdp) => "xdp".into(),
+        Ok(other) => format!("{other:?}").to_lowercase(),
+        Err(_) => "unknown".into(),
+    }
+}
+
+/// lb's programs that use at least one of the maps pinned in `dir` (so programs of another lb
+/// with another pin dir are not counted), with their bpf_link attachments.
+fn programs(dir: &Path) -> anyhow::Result<Vec<ProgramStatus>> {
+    let mut pinned_ids = BTreeSet::new();
+    for name in map_names::ALL {
+        let path = dir.join(name);
+        if path.exists() {
+            let info = MapInfo::from_pin(&path).map_err(|e| pin_error(&path, e))?;
+            pinned_ids.insert(info.id());
+        }
+    }
+    let mut progs = Vec::new();
+    for info in loaded_programs() {
+        // A program may be unloaded between listing and reading; skip it.
+        let Ok(info) = info else { continue };
+        let Some(name) = info.name_as_str() else {
+            continue;
+        };
+        if !PROGRAM_NAMES.contains(&name) {
+            continue;
+        }
+        let Ok(Some(map_ids)) = info.map_ids() else {
+            continue;
+        };
+        if !map_ids.iter().any(|id| pinned_ids.contains(id)) {
+            continue;
+        }
+        progs.push(ProgramStatus {
+            name: name.to_string(),
+            id: info.id(),
+            prog_type: prog_type_name(&format!("{:?}", info.program_type())),
+            attachments: Vec::new(),
+        });
+    }
+    let cgroup_roots = cgroup2_mounts();
+    for link in loaded_links() {
+        let Ok(link) = link else { continue };
+        let Some(prog) = progs.iter_mut().find(|p| p.id == link.program_id()) else {
+            continue;
+        };
+        let link_type = link.link_type();
+        let mut att = Attachment {
+            link_id: link.id(),
+            link_type: link_type_name(link.link_type()),
+            target: None,
+            ifindex: None,
+            cgroup_id: None,
+        };
+        if let Some(raw) = raw_link_info(link.id()) {
+            match link_type {
+                Ok(LinkType::Tcx | LinkType::Netkit | LinkType::Xdp) => {
+                    let ifindex = u32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
+                    att.ifindex = Some(ifindex);
+                    att.target = if_name(ifindex);
+                }
+                Ok(LinkType::Cgroup) => {
+                    let mut id = [0u8; 8];
+                    id.copy_from_slice(&raw[..8]);
+                    let id = u64::from_ne_bytes(id);
+                    att.cgroup_id = Some(id);
+                    att.target = cgroup_roots
+                        .iter()
+                        .find_map(|root| find_cgroup(root, id))
+                        .map(|p| p.display().to_string());
+                }
+                _ => {}
+            }
+        }
+        prog.attachments.push(att);
+    }
+    progs.sort_by(|a, b| (&a.name, a.id).cmp(&(&b.name, b.id)));
+    Ok(progs)
+}
+
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
+
+/// The first 16 bytes of `bpf_link_info`'s per-type union for link `id` (aya 0.14's `LinkInfo`
+/// does not expose them): `cgroup.cgroup_id` (u64), or `tcx`/`xdp`/`netkit`'s `ifindex` (u32).
+fn raw_link_info(id: u32) -> Option<[u8; 16]> {
+    #[repr(C)]
+    struct GetFdAttr {
+        link_id: u32,
+        next_id: u32,
+        open_flags: u32,
+    }
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    /// `struct bpf_link_info` up to 16 bytes of its union (which is 8-aligned, at offset 16).
+    #[repr(C)]
+    struct LinkInfo {
+        link_type: u32,
+        id: u32,
+        prog_id: u32,
+        pad: u32,
+        union: [u8; 16],
+    }
+    let attr = GetFdAttr {
+        link_id: id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    // SAFETY: bpf(BPF_LINK_GET_FD_BY_ID) reads `attr` (a valid, fully initialized prefix of
+    // `union bpf_attr`, size passed) and returns a new fd or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_GET_FD_BY_ID,
+            &raw const attr,
+            size_of::<GetFdAttr>(),
+        )
+    };
+    let fd = RawFd::try_from(fd).ok().filter(|fd| *fd >= 0)?;
+    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut info = LinkInfo {
+        link_type: 0,
+        id: 0,
+        prog_id: 0,
+        pad: 0,
+        union: [0; 16],
+    };
+    let attr = InfoAttr {
+        bpf_fd: u32::try_from(fd.as_raw_fd()).ok()?,
+        info_len: u32::try_from(size_of::<LinkInfo>()).ok()?,
+        info: u64::try_from((&raw mut info).expose_provenance()).ok()?,
+    };
+    // SAFETY: bpf(BPF_OBJ_GET_INFO_BY_FD) writes at most `info_len` bytes to `info`, which
+    // points to a live, writable LinkInfo of that size.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &raw const attr,
+            size_of::<InfoAttr>(),
+        )
+    };
+    (rc == 0 && info.id == id).then_some(info.union)
+}
+
+/// Interface name of `ifindex` in the caller's network namespace.
+fn if_name(ifindex: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: if_indextoname writes at most IF_NAMESIZE bytes (NUL included) into buf.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: on success buf holds a NUL-terminated string.
+    let name = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    Some(name.to_string_lossy().into_owned())
+}
+
+/// Mount points of cgroup v2, shortest first.
+fn cgroup2_mounts() -> Vec<PathBuf> {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut out: Vec<PathBuf> = mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, path, fs_type) = (f.next()?, f.next()?, f.next()?);
+            (fs_type == "cgroup2").then(|| PathBuf::from(path))
+        })
+        .collect();
+    out.sort_by_key(|p| p.components().count());
+    out.dedup();
+    out
+}
+
+/// The cgroup directory under `root` whose inode number is `id` (cgroup v2 ids are kernfs
+/// inode numbers). Walks at most 100 000 directories.
+fn find_cgroup(root: &Path, id: u64) -> Option<PathBuf> {
+    let mut stack = vec![root.to_path_buf()];
+    let mut seen = 0;
+    while let Some(dir) = stack.pop() {
+        seen += 1;
+        if seen > 100_000 {
+            return None;
+        }
+        if fs::metadata(&dir).is_ok_and(|m| m.ino() == id) {
+            return Some(dir);
+        }
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            }
+        }
+    }
+    None
+}
+
+/// Collects everything `lb status` shows.
+pub fn status(dir: &Path) -> anyhow::Result<Status> {
+    check_pin_dir(dir)?;
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    let version = KernelVersion::current().ok();
+    let at_least = |maj, min| version.is_some_and(|v| v >= KernelVersion::new(maj, min, 0));
+    let maps = map_names::ALL
+        .iter()
+        .map(|name| map_status(dir, name))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Status {
+        pin_dir: dir.display().to_string(),
+        kernel: KernelStatus {
+            release,
+            version: version.map(|v| v.to_string()),
+        },
+        features: Features {
+            btf: Path::new("/sys/kernel/btf/vmlinux").exists(),
+            tcx: at_least(6, 6),
+            cgroup_link: at_least(5, 7),
+        },
+        programs: programs(dir)?,
+        maps,
+        counters: read_counters(dir)?,
+    })
+}
+
+/// Writes to stdout; a closed pipe (`lb services | head`) is not an error.
+fn print(text: &str) -> anyhow::Result<()> {
+    match io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing to stdout"),
+    }
+}
+
+fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    print(&text)
+}
+
+/// `lb services`.
+pub fn services_cmd(args: &ServicesArgs) -> anyhow::Result<()> {
+    let dump = BpfMaps::open_pinned(&args.pin_dir)?
+        .dump()
+        .context("reading the pinned maps")?;
+    let views = service_views(&dump, &read_names(&args.state_dir));
+    if args.json {
+        print_json(&views)
+    } else {
+        print(&render_services(&views))
+    }
+}
+
+/// `lb backends`.
+pub fn backends_cmd(args: &PinDirArgs) -> anyhow::Result<()> {
+    let dump = BpfMaps::open_pinned(&args.pin_dir)?
+        .dump()
+        .context("reading the pinned maps")?;
+    let views = backend_views(&dump);
+    if args.json {
+        print_json(&views)
+    } else {
+        print(&render_backends(&views))
+    }
+}
+
+/// `lb status`.
+pub fn status_cmd(args: &PinDirArgs) -> anyhow::Result<()> {
+    let s = status(&args.pin_dir)?;
+    if args.json {
+        print_json(&s)
+    } else {
+        print(&render_status(&s))
+    }
+}

@@ -1,0 +1,673 @@
+//! `lb trace`: runs a synthetic packet through the real datapath program with
+//! BPF_PROG_TEST_RUN and reports what it did and why.
+//!
+//! Live mode shares the running lb's pinned service, backend and rev-NAT maps; conntrack,
+//! socket rev-NAT and counters are private scratch copies, so a trace never changes live state
+//! (an existing live conntrack entry for the exact flow is copied in, so established flows
+//! trace as established). Manifest mode loads a private copy of everything, programs it from
+//! manifests with the same translation and reconciler as `lb run`, traces and unloads.
+use std::{
+    collections::HashMap as StdHashMap,
+    fmt,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+};
+
+use anyhow::{Context as _, bail};
+use aya::{
+    maps::{HashMap, MapData},
+    programs::{SchedClassifier, TestRun as _, TestRunOptions},
+};
+use lb_common::{
+    Ct4Key, Ct6Key, CtValue, Svc4Key, Svc6Key, SvcValue, ct_dir, map_names, prog_names, scope,
+    svc_flags,
+};
+use serde::Serialize;
+
+use crate::{
+    bpf::{Datapath, LoadOptions, SERVICE_MAPS},
+    daemon::{FRONTENDS_FILE, FrontendName},
+    manifests,
+    maps::BpfMaps,
+    model::{Frontend, Proto},
+    reconcile::Reconciler,
+    translate::{self, NodeInfo},
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+
+/// Where the traced packet comes from, which decides the program it meets first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Origin {
+    /// A local pod: the host side of its veth (`lb_tc_pod`).
+    Pod,
+    /// A process on the node: socket LB, emulated with `lb_tc_pod` (same maps and scope;
+    /// cgroup sock_addr programs cannot be test-run).
+    Node,
+    /// Anything else: an external-facing device (`lb_tc_ingress`).
+    External,
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Origin::Pod => "pod",
+            Origin::Node => "node",
+            Origin::External => "external",
+        })
+    }
+}
+
+/// An address range, `198.18.0.0/15` or `2001:db8::/32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?}: want ADDR/PREFIX"))?;
+        let addr: IpAddr = a.parse().map_err(|e| format!("{s:?}: {e}"))?;
+        let prefix: u8 = p.parse().map_err(|e| format!("{s:?}: {e}"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        if prefix > max {
+            return Err(format!("{s:?}: prefix over {max}"));
+        }
+        Ok(Self { addr, prefix })
+    }
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        let bits = |ip: &IpAddr| -> (u128, u32) {
+            match ip {
+                IpAddr::V4(a) => (u128::from(u32::from(*a)), 32),
+                IpAddr::V6(a) => (u128::from(*a), 128),
+            }
+        };
+        let ((net, width), (host, host_width)) = (bits(&self.addr), bits(ip));
+        if width != host_width {
+            return false;
+        }
+        let shift = width - u32::from(self.prefix);
+        shift >= width || (net >> shift) == (host >> shift)
+    }
+}
+
+/// How to classify a source address when `--from` is not given.
+#[derive(Clone, Debug, Default)]
+pub struct Classifier {
+    pub cluster_cidrs: Vec<Cidr>,
+    pub node_ips: Vec<IpAddr>,
+}
+
+impl Classifier {
+    pub fn classify(&self, src: &IpAddr) -> Origin {
+        if self.node_ips.contains(src) {
+            Origin::Node
+        } else if self.cluster_cidrs.iter().any(|c| c.contains(src)) {
+            Origin::Pod
+        } else {
+            Origin::External
+        }
+    }
+}
+
+/// What one traced packet did. The JSON form is stable (see the README).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TraceResult {
+    /// `forward`, `drop`, `reject` or `pass`.
+    pub verdict: &'static str,
+    /// The backend `ip:port` the packet was sent to, if any.
+    pub backend: Option<String>,
+    /// Whether the source was rewritten.
+    pub masquerade: bool,
+    /// The packet's source `ip:port` after the program.
+    pub source_after: String,
+    /// `namespace/name:port` of the matched frontend's service, if any.
+    pub service: Option<String>,
+    /// Every backend a new flow from this source could be sent to.
+    pub candidates: Vec<String>,
+    /// The program that ran (and how `node` traffic is emulated).
+    pub hook: String,
+}
+
+/// One packet to trace.
+#[derive(Clone, Copy, Debug)]
+pub struct Probe {
+    pub src: IpAddr,
+    pub sport: u16,
+    pub dst: IpAddr,
+    pub dport: u16,
+    pub proto: Proto,
+    pub origin: Origin,
+}
+
+pub struct Tracer {
+    datapath: Datapath,
+    reconciler: Reconciler<BpfMaps>,
+    /// (frontend, scope) → `ns/name:port`.
+    names: StdHashMap<(String, u8), String>,
+    /// The running lb's conntrack, to copy an established flow's entry from.
+    live_ct: Option<(
+        HashMap<MapData, Ct4Key, CtValue>,
+        HashMap<MapData, Ct6Key, CtValue>,
+    )>,
+}
+
+impl Tracer {
+    /// Traces against a running lb's maps in `pin_dir`; names from `state_dir`.
+    pub fn live(pin_dir: &Path, state_dir: &Path) -> anyhow::Result<Self> {
+        let mut datapath = Datapath::load(&LoadOptions {
+            pin_dir: Some(pin_dir.to_path_buf()),
+            only_pinned: Some(SERVICE_MAPS.to_vec()),
+        })?;
+        let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
+        let mut names = StdHashMap::new();
+        if let Ok(text) = std::fs::read_to_string(state_dir.join(FRONTENDS_FILE)) {
+            let list: Vec<FrontendName> =
+                serde_json::from_str(&text).context("parsing frontends.json")?;
+            for n in list {
+                let s = if n.scope == "internal" {
+                    scope::INTERNAL
+                } else {
+                    scope::EXTERNAL
+                };
+                let port = if n.port_name.is_empty() {
+                    String::new()
+                } else {
+                    format!(":{}", n.port_name)
+                };
+                names.insert((n.frontend, s), format!("{}/{}{port}", n.namespace, n.name));
+            }
+        }
+        let open = |name: &str| -> anyhow::Result<MapData> {
+            MapData::from_pin(pin_dir.join(name)).with_context(|| format!("opening pinned {name}"))
+        };
+        let live_ct = Some((
+            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT4)?))?,
+            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT6)?))?,
+        ));
+        Ok(Self {
+            datapath,
+            reconciler,
+            names,
+            live_ct,
+        })
+    }
+
+    /// Loads a private datapath programmed from the manifests in `dir`, as `lb run` would on
+    /// `node`.
+    pub fn from_manifests(dir: &Path, node_name: &str) -> anyhow::Result<Self> {
+        let mut datapath = Datapath::load(&LoadOptions::default())?;
+        let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
+        let (objects, problems) = manifests::load_dir(dir)?;
+        for p in &problems {
+            tracing::warn!(problem = %p, "skipping manifest document");
+        }
+        let node = objects
+            .nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(node_name));
+        let node = NodeInfo::from_node(node_name, node);
+        let t = translate::desired_state(&objects.services, &objects.slices, &node);
+        for s in &t.skipped {
+            tracing::warn!(skipped = %s, "skipping object");
+        }
+        let report = reconciler.apply(&t.state);
+        if let Some(e) = report.errors.first() {
+            bail!("programming {} failed: {}", e.frontend, e.error);
+        }
+        let names = t
+            .state
+            .services
+            .iter()
+            .map(|(fe, e)| ((fe.l4.to_string(), fe.scope), e.name.to_string()))
+            .collect();
+        Ok(Self {
+            datapath,
+            reconciler,
+            names,
+            live_ct: None,
+        })
+    }
+
+    /// Runs `probe` through the program its origin meets first.
+    pub fn trace(&mut self, probe: &Probe) -> anyhow::Result<TraceResult> {
+        let (prog, hook, internal) = match probe.origin {
+            Origin::Pod => (prog_names::TC_POD, "tc ingress, pod veth (lb_tc_pod)", true),
+            Origin::Node => (
+                prog_names::TC_POD,
+                "socket LB (emulated with lb_tc_pod: cgroup programs cannot be test-run)",
+                true,
+            ),
+            Origin::External => (prog_names::TC_INGRESS, "tc ingress (lb_tc_ingress)", false),
+        };
+        let fe = Frontend::new(probe.dst, probe.dport, probe.proto);
+        let (service, candidates) = self.frontend(&fe, internal);
+        self.copy_live_flow(probe)?;
+
+        let pkt = build_packet(probe);
+        let program: &mut SchedClassifier = self
+            .datapath
+            .ebpf_mut()
+            .program_mut(prog)
+            .context("tc program missing")?
+            .try_into()?;
+        let mut out = vec![0u8; pkt.len() + 64];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(&pkt);
+        opts.data_out = Some(&mut out);
+        let run = program.test_run(opts).context("BPF_PROG_TEST_RUN")?;
+        out.truncate(run.data_size_out as usize);
+
+        let (src_after, dst_after) = endpoints(&out).context("program returned a short packet")?;
+        let src_before = SocketAddr::new(probe.src, probe.sport);
+        let dst_before = SocketAddr::new(probe.dst, probe.dport);
+        let verdict = match run.return_value {
+            TC_ACT_SHOT => "drop",
+            TC_ACT_OK if out != pkt => "forward",
+            TC_ACT_OK => "pass",
+            _ => "drop",
+        };
+        Ok(TraceResult {
+            verdict,
+            backend: (verdict == "forward" && dst_after != dst_before)
+                .then(|| dst_after.to_string()),
+            masquerade: src_after != src_before,
+            source_after: src_after.to_string(),
+            service,
+            candidates,
+            hook: hook.to_string(),
+        })
+    }
+
+    /// The frontend's service name and the backends a new flow may get, read from the maps
+    /// the program uses, with the same scope choice.
+    fn frontend(&self, fe: &Frontend, internal: bool) -> (Option<String>, Vec<String>) {
+        let maps = self.reconciler.maps();
+        let get = |scope: u8, slot: u16| -> Option<SvcValue> {
+            let f = Frontend { scope, ..*fe };
+            match fe.l4.addr {
+                IpAddr::V4(a) => maps
+                    .services4
+                    .get(
+                        &Svc4Key {
+                            addr: a.octets(),
+                            port: f.l4.port,
+                            slot,
+                            proto: f.l4.proto.number(),
+                            scope,
+                            pad: [0; 2],
+                        },
+                        0,
+                    )
+                    .ok(),
+                IpAddr::V6(a) => maps
+                    .services6
+                    .get(
+                        &Svc6Key {
+                            addr: a.octets(),
+                            port: f.l4.port,
+                            slot,
+                            proto: f.l4.proto.number(),
+                            scope,
+                            pad: [0; 2],
+                        },
+                        0,
+                    )
+                    .ok(),
+            }
+        };
+        let Some(mut master) = get(scope::EXTERNAL, 0) else {
+            return (None, Vec::new());
+        };
+        let mut used = scope::EXTERNAL;
+        if internal
+            && master.flags & svc_flags::TWO_SCOPES != 0
+            && let Some(m) = get(scope::INTERNAL, 0)
+        {
+            master = m;
+            used = scope::INTERNAL;
+        }
+        let mut candidates = Vec::new();
+        for slot in 1..=master.count {
+            let Some(v) = get(used, slot) else { continue };
+            let addr = match fe.l4.addr {
+                IpAddr::V4(_) => maps
+                    .backends4
+                    .get(&v.backend_id, 0)
+                    .ok()
+                    .map(|b| SocketAddr::new(std::net::Ipv4Addr::from(b.addr).into(), b.port)),
+                IpAddr::V6(_) => maps
+                    .backends6
+                    .get(&v.backend_id, 0)
+                    .ok()
+                    .map(|b| SocketAddr::new(std::net::Ipv6Addr::from(b.addr).into(), b.port)),
+            };
+            if let Some(a) = addr {
+                candidates.push(a.to_string());
+            }
+        }
+        let name = self
+            .names
+            .get(&(fe.l4.to_string(), used))
+            .or_else(|| self.names.get(&(fe.l4.to_string(), scope::EXTERNAL)))
+            .cloned()
+            .or_else(|| Some("-".into()));
+        (name, candidates)
+    }
+
+    /// Copies the live conntrack entry of exactly this flow into the scratch map.
+    fn copy_live_flow(&mut self, p: &Probe) -> anyhow::Result<()> {
+        let Some((live4, live6)) = &self.live_ct else {
+            return Ok(());
+        };
+        let proto = p.proto.number();
+        match (p.src, p.dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                let key = Ct4Key {
+                    saddr: s.octets(),
+                    daddr: d.octets(),
+                    sport: p.sport,
+                    dport: p.dport,
+                    proto,
+                    dir: ct_dir::SERVICE,
+                    pad: [0; 2],
+                };
+                if let Ok(v) = live4.get(&key, 0) {
+                    let mut scratch: HashMap<&mut MapData, Ct4Key, CtValue> = HashMap::try_from(
+                        self.datapath
+                            .ebpf_mut()
+                            .map_mut(map_names::CT4)
+                            .context("ct4")?,
+                    )?;
+                    scratch.insert(key, v, 0)?;
+                }
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                let key = Ct6Key {
+                    saddr: s.octets(),
+                    daddr: d.octets(),
+                    sport: p.sport,
+                    dport: p.dport,
+                    proto,
+                    dir: ct_dir::SERVICE,
+                    pad: [0; 2],
+                };
+                if let Ok(v) = live6.get(&key, 0) {
+                    let mut scratch: HashMap<&mut MapData, Ct6Key, CtValue> = HashMap::try_from(
+                        self.datapath
+                            .ebpf_mut()
+                            .map_mut(map_names::CT6)
+                            .context("ct6")?,
+                    )?;
+                    scratch.insert(key, v, 0)?;
+                }
+            }
+            _ => bail!("source and destination are of different address families"),
+        }
+        Ok(())
+    }
+}
+
+fn fold(mut sum: u32) -> u16 {
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    sum as u16
+}
+
+fn ones_sum(data: &[u8]) -> u32 {
+    data.chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)])))
+        .sum()
+}
+
+/// An Ethernet frame carrying a TCP SYN, a UDP datagram or an SCTP common header, with valid
+/// checksums (SCTP's CRC32c is left zero: lb does not parse SCTP yet).
+fn build_packet(p: &Probe) -> Vec<u8> {
+    let (proto, l4): (u8, Vec<u8>) = match p.proto {
+        Proto::Tcp => {
+            let mut h = vec![0u8; 20];
+            h[0..2].copy_from_slice(&p.sport.to_be_bytes());
+            h[2..4].copy_from_slice(&p.dport.to_be_bytes());
+            h[4..8].copy_from_slice(&1u32.to_be_bytes());
+            h[12] = 5 << 4;
+            h[13] = 0x02; // SYN: a new flow
+            h[14..16].copy_from_slice(&64240u16.to_be_bytes());
+            (6, h)
+        }
+        Proto::Udp => {
+            let mut h = vec![0u8; 12];
+            h[0..2].copy_from_slice(&p.sport.to_be_bytes());
+            h[2..4].copy_from_slice(&p.dport.to_be_bytes());
+            h[4..6].copy_from_slice(&12u16.to_be_bytes());
+            h[8..12].copy_from_slice(b"lbtr");
+            (17, h)
+        }
+        Proto::Sctp => {
+            let mut h = vec![0u8; 12];
+            h[0..2].copy_from_slice(&p.sport.to_be_bytes());
+            h[2..4].copy_from_slice(&p.dport.to_be_bytes());
+            (132, h)
+        }
+    };
+    let mut l4 = l4;
+    let mut frame = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1];
+    let pseudo = match (p.src, p.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            frame.extend_from_slice(&0x0800u16.to_be_bytes());
+            let mut ip = vec![0x45, 0];
+            ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+            ip.extend_from_slice(&[0, 0, 0x40, 0, 64, proto, 0, 0]);
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            let c = !fold(ones_sum(&ip));
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            frame.extend_from_slice(&ip);
+            ones_sum(&s.octets()) + ones_sum(&d.octets())
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            frame.extend_from_slice(&0x86ddu16.to_be_bytes());
+            let mut ip = vec![0x60, 0, 0, 0];
+            ip.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+            ip.extend_from_slice(&[proto, 64]);
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            frame.extend_from_slice(&ip);
+            ones_sum(&s.octets()) + ones_sum(&d.octets())
+        }
+        _ => unreachable!("families checked by the caller"),
+    };
+    let csum_off = match proto {
+        6 => Some(16),
+        17 => Some(6),
+        _ => None,
+    };
+    if let Some(off) = csum_off {
+        let sum = pseudo + u32::from(proto) + l4.len() as u32 + ones_sum(&l4);
+        let c = match !fold(sum) {
+            0 if proto == 17 => 0xffff,
+            c => c,
+        };
+        l4[off..off + 2].copy_from_slice(&c.to_be_bytes());
+    }
+    frame.extend_from_slice(&l4);
+    frame
+}
+
+/// Source and destination `ip:port` of a frame built by `build_packet` (after rewriting).
+fn endpoints(frame: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
+    let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+    let (src, dst, l4): (IpAddr, IpAddr, &[u8]) = match ethertype {
+        0x0800 => {
+            let ip = frame.get(14..)?;
+            let ihl = usize::from(ip.first()? & 0xf) * 4;
+            let s: [u8; 4] = ip.get(12..16)?.try_into().ok()?;
+            let d: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
+            (s.into(), d.into(), ip.get(ihl..)?)
+        }
+        0x86dd => {
+            let ip = frame.get(14..)?;
+            let s: [u8; 16] = ip.get(8..24)?.try_into().ok()?;
+            let d: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
+            (s.into(), d.into(), ip.get(40..)?)
+        }
+        _ => return None,
+    };
+    let port = |o: usize| Some(u16::from_be_bytes([*l4.get(o)?, *l4.get(o + 1)?]));
+    Some((
+        SocketAddr::new(src, port(0)?),
+        SocketAddr::new(dst, port(2)?),
+    ))
+}
+
+impl fmt::Display for TraceResult {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "hook:        {}", self.hook)?;
+        writeln!(
+            f,
+            "service:     {}",
+            self.service.as_deref().unwrap_or("(none)")
+        )?;
+        writeln!(f, "verdict:     {}", self.verdict)?;
+        writeln!(f, "backend:     {}", self.backend.as_deref().unwrap_or("-"))?;
+        writeln!(
+            f,
+            "source:      {}{}",
+            self.source_after,
+            if self.masquerade {
+                " (masqueraded)"
+            } else {
+                " (not masqueraded)"
+            }
+        )?;
+        write!(f, "candidates:  {}", self.candidates.join(" "))
+    }
+}
+
+/// `lb trace` arguments.
+#[derive(Clone, Debug, clap::Args)]
+pub struct TraceArgs {
+    /// Source `IP` or `IP:PORT` (IPv6 as `[IP]:PORT`); the port defaults to 40000.
+    #[arg(long)]
+    pub src: String,
+    /// Destination `IP:PORT`.
+    #[arg(long)]
+    pub dst: SocketAddr,
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub proto: TraceProto,
+    /// Where the packet comes from [default: classified by --cluster-cidr and --node-ip].
+    #[arg(long, value_enum)]
+    pub from: Option<Origin>,
+    /// Trace N new flows that differ only in source port (one result per line).
+    #[arg(long, default_value_t = 1)]
+    pub flows: u16,
+    /// One JSON object per traced packet.
+    #[arg(long)]
+    pub json: bool,
+    /// Trace a private copy programmed from these manifests instead of the running lb.
+    #[arg(long)]
+    pub manifests: Option<std::path::PathBuf>,
+    /// Node name for --manifests (endpoint locality, topology) [default: $NODE_NAME or the
+    /// hostname].
+    #[arg(long)]
+    pub hostname_override: Option<String>,
+    /// Pod CIDRs: sources in them are classified as `pod`.
+    #[arg(long, value_delimiter = ',')]
+    pub cluster_cidr: Vec<Cidr>,
+    /// This node's IPs: sources among them are classified as `node`.
+    #[arg(long, value_delimiter = ',')]
+    pub node_ip: Vec<IpAddr>,
+    /// Pinned maps of the running lb (live mode).
+    #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
+    pub pin_dir: std::path::PathBuf,
+    /// State dir of the running lb, for service names (live mode).
+    #[arg(long, default_value = crate::daemon::DEFAULT_STATE_DIR)]
+    pub state_dir: std::path::PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TraceProto {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+fn parse_src(s: &str) -> anyhow::Result<(IpAddr, Option<u16>)> {
+    if let Ok(sa) = s.parse::<SocketAddr>() {
+        return Ok((sa.ip(), Some(sa.port())));
+    }
+    let ip = s
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+        .with_context(|| format!("--src {s:?}: want IP, IP:PORT or [IPv6]:PORT"))?;
+    Ok((ip, None))
+}
+
+/// Runs `lb trace`.
+pub fn run(
+    args: &TraceArgs,
+    node_name: impl FnOnce() -> anyhow::Result<String>,
+) -> anyhow::Result<()> {
+    let (src, sport) = parse_src(&args.src)?;
+    if src.is_ipv4() != args.dst.is_ipv4() {
+        bail!("--src and --dst must be of the same address family");
+    }
+    if args.flows == 0 {
+        bail!("--flows must be at least 1");
+    }
+    let classifier = Classifier {
+        cluster_cidrs: args.cluster_cidr.clone(),
+        node_ips: args.node_ip.clone(),
+    };
+    let origin = args.from.unwrap_or_else(|| classifier.classify(&src));
+    let proto = match args.proto {
+        TraceProto::Tcp => Proto::Tcp,
+        TraceProto::Udp => Proto::Udp,
+        TraceProto::Sctp => Proto::Sctp,
+    };
+    let mut tracer = match &args.manifests {
+        Some(dir) => Tracer::from_manifests(dir, &node_name()?)?,
+        None => Tracer::live(&args.pin_dir, &args.state_dir)?,
+    };
+    let base = sport.unwrap_or(40_000);
+    for i in 0..args.flows {
+        let sport = match base.wrapping_add(i) {
+            0 => 1,
+            p => p,
+        };
+        let probe = Probe {
+            src,
+            sport,
+            dst: args.dst.ip(),
+            dport: args.dst.port(),
+            proto,
+            origin,
+        };
+        let result = tracer.trace(&probe)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&result)?);
+        } else {
+            if args.flows > 1 {
+                println!(
+                    "flow {} ({} -> {}, from {origin})",
+                    i + 1,
+                    SocketAddr::new(src, sport),
+                    args.dst
+                );
+            } else {
+                println!("from:        {origin} ({})", SocketAddr::new(src, sport));
+            }
+            println!("{result}\n");
+        }
+    }
+    Ok(())
+}

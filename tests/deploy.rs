@@ -1,0 +1,1 @@
+//! Placeholder while the deploy manifests are written.

@@ -1,0 +1,599 @@
+//! `lb services`, `lb backends` and `lb status` against the live pinned maps of a real
+//! `lb run` (in a testbed node netns, programmed from deploy/examples), plus the pure views and
+//! the error for a missing pin dir. The end-to-end test needs root.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fs,
+    io::{BufRead as _, BufReader},
+    net::IpAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use lb::{
+    daemon::FrontendName,
+    inspect::{self, ServiceView},
+    maps::{LbMaps as _, MemMaps},
+    model::{Backend, Frontend, L4Addr, Proto},
+    testbed::Testbed,
+};
+use lb_common::{SvcValue, map_names, metrics, prog_names, svc_flags};
+use serde_json::{Value, json};
+
+const LB: &str = env!("CARGO_BIN_EXE_lb");
+const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
+const ECHO_PORT: u16 = 8080;
+
+/// `lb run` in the node netns, with its log lines collected; stopped and its pins and state
+/// removed on drop (also when the test fails).
+struct LbProcess {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: Vec<String>,
+    pin_dir: PathBuf,
+    state_dir: PathBuf,
+}
+
+impl LbProcess {
+    fn start(tb: &mut Testbed, manifests: &Path) -> Self {
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-inspect-{}", tb.id));
+        let state_dir = std::env::temp_dir().join(format!("lb-test-inspect-state-{}", tb.id));
+        let mut cmd = Command::new(LB);
+        cmd.arg("run")
+            .arg("--manifests")
+            .arg(manifests)
+            .arg("--pin-dir")
+            .arg(&pin_dir)
+            .arg("--state-dir")
+            .arg(&state_dir)
+            // Socket LB on the testbed's own (empty) cgroup, so the cgroup links are visible to
+            // `lb status` without touching any other process.
+            .arg("--cgroup-path")
+            .arg(&tb.cgroup)
+            .arg("--tc-ingress")
+            .arg(tb.node_ifaces().join(","))
+            .args(["--metrics-bind-address", "off"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let node_ns = tb.node_ns.clone();
+        let mut child = tb.spawn(&node_ns, None, cmd).expect("spawn lb");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut lb = Self {
+            child,
+            lines,
+            log: Vec::new(),
+            pin_dir,
+            state_dir,
+        };
+        lb.wait_for(|l| l.contains(" ready"), "ready");
+        lb
+    }
+
+    /// Waits for a log line matching `pred`, failing with the whole log on timeout or exit.
+    fn wait_for(&mut self, pred: impl Fn(&str) -> bool, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    let hit = pred(&line);
+                    self.log.push(line);
+                    if hit {
+                        return;
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Ok(Some(status)) = self.child.try_wait() {
+                        panic!(
+                            "lb exited ({status}) before {what}:\n{}",
+                            self.log.join("\n")
+                        );
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!("no {what} from lb:\n{}", self.log.join("\n"));
+    }
+
+    /// SIGTERM and wait; the pins stay until drop.
+    fn stop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for LbProcess {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = fs::remove_dir_all(&self.pin_dir);
+        let _ = fs::remove_dir_all(&self.state_dir);
+    }
+}
+
+/// A temporary copy of deploy/examples, removed on drop.
+struct Manifests(PathBuf);
+
+impl Manifests {
+    fn new(id: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("lb-test-inspect-manifests-{id}"));
+        fs::create_dir_all(&dir).unwrap();
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+        for entry in fs::read_dir(examples).unwrap() {
+            let path = entry.unwrap().path();
+            // Only the echo service: other example files are for other purposes.
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if name.starts_with("echo-") {
+                fs::copy(&path, dir.join(name)).unwrap();
+            }
+        }
+        Self(dir)
+    }
+}
+
+impl Drop for Manifests {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `lb ARGS…` in the node netns; returns the output, whatever the exit status.
+fn lb_cli(tb: &Testbed, args: &[&str]) -> Output {
+    let mut cmd = Command::new(LB);
+    cmd.args(args)
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE");
+    tb.run(&tb.node_ns, None, cmd).expect("run lb")
+}
+
+/// Runs `lb ARGS… --json` and parses stdout, failing on a non-zero exit.
+fn lb_json(tb: &Testbed, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = lb_cli(tb, &all);
+    assert!(
+        out.status.success(),
+        "lb {all:?}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "lb {all:?}: not JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn lb_text(tb: &Testbed, args: &[&str]) -> String {
+    let out = lb_cli(tb, args);
+    assert!(out.status.success(), "lb {args:?}: {}", out.status);
+    String::from_utf8(out.stdout).expect("UTF-8")
+}
+
+/// What deploy/examples must produce: the 4 frontends of demo/echo with their 3 backends.
+fn expected_services() -> Value {
+    let v4 = ["198.18.11.2:8080", "198.18.12.2:8080", "198.18.13.2:8080"];
+    let v6 = [
+        "[2001:db8:0:11::2]:8080",
+        "[2001:db8:0:12::2]:8080",
+        "[2001:db8:0:13::2]:8080",
+    ];
+    let fe = |frontend: &str, port: &str, proto: &str, backends: &[&str; 3]| {
+        json!({
+            "frontend": frontend,
+            "scope": "external",
+            "type": "ClusterIP",
+            "service": {"namespace": "demo", "name": "echo", "port": port},
+            "flags": ["ClusterIP"],
+            "count": 3,
+            "qcount": 0,
+            "backends": backends.iter().zip(1..).map(|(a, slot)| json!({
+                "slot": slot, "address": a, "protocol": proto, "state": "active",
+            })).collect::<Vec<_>>(),
+        })
+    };
+    json!([
+        fe("198.19.0.10:53/UDP", "udp", "UDP", &v4),
+        fe("198.19.0.10:80/TCP", "tcp", "TCP", &v4),
+        fe("[2001:db8:ffff::10]:53/UDP", "udp", "UDP", &v6),
+        fe("[2001:db8:ffff::10]:80/TCP", "tcp", "TCP", &v6),
+    ])
+}
+
+/// Strips the allocated ids (checked separately) and sorts by frontend.
+fn without_ids(services: &Value) -> Value {
+    let mut list = services.as_array().expect("array").clone();
+    for s in &mut list {
+        let s = s.as_object_mut().expect("object");
+        assert!(
+            s.remove("id")
+                .and_then(|v| v.as_u64())
+                .is_some_and(|id| id > 0)
+        );
+        for b in s["backends"].as_array_mut().expect("backends") {
+            let b = b.as_object_mut().expect("backend");
+            assert!(
+                b.remove("id")
+                    .and_then(|v| v.as_u64())
+                    .is_some_and(|id| id > 0)
+            );
+        }
+    }
+    list.sort_by_key(|s| s["frontend"].as_str().unwrap_or_default().to_string());
+    Value::Array(list)
+}
+
+fn run_echo_client(tb: &Testbed, target: &str, proto: &str) {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args([
+        "client", "--target", target, "--proto", proto, "--count", "3",
+    ]);
+    let out = tb.run(&tb.client.ns, None, cmd).expect("run client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && !stdout.contains("error"),
+        "{target}/{proto}: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn inspection_commands_show_the_live_maps() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    let mut lb = LbProcess::start(&mut tb, &manifests.0);
+    let pin = lb.pin_dir.to_str().unwrap().to_string();
+    let state = lb.state_dir.to_str().unwrap().to_string();
+
+    // lb services --json: exactly what the manifests say.
+    let services = lb_json(&tb, &["services", "--pin-dir", &pin, "--state-dir", &state]);
+    assert_eq!(without_ids(&services), expected_services(), "{services:#}");
+    let ids: BTreeSet<u64> = services
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 4, "distinct rev-NAT ids: {ids:?}");
+    let slot_backend_ids: BTreeSet<u64> = services
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["backends"].as_array().unwrap().iter())
+        .map(|b| b["id"].as_u64().unwrap())
+        .collect();
+
+    // lb backends --json: 12 backends (3 addresses x 2 families x TCP/UDP), each used once.
+    let backends = lb_json(&tb, &["backends", "--pin-dir", &pin]);
+    let backends = backends.as_array().expect("array");
+    assert_eq!(backends.len(), 12, "{backends:#?}");
+    let mut seen = BTreeSet::new();
+    for b in backends {
+        assert_eq!(b["references"], 1, "{b}");
+        assert_eq!(b["state"], "active", "{b}");
+        let addr = b["address"].as_str().unwrap();
+        let sa: std::net::SocketAddr = addr.parse().expect("ip:port");
+        assert_eq!(sa.port(), ECHO_PORT);
+        seen.insert((
+            addr.to_string(),
+            b["protocol"].as_str().unwrap().to_string(),
+        ));
+    }
+    assert_eq!(seen.len(), 12, "distinct address/protocol pairs");
+    let backend_ids: BTreeSet<u64> = backends.iter().map(|b| b["id"].as_u64().unwrap()).collect();
+    assert_eq!(
+        backend_ids, slot_backend_ids,
+        "slots name exactly these ids"
+    );
+
+    // The tables show the same.
+    let table = lb_text(&tb, &["services", "--pin-dir", &pin, "--state-dir", &state]);
+    assert!(table.starts_with("ID  "), "{table}");
+    assert!(
+        table.contains("198.19.0.10:80/TCP") && table.contains("demo/echo:tcp"),
+        "{table}"
+    );
+    assert!(
+        table.contains("  1 => 198.18.11.2:8080/TCP (active)"),
+        "{table}"
+    );
+    assert!(
+        table.contains("  3 => [2001:db8:0:13::2]:8080/UDP (active)"),
+        "{table}"
+    );
+    let table = lb_text(&tb, &["backends", "--pin-dir", &pin]);
+    assert_eq!(table.lines().count(), 13, "{table}");
+    // Without the names file the frontends are still listed, named `-`.
+    let unnamed = lb_json(
+        &tb,
+        &["services", "--pin-dir", &pin, "--state-dir", "/nonexistent"],
+    );
+    assert!(
+        unnamed
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["service"].is_null()),
+        "{unnamed:#}"
+    );
+
+    // Traffic through the tc path, so conntrack and counters have something to show.
+    for (target, proto) in [
+        ("198.19.0.10:80", "tcp"),
+        ("198.19.0.10:53", "udp"),
+        ("[2001:db8:ffff::10]:80", "tcp"),
+        ("[2001:db8:ffff::10]:53", "udp"),
+    ] {
+        run_echo_client(&tb, target, proto);
+    }
+
+    let status = lb_json(&tb, &["status", "--pin-dir", &pin]);
+    assert_eq!(status["pin_dir"], pin.as_str());
+    assert!(!status["kernel"]["release"].as_str().unwrap().is_empty());
+    assert_eq!(
+        status["features"]["btf"],
+        Path::new("/sys/kernel/btf/vmlinux").exists()
+    );
+    // Maps: all of them, each within its capacity, holding what the manifests need.
+    let maps: BTreeMap<String, &Value> = status["maps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["name"].as_str().unwrap().to_string(), m))
+        .collect();
+    let names: BTreeSet<&str> = maps.keys().map(String::as_str).collect();
+    assert_eq!(names, BTreeSet::from(map_names::ALL), "{status:#}");
+    let entries = |name: &str| maps[name]["entries"].as_u64().unwrap();
+    for (name, m) in &maps {
+        let max = m["max_entries"].as_u64().unwrap();
+        assert!(entries(name) <= max && max > 0, "{name}: {m}");
+    }
+    for (name, want) in [
+        (map_names::SERVICES4, 8),
+        (map_names::SERVICES6, 8),
+        (map_names::BACKENDS4, 6),
+        (map_names::BACKENDS6, 6),
+        (map_names::REVNAT4, 2),
+        (map_names::REVNAT6, 2),
+    ] {
+        assert_eq!(entries(name), want, "{name}");
+    }
+    assert!(entries(map_names::CT4) > 0, "conntrack after IPv4 traffic");
+    assert!(entries(map_names::CT6) > 0, "conntrack after IPv6 traffic");
+    // Programs: all ten loaded; tc ingress linked to every node interface, the socket
+    // programs to the testbed cgroup.
+    let programs: BTreeMap<String, &Value> = status["programs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap().to_string(), p))
+        .collect();
+    let loaded: BTreeSet<&str> = programs.keys().map(String::as_str).collect();
+    assert_eq!(loaded, BTreeSet::from(inspect::PROGRAM_NAMES), "{status:#}");
+    let tc = programs[prog_names::TC_INGRESS];
+    assert_eq!(tc["type"], "sched_cls");
+    if status["features"]["tcx"] == true {
+        let targets: BTreeSet<&str> = tc["attachments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .inspect(|a| assert_eq!(a["link_type"], "tcx", "{a}"))
+            .map(|a| a["target"].as_str().unwrap())
+            .collect();
+        let ifaces = tb.node_ifaces();
+        assert_eq!(
+            targets,
+            ifaces.iter().map(String::as_str).collect(),
+            "{tc:#}"
+        );
+    }
+    assert_eq!(
+        programs[prog_names::TC_EGRESS]["attachments"],
+        json!([]),
+        "no --tc-egress"
+    );
+    if status["features"]["cgroup_link"] == true {
+        for name in lb::bpf::SOCK_PROGRAMS {
+            let p = programs[name];
+            assert_eq!(p["type"], "cgroup_sock_addr");
+            let att = p["attachments"].as_array().unwrap();
+            assert_eq!(att.len(), 1, "{p:#}");
+            assert_eq!(att[0]["link_type"], "cgroup");
+            assert_eq!(att[0]["target"], tb.cgroup.to_str().unwrap(), "{p:#}");
+        }
+    }
+    // Counters: every name, summed over CPUs, with the traffic just sent.
+    let counters: BTreeMap<&str, u64> = status["counters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["name"].as_str().unwrap(), c["packets"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        counters.keys().copied().collect::<BTreeSet<_>>(),
+        BTreeSet::from(metrics::NAMES)
+    );
+    assert!(counters["tc_forward_new"] >= 4, "{counters:?}");
+    assert!(counters["tc_reverse_nat"] >= 4, "{counters:?}");
+    let text = lb_text(&tb, &["status", "--pin-dir", &pin]);
+    for want in [
+        "Kernel:",
+        "Programs:",
+        "lb_tc_ingress",
+        "Maps:",
+        "lb4_services",
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+
+    // After lb exits the maps stay pinned and readable, and no program is listed any more.
+    lb.stop();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let status = lb_json(&tb, &["status", "--pin-dir", &pin]);
+        if status["programs"] == json!([]) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "programs still listed: {status:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let services = lb_json(&tb, &["services", "--pin-dir", &pin, "--state-dir", &state]);
+    assert_eq!(without_ids(&services), expected_services());
+    drop(lb);
+}
+
+#[test]
+fn missing_pin_dir_is_a_clean_error() {
+    let dir = format!("/sys/fs/bpf/lb-test-inspect-missing-{}", std::process::id());
+    for args in [
+        vec!["services", "--pin-dir", &dir],
+        vec!["services", "--pin-dir", &dir, "--json"],
+        vec!["backends", "--pin-dir", &dir],
+        vec!["status", "--pin-dir", &dir, "--json"],
+    ] {
+        let out = Command::new(LB)
+            .args(&args)
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .output()
+            .expect("run lb");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+        assert!(
+            stderr.contains(&format!(
+                "no pinned maps at {dir}: is `lb run` running? (--pin-dir)"
+            )),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+fn l4(addr: &str, port: u16, proto: Proto) -> L4Addr {
+    L4Addr {
+        addr: addr.parse::<IpAddr>().unwrap(),
+        port,
+        proto,
+    }
+}
+
+/// The pure join of a dump with the names file: names, flags, missing slots and backends.
+#[test]
+fn service_views_join_names_and_report_gaps() {
+    let mut maps = MemMaps::with_capacity(100);
+    let fe = Frontend::new("198.19.0.20".parse().unwrap(), 443, Proto::Tcp);
+    let other = Frontend::new("2001:db8:ffff::20".parse().unwrap(), 53, Proto::Udp);
+    maps.put_backend(7, &Backend::active(l4("198.18.11.2", 8443, Proto::Tcp)))
+        .unwrap();
+    maps.put_backend(9, &Backend::active(l4("198.18.12.2", 8443, Proto::Tcp)))
+        .unwrap();
+    let master = SvcValue {
+        count: 2,
+        qcount: 1,
+        rev_nat_id: 5,
+        flags: svc_flags::CLUSTER_IP | svc_flags::EXTERNAL_IP,
+        ..SvcValue::default()
+    };
+    maps.put_service(&fe, 0, &master).unwrap();
+    let slot = |backend_id| SvcValue {
+        backend_id,
+        rev_nat_id: 5,
+        ..SvcValue::default()
+    };
+    maps.put_service(&fe, 1, &slot(7)).unwrap();
+    maps.put_service(&fe, 2, &slot(8)).unwrap(); // backend 8 does not exist
+    // slot 3 is missing
+    let other_master = SvcValue {
+        rev_nat_id: 6,
+        flags: svc_flags::CLUSTER_IP,
+        ..SvcValue::default()
+    };
+    maps.put_service(&other, 0, &other_master).unwrap();
+    let names = BTreeMap::from([(
+        ("198.19.0.20:443/TCP".to_string(), "external".to_string()),
+        FrontendName {
+            frontend: "198.19.0.20:443/TCP".into(),
+            scope: "external".into(),
+            namespace: "web".into(),
+            name: "front".into(),
+            port_name: "https".into(),
+            kind: "ExternalIP".into(),
+        },
+    )]);
+    let dump = maps.dump().unwrap();
+    let views = inspect::service_views(&dump, &names);
+    let json = serde_json::to_value(&views).unwrap();
+    assert_eq!(
+        json,
+        json!([
+            {
+                "id": 5, "frontend": "198.19.0.20:443/TCP", "scope": "external",
+                "type": "ExternalIP",
+                "service": {"namespace": "web", "name": "front", "port": "https"},
+                "flags": ["ClusterIP", "ExternalIP"], "count": 2, "qcount": 1,
+                "backends": [
+                    {"slot": 1, "id": 7, "address": "198.18.11.2:8443", "protocol": "TCP",
+                     "state": "active"},
+                    {"slot": 2, "id": 8, "address": null, "protocol": null, "state": "missing"},
+                    {"slot": 3, "id": null, "address": null, "protocol": null,
+                     "state": "missing"},
+                ],
+            },
+            {
+                "id": 6, "frontend": "[2001:db8:ffff::20]:53/UDP", "scope": "external",
+                "type": "ClusterIP", "service": null, "flags": ["ClusterIP"],
+                "count": 0, "qcount": 0, "backends": [],
+            },
+        ])
+    );
+    let back: Vec<ServiceView> = serde_json::from_value(json).unwrap();
+    assert_eq!(back, views, "the JSON round-trips");
+
+    let table = inspect::render_services(&views);
+    assert_eq!(
+        table,
+        "ID  FRONTEND                    SCOPE     TYPE        SERVICE          BACKENDS\n\
+         5   198.19.0.20:443/TCP         external  ExternalIP  web/front:https  2 active, 1 terminating\n\
+         \x20 1 => 198.18.11.2:8443/TCP (active)\n\
+         \x20 2 => backend 8 (missing)\n\
+         \x20 3 => - (missing)\n\
+         6   [2001:db8:ffff::20]:53/UDP  external  ClusterIP   -                0 active, 0 terminating\n"
+    );
+
+    let backends = inspect::backend_views(&dump);
+    assert_eq!(
+        serde_json::to_value(&backends).unwrap(),
+        json!([
+            {"id": 7, "address": "198.18.11.2:8443", "protocol": "TCP",
+             "state": "active", "references": 1},
+            {"id": 9, "address": "198.18.12.2:8443", "protocol": "TCP", "state": "active",
+             "references": 0},
+        ])
+    );
+}

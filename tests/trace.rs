@@ -1,0 +1,330 @@
+//! `lb trace` against real traffic: for the same flows, the trace's backend set and masquerade
+//! decision must agree with what clients in network namespaces actually get, both when tracing
+//! a private copy programmed from manifests and when tracing the running lb's maps. A live
+//! trace must not change live conntrack. Needs root.
+use std::{
+    collections::BTreeSet,
+    fs,
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use aya::maps::{HashMap, Map, MapData};
+use lb::testbed::Testbed;
+use lb_common::{Ct4Key, CtValue};
+
+const LB: &str = env!("CARGO_BIN_EXE_lb");
+const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
+}
+
+/// `lb run` (tc on the pod veths, no socket LB) in the node netns.
+struct Daemon {
+    child: Child,
+    pin_dir: PathBuf,
+    state_dir: PathBuf,
+}
+
+impl Daemon {
+    fn start(tb: &mut Testbed) -> Self {
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-trace-{}", tb.id));
+        let state_dir = std::env::temp_dir().join(format!("lb-trace-state-{}", tb.id));
+        let mut cmd = Command::new(LB);
+        cmd.arg("run")
+            .arg("--manifests")
+            .arg(examples())
+            .arg("--pin-dir")
+            .arg(&pin_dir)
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .args(["--socket-lb=false", "--metrics-bind-address", "off"])
+            .arg("--tc-pod")
+            .arg(tb.node_ifaces().join(","))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let ns = tb.node_ns.clone();
+        let mut child = tb.spawn(&ns, None, cmd).expect("spawn lb");
+        let (tx, rx) = mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut log = Vec::new();
+        loop {
+            assert!(
+                Instant::now() < deadline,
+                "lb not ready:\n{}",
+                log.join("\n")
+            );
+            if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
+                let ready = line.contains(" ready");
+                log.push(line);
+                if ready {
+                    break;
+                }
+            }
+        }
+        Self {
+            child,
+            pin_dir,
+            state_dir,
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+        let _ = fs::remove_dir_all(&self.pin_dir);
+        let _ = fs::remove_dir_all(&self.state_dir);
+    }
+}
+
+const TARGETS: [(&str, &str, &str, &str); 4] = [
+    ("198.18.10.2", "198.19.0.10:80", "tcp", "demo/echo:tcp"),
+    ("198.18.10.2", "198.19.0.10:53", "udp", "demo/echo:udp"),
+    (
+        "2001:db8:0:10::2",
+        "[2001:db8:ffff::10]:80",
+        "tcp",
+        "demo/echo:tcp",
+    ),
+    (
+        "2001:db8:0:10::2",
+        "[2001:db8:ffff::10]:53",
+        "udp",
+        "demo/echo:udp",
+    ),
+];
+
+/// Backend addresses reached by 30 real flows, and whether any backend saw a source other than
+/// the client's own address (a masquerade).
+fn real_traffic(tb: &mut Testbed, target: &str, proto: &str) -> (BTreeSet<String>, bool) {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args([
+        "client", "--target", target, "--proto", proto, "--count", "30",
+    ]);
+    let ns = tb.client.ns.clone();
+    let out = tb.run(&ns, None, cmd).expect("client");
+    let mut reached = BTreeSet::new();
+    let mut masqueraded = false;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert!(v.get("error").is_none(), "{target}/{proto}: {line}");
+        let name = v["backend"].as_str().unwrap();
+        let host = tb
+            .backends
+            .iter()
+            .find(|b| b.name == name)
+            .unwrap_or_else(|| panic!("unknown backend {name}"));
+        let addr = if target.starts_with('[') {
+            format!("[{}]:8080", host.ipv6)
+        } else {
+            format!("{}:8080", host.ipv4)
+        };
+        reached.insert(addr);
+        masqueraded |= v["seen_by_backend"] != v["local"];
+    }
+    (reached, masqueraded)
+}
+
+/// Runs `lb trace ... --json` and returns one parsed result per flow.
+fn trace(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(LB)
+        .arg("trace")
+        .args(args)
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "lb trace {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("trace JSON"))
+        .collect()
+}
+
+fn strings(v: &serde_json::Value) -> BTreeSet<String> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect()
+}
+
+fn check_agreement(
+    results: &[serde_json::Value],
+    reached: &BTreeSet<String>,
+    masqueraded: bool,
+    service: &str,
+) {
+    assert_eq!(results.len(), 60);
+    let mut chosen = BTreeSet::new();
+    for r in results {
+        assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["service"], service, "{r}");
+        assert_eq!(
+            &strings(&r["candidates"]),
+            reached,
+            "candidates = backends real flows reach"
+        );
+        assert_eq!(
+            r["masquerade"], masqueraded,
+            "same masquerade decision as real traffic"
+        );
+        chosen.insert(r["backend"].as_str().unwrap().to_string());
+    }
+    assert_eq!(
+        &chosen, reached,
+        "60 traced new flows spread over the same backends"
+    );
+}
+
+fn ct_entries(pin_dir: &Path) -> usize {
+    let map = MapData::from_pin(pin_dir.join("lb4_ct")).unwrap();
+    let ct: HashMap<MapData, Ct4Key, CtValue> = HashMap::try_from(Map::LruHashMap(map)).unwrap();
+    ct.keys().count()
+}
+
+#[test]
+fn trace_agrees_with_real_traffic() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), 8080).unwrap();
+    let daemon = Daemon::start(&mut tb);
+    let pin = daemon.pin_dir.to_str().unwrap().to_string();
+    let state = daemon.state_dir.to_str().unwrap().to_string();
+    let manifests = examples();
+    let manifests = manifests.to_str().unwrap();
+
+    for (src, dst, proto, service) in TARGETS {
+        let (reached, masqueraded) = real_traffic(&mut tb, dst, proto);
+        assert_eq!(
+            reached.len(),
+            3,
+            "{dst}/{proto}: real traffic reaches every backend"
+        );
+        assert!(!masqueraded, "lb does not masquerade pod traffic");
+
+        let offline = trace(&[
+            "--manifests",
+            manifests,
+            "--hostname-override",
+            "node-a",
+            "--src",
+            src,
+            "--dst",
+            dst,
+            "--proto",
+            proto,
+            "--from",
+            "pod",
+            "--flows",
+            "60",
+        ]);
+        check_agreement(&offline, &reached, masqueraded, service);
+
+        let ct_before = ct_entries(&daemon.pin_dir);
+        let live = trace(&[
+            "--pin-dir",
+            &pin,
+            "--state-dir",
+            &state,
+            "--src",
+            src,
+            "--dst",
+            dst,
+            "--proto",
+            proto,
+            "--cluster-cidr",
+            "198.18.10.0/24,2001:db8:0:10::/64",
+            "--flows",
+            "60",
+        ]);
+        check_agreement(&live, &reached, masqueraded, service);
+        for r in &live {
+            assert_eq!(
+                r["hook"], "tc ingress, pod veth (lb_tc_pod)",
+                "classified as pod by CIDR"
+            );
+        }
+        assert_eq!(
+            ct_entries(&daemon.pin_dir),
+            ct_before,
+            "a live trace leaves live conntrack alone"
+        );
+    }
+}
+
+#[test]
+fn trace_reports_drops_misses_and_hooks() {
+    let dir = std::env::temp_dir().join(format!("lb-trace-manifests-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(
+        dir.join("empty.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: empty, namespace: t}\nspec:\n  clusterIP: 198.19.1.1\n  ports: [{name: p, protocol: TCP, port: 80}]\n",
+    )
+    .unwrap();
+    let d = dir.to_str().unwrap();
+    let no_backend = trace(&[
+        "--manifests",
+        d,
+        "--src",
+        "198.18.10.2",
+        "--dst",
+        "198.19.1.1:80",
+    ]);
+    assert_eq!(no_backend[0]["verdict"], "drop");
+    assert_eq!(no_backend[0]["service"], "t/empty:p");
+    assert_eq!(no_backend[0]["candidates"], serde_json::json!([]));
+    assert_eq!(
+        no_backend[0]["hook"], "tc ingress (lb_tc_ingress)",
+        "unclassified source is external"
+    );
+
+    let miss = trace(&[
+        "--manifests",
+        d,
+        "--src",
+        "198.18.10.2:1234",
+        "--dst",
+        "198.19.9.9:80",
+        "--from",
+        "node",
+    ]);
+    assert_eq!(miss[0]["verdict"], "pass");
+    assert_eq!(miss[0]["service"], serde_json::Value::Null);
+    assert_eq!(miss[0]["backend"], serde_json::Value::Null);
+    assert_eq!(miss[0]["source_after"], "198.18.10.2:1234");
+    assert!(miss[0]["hook"].as_str().unwrap().starts_with("socket LB"));
+
+    let out = Command::new(LB)
+        .args([
+            "trace",
+            "--manifests",
+            d,
+            "--src",
+            "2001:db8::1",
+            "--dst",
+            "198.19.1.1:80",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "mixed families are refused");
+    let _ = fs::remove_dir_all(&dir);
+}
