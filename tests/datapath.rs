@@ -625,3 +625,85 @@ fn pod_hook_uses_internal_scope_of_two_scope_frontends() {
         "internal scope: every backend, got {from_pods:?}"
     );
 }
+
+#[test]
+fn full_service_map_is_reported_and_previous_state_kept() {
+    // Real kernel maps with room for 3 service entries (master + slots).
+    let opts = LoadOptions {
+        max_entries: [("lb4_services".to_string(), 3)].into_iter().collect(),
+        ..LoadOptions::default()
+    };
+    let mut datapath = Datapath::load(&opts).expect("load");
+    let mut reconciler = Reconciler::new(datapath.take_lb_maps().unwrap()).unwrap();
+    let b4: Vec<IpAddr> = BACKENDS4.iter().map(|a| (*a).into()).collect();
+    let other: IpAddr = Ipv4Addr::new(198, 19, 0, 20).into();
+
+    // VIP4 with one backend (2 entries) fits; the other with three (4 entries) does not.
+    let mut desired = DesiredState::default();
+    let (fe, small) = service(VIP4.into(), Proto::Tcp, &b4[..1]);
+    desired.services.insert(fe, small);
+    let (fe_other, big) = service(other, Proto::Tcp, &b4);
+    desired.services.insert(fe_other, big);
+    let report = reconciler.apply(&desired);
+    assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+    assert_eq!(report.errors[0].frontend, fe_other);
+    assert!(
+        report.errors[0].error.contains("lb4_services is full"),
+        "{:?}",
+        report.errors
+    );
+
+    let mut fx = Fixture {
+        datapath,
+        _reconciler: reconciler,
+    };
+    let run = |fx: &mut Fixture, dst: IpAddr, sport: u16| {
+        fx.ingress(&packet(CLIENT4.into(), sport, dst, VPORT, L4::TcpSyn))
+    };
+    let (verdict, out) = run(&mut fx, VIP4.into(), 1000);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        parse_and_verify(&out).dst,
+        b4[0],
+        "the service that fit works"
+    );
+    let pkt = packet(CLIENT4.into(), 1001, other, VPORT, L4::TcpSyn);
+    assert_eq!(
+        fx.ingress(&pkt),
+        (TC_ACT_OK, pkt.clone()),
+        "nothing half-written"
+    );
+
+    // Growing VIP4 to three backends needs 4 entries in a map of 3. Its previous state (one
+    // backend) must stay intact and keep serving.
+    let mut grow = DesiredState::default();
+    let (fe, bigger) = service(VIP4.into(), Proto::Tcp, &b4);
+    grow.services.insert(fe, bigger);
+    grow.services
+        .insert(fe_other, service(other, Proto::Tcp, &b4).1);
+    let report = fx._reconciler.apply(&grow);
+    assert_eq!(report.errors.len(), 2, "{:?}", report.errors);
+    for sport in 2000..2030 {
+        let (_, out) = run(&mut fx, VIP4.into(), sport);
+        assert_eq!(parse_and_verify(&out).dst, b4[0], "previous state kept");
+    }
+}
+
+#[test]
+fn pinned_map_of_another_size_is_refused() {
+    let dir = std::path::PathBuf::from(format!("/sys/fs/bpf/lb-test-size-{}", std::process::id()));
+    let pinned = LoadOptions {
+        pin_dir: Some(dir.clone()),
+        ..LoadOptions::default()
+    };
+    drop(Datapath::load(&pinned).expect("first load pins"));
+    let resized = LoadOptions {
+        max_entries: [("lb4_ct".to_string(), 1024)].into_iter().collect(),
+        ..pinned.clone()
+    };
+    let err = Datapath::load(&resized)
+        .err()
+        .expect("resized load must fail");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(format!("{err:#}").contains("incompatible"), "{err:#}");
+}

@@ -99,6 +99,36 @@ pub struct LoadOptions {
     /// private. `lb trace` shares the live services but never touches live conntrack or
     /// counters this way.
     pub only_pinned: Option<Vec<&'static str>>,
+    /// max_entries per map name, overriding lb-common's defaults (`--bpf-map-max`).
+    pub max_entries: BTreeMap<String, u32>,
+}
+
+impl LoadOptions {
+    /// The max_entries `name` gets: the override, else the default.
+    pub fn max_entries_of(&self, name: &str) -> u32 {
+        self.max_entries.get(name).copied().unwrap_or_else(|| {
+            MAP_SPECS
+                .iter()
+                .find(|s| s.name == name)
+                .map_or(0, |s| s.max_entries)
+        })
+    }
+
+    /// Rejects unknown map names and sizes the kernel would refuse.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (name, n) in &self.max_entries {
+            if !MAP_SPECS.iter().any(|s| s.name == name) {
+                bail!("unknown map {name:?}; maps: {}", map_names::ALL.join(", "));
+            }
+            if *n == 0 {
+                bail!("map {name} needs at least one entry");
+            }
+            if name == map_names::METRICS && *n < map_sizes::METRICS {
+                bail!("map {name} needs {} entries", map_sizes::METRICS);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The maps that describe services: what a read-only tool shares with a running lb.
@@ -115,11 +145,13 @@ pub const SERVICE_MAPS: [&str; 6] = [
 pub struct Datapath {
     ebpf: Ebpf,
     attachments: Vec<String>,
+    max_entries: BTreeMap<String, u32>,
 }
 
 impl Datapath {
     pub fn load(opts: &LoadOptions) -> anyhow::Result<Self> {
         raise_memlock_limit();
+        opts.validate()?;
         let pinned: Vec<&str> = match &opts.only_pinned {
             Some(names) => names.clone(),
             None => map_names::ALL.to_vec(),
@@ -138,9 +170,12 @@ impl Datapath {
             } else {
                 prepare_pin_dir(dir)?;
             }
-            check_pinned_maps(dir)?;
+            check_pinned_maps(dir, opts)?;
         }
         let mut loader = EbpfLoader::new();
+        for (name, n) in &opts.max_entries {
+            loader.map_max_entries(name, *n);
+        }
         let pins: Vec<(&str, PathBuf)> = match &opts.pin_dir {
             Some(dir) => pinned.iter().map(|n| (*n, dir.join(n))).collect(),
             None => Vec::new(),
@@ -165,9 +200,14 @@ impl Datapath {
             };
             r.with_context(|| format!("loading program {name} (verifier)"))?;
         }
+        let max_entries = MAP_SPECS
+            .iter()
+            .map(|s| (s.name.to_string(), opts.max_entries_of(s.name)))
+            .collect();
         Ok(Self {
             ebpf,
             attachments: Vec::new(),
+            max_entries,
         })
     }
 
@@ -226,10 +266,7 @@ impl Datapath {
         for t in [Table::Services, Table::Backends, Table::RevNat] {
             for f in [Family::V4, Family::V6] {
                 let name = t.map_name(f);
-                let max = MAP_SPECS
-                    .iter()
-                    .find(|s| s.name == name)
-                    .map_or(0, |s| s.max_entries);
+                let max = self.max_entries.get(name).copied().unwrap_or(0);
                 capacities.insert((t, f), max);
             }
         }
@@ -332,7 +369,7 @@ fn prepare_pin_dir(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Refuses pinned maps whose layout this lb does not understand, rather than misreading them.
-fn check_pinned_maps(dir: &Path) -> anyhow::Result<()> {
+fn check_pinned_maps(dir: &Path, opts: &LoadOptions) -> anyhow::Result<()> {
     for spec in &MAP_SPECS {
         let path = dir.join(spec.name);
         if !path.exists() {
@@ -351,7 +388,7 @@ fn check_pinned_maps(dir: &Path) -> anyhow::Result<()> {
             spec.map_type,
             spec.key_size,
             spec.value_size,
-            spec.max_entries,
+            opts.max_entries_of(spec.name),
         );
         if found != want {
             bail!(

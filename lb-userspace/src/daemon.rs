@@ -45,6 +45,8 @@ pub struct RunOptions {
     pub healthz_addr: Option<SocketAddr>,
     /// Where `frontends.json` (frontend → service name, for `lb services`) is written.
     pub state_dir: PathBuf,
+    /// max_entries overrides per map name.
+    pub map_max: std::collections::BTreeMap<String, u32>,
 }
 
 /// Default `--state-dir`.
@@ -106,6 +108,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut datapath = Datapath::load(&LoadOptions {
         pin_dir: Some(opts.pin_dir.clone()),
         only_pinned: None,
+        max_entries: opts.map_max.clone(),
     })?;
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;

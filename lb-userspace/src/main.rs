@@ -78,6 +78,16 @@ struct RunArgs {
     /// Directory for runtime state shared with `lb services` (frontend names).
     #[arg(long, default_value = daemon::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
+    /// Map size override, `NAME=ENTRIES` (repeatable), e.g. `lb4_services=1048576`. A pinned map
+    /// of another size is refused: resizing needs a fresh pin directory.
+    #[arg(long, value_parser = parse_map_max)]
+    bpf_map_max: Vec<(String, u32)>,
+}
+
+fn parse_map_max(s: &str) -> Result<(String, u32), String> {
+    let (name, n) = s.split_once('=').ok_or("want NAME=ENTRIES")?;
+    let n = n.parse().map_err(|e| format!("{n:?}: {e}"))?;
+    Ok((name.to_string(), n))
 }
 
 /// Manifests used when neither --manifests nor a cluster is configured.
@@ -162,6 +172,7 @@ async fn main() -> anyhow::Result<()> {
                 metrics_addr: metrics_addr.and(healthz_addr).and(metrics_addr),
                 healthz_addr: metrics_addr.and(healthz_addr),
                 state_dir: args.state_dir,
+                map_max: args.bpf_map_max.into_iter().collect(),
             })
             .await
         }

@@ -166,6 +166,7 @@ impl Tracer {
         let mut datapath = Datapath::load(&LoadOptions {
             pin_dir: Some(pin_dir.to_path_buf()),
             only_pinned: Some(SERVICE_MAPS.to_vec()),
+            ..LoadOptions::default()
         })?;
         let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
         let mut names = StdHashMap::new();
