@@ -31,6 +31,13 @@ struct LbProcess {
 
 impl LbProcess {
     fn start(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> Self {
+        let mut lb = Self::spawn(tb, manifests, socket_lb);
+        lb.wait_for(|l| l.contains(" ready"), "ready");
+        lb
+    }
+
+    /// Starts lb without waiting for it to be ready.
+    fn spawn(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> Self {
         let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-{}", tb.id));
         let state_dir = std::env::temp_dir().join(format!("lb-test-state-{}", tb.id));
         let mut cmd = Command::new(LB);
@@ -62,15 +69,13 @@ impl LbProcess {
                 }
             }
         });
-        let mut lb = Self {
+        Self {
             child,
             lines,
             log: Vec::new(),
             pin_dir,
             state_dir,
-        };
-        lb.wait_for(|l| l.contains(" ready"), "ready");
-        lb
+        }
     }
 
     /// Waits for a log line matching `pred`, failing with the whole log on timeout or exit.
@@ -97,6 +102,14 @@ impl LbProcess {
             }
         }
         panic!("no {what} from lb:\n{}", self.log.join("\n"));
+    }
+
+    /// Stops lb with SIGTERM and waits for it.
+    fn stop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+        let status = self.child.wait().expect("wait");
+        assert!(status.success(), "lb exits cleanly on SIGTERM: {status}");
     }
 
     fn reload(&mut self, generation: u64) {
@@ -264,7 +277,142 @@ fn balance_then_remove_backend(socket_lb: bool) {
     lb.reload(2);
     assert_balanced(&mut tb, socket_lb, &["b1", "b2"], &[]);
 
+    // Stopping lb detaches its programs: nothing translates the VIP any more.
+    lb.stop();
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args(["client", "--target", "198.19.0.10:80", "--proto", "tcp"])
+        .args(["--count", "1", "--timeout-ms", "500"]);
+    let (ns, cg) = (tb.client.ns.clone(), tb.cgroup.clone());
+    let out = tb
+        .run(&ns, socket_lb.then_some(cg.as_path()), cmd)
+        .expect("client");
+    assert!(
+        !out.status.success(),
+        "VIP still answered after lb stopped: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     drop(lb);
+}
+
+/// A plain HTTP/1.1 GET from inside netns `ns` (a thread that setns()es), for lb's
+/// metrics and health endpoints, which listen inside the node netns.
+fn http_get(ns: &str, addr: &str, path: &str) -> (u16, String) {
+    let (ns, addr, path) = (ns.to_string(), addr.to_string(), path.to_string());
+    std::thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        let f = fs::File::open(format!("/run/netns/{ns}")).unwrap();
+        nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        let status = resp.split(' ').nth(1).unwrap().parse().unwrap();
+        let body = resp
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap();
+        (status, body)
+    })
+    .join()
+    .unwrap()
+}
+
+/// The value of a Prometheus sample line `name{labels} value` or `name value`.
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        let (k, v) = l.rsplit_once(' ')?;
+        (k == series).then(|| v.parse().ok())?
+    })
+}
+
+#[test]
+fn manifest_dir_is_watched_and_health_and_metrics_follow() {
+    let mut tb = Testbed::create(1).expect("testbed");
+    let dir = std::env::temp_dir().join(format!("lb-test-watch-{}", tb.id));
+    let _cleanup = Manifests(dir.clone());
+    // The directory does not exist yet: lb runs, cannot sync, and is not healthy.
+    let mut lb = LbProcess::spawn(&mut tb, &dir, false);
+    lb.wait_for(
+        |l| l.contains("cannot read manifests"),
+        "manifest read error",
+    );
+    let node = tb.node_ns.clone();
+    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    assert_eq!(status, 503, "unhealthy before the first sync: {body}");
+    assert_eq!(http_get(&node, "127.0.0.1:10256", "/livez").0, 200);
+
+    // Files appear: lb applies them without a signal.
+    fs::create_dir_all(&dir).unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    for entry in fs::read_dir(examples).unwrap() {
+        let path = entry.unwrap().path();
+        fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    lb.wait_for(
+        |l| l.contains("synced") && l.contains("services=4"),
+        "sync of 4 frontends",
+    );
+    lb.wait_for(|l| l.contains(" ready"), "ready");
+    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    assert_eq!(status, 200, "healthy after the sync: {body}");
+
+    // A file is added, then changed, then removed.
+    let extra = dir.join("extra.yaml");
+    let svc = |ip: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: extra, namespace: demo}}\nspec:\n  clusterIP: {ip}\n  ports: [{{name: p, protocol: TCP, port: 80}}]\n"
+        )
+    };
+    let write = |text: String| {
+        let tmp = dir.join(".extra.tmp");
+        fs::write(&tmp, text).unwrap();
+        fs::rename(&tmp, &extra).unwrap();
+    };
+    write(svc("198.19.0.77"));
+    lb.wait_for(
+        |l| l.contains("synced") && l.contains("services=5"),
+        "added file applied",
+    );
+    write(svc("198.19.0.78"));
+    lb.wait_for(
+        |l| l.contains("synced") && l.contains("services=5") && l.contains("writes=2"),
+        "changed file applied",
+    );
+    fs::remove_file(&extra).unwrap();
+    lb.wait_for(
+        |l| l.contains("synced") && l.contains("services=4"),
+        "removed file applied",
+    );
+
+    // Metrics from the running daemon, parsed.
+    let (status, metrics) = http_get(&node, "127.0.0.1:10249", "/metrics");
+    assert_eq!(status, 200);
+    assert!(
+        sample(&metrics, "lb_syncs_total{result=\"ok\"}").unwrap() >= 4.0,
+        "{metrics}"
+    );
+    assert_eq!(sample(&metrics, "lb_services"), Some(4.0), "{metrics}");
+    assert_eq!(sample(&metrics, "lb_backends"), Some(12.0), "{metrics}");
+    assert!(
+        sample(&metrics, "lb_map_entries{map=\"lb4_services\"}").unwrap() >= 8.0,
+        "{metrics}"
+    );
+    assert!(
+        sample(&metrics, "lb_event_to_map_write_seconds_count").unwrap() >= 4.0,
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("lb_datapath_packets_total{event=\"tc_forward_new\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("lb_conntrack_entries{family=\"ipv4\"}"),
+        "{metrics}"
+    );
 }
 
 #[test]
