@@ -19,10 +19,6 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "parsed once at start-up; RunArgs is much larger than the inspection commands' args"
-)]
 enum Command {
     /// Load the datapath, program it from a source and keep it in sync.
     Run(RunArgs),

@@ -148,16 +148,19 @@ pub struct Probe {
     pub origin: Origin,
 }
 
+/// The running lb's IPv4 and IPv6 conntrack maps.
+type LiveCt = (
+    HashMap<MapData, Ct4Key, CtValue>,
+    HashMap<MapData, Ct6Key, CtValue>,
+);
+
 pub struct Tracer {
     datapath: Datapath,
     reconciler: Reconciler<BpfMaps>,
     /// (frontend, scope) → `ns/name:port`.
     names: StdHashMap<(String, u8), String>,
     /// The running lb's conntrack, to copy an established flow's entry from.
-    live_ct: Option<(
-        HashMap<MapData, Ct4Key, CtValue>,
-        HashMap<MapData, Ct6Key, CtValue>,
-    )>,
+    live_ct: Option<LiveCt>,
 }
 
 impl Tracer {
