@@ -23,7 +23,11 @@ use std::{
 };
 
 use lb::testbed::Testbed;
-use support::{Ep, apiserver::ApiServer, service, slice};
+use support::{
+    Ep,
+    apiserver::{ApiServer, Kind},
+    service, slice,
+};
 
 const LB: &str = env!("CARGO_BIN_EXE_lb");
 const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
@@ -205,7 +209,8 @@ fn kubernetes_source_balances_and_follows_slice_changes() {
     tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
         .expect("echo servers");
     let node_ns = Path::new("/run/netns").join(&tb.node_ns);
-    let api = ApiServer::start_on_thread(Some(&node_ns)).expect("fake API server in the node netns");
+    let api =
+        ApiServer::start_on_thread(Some(&node_ns)).expect("fake API server in the node netns");
     let kubeconfig = api.kubeconfig_file().expect("kubeconfig");
 
     let [b1, b2, b3] = ["198.18.11.2", "198.18.12.2", "198.18.13.2"];
@@ -224,7 +229,11 @@ fn kubernetes_source_balances_and_follows_slice_changes() {
         "lb uses the API source:\n{}",
         lb.log.join("\n")
     );
-    assert_eq!(backends(&tb), ["b1", "b2", "b3"], "all three backends reached");
+    assert_eq!(
+        backends(&tb),
+        ["b1", "b2", "b3"],
+        "all three backends reached"
+    );
 
     // The slice loses b2 and b3: a MODIFIED event, a later generation with one backend.
     let generation = lb.last_generation();
@@ -263,11 +272,12 @@ fn kubernetes_source_balances_and_follows_slice_changes() {
         lb.log.join("\n")
     );
     assert!(
-        api.list_count(support::apiserver::Kind::EndpointSlice) >= 1
-            && api.watch_count(support::apiserver::Kind::EndpointSlice) >= 1,
+        api.list_count(Kind::EndpointSlice) >= 1 && api.watch_count(Kind::EndpointSlice) >= 1,
         "lb listed and watched the API server"
     );
 
+    // Shown with --nocapture.
+    eprintln!("lb log:\n{}", lb.log.join("\n"));
     drop(lb);
     drop(kubeconfig);
     drop(api);

@@ -88,15 +88,13 @@ pub async fn watch(client: Client, node_name: String, tx: SnapshotSender) {
         };
         tx.send(Some(Arc::new(snapshot))).is_ok()
     };
-    // The stores become ready after their first complete list.
+    // Services and slices must have listed completely before the first sync (a partial list
+    // would delete frontends). The Node only adds the zone: a Node list that fails (RBAC, a
+    // missing object) must not keep every service from being programmed.
     let ready = || {
-        futures::future::join3(
-            svc_store.wait_until_ready(),
-            slice_store.wait_until_ready(),
-            node_store.wait_until_ready(),
-        )
-        .now_or_never()
-        .is_some_and(|(a, b, c)| a.is_ok() && b.is_ok() && c.is_ok())
+        futures::future::join(svc_store.wait_until_ready(), slice_store.wait_until_ready())
+            .now_or_never()
+            .is_some_and(|(a, b)| a.is_ok() && b.is_ok())
     };
 
     while let Some((kind, event)) = events.next().await {
