@@ -373,6 +373,7 @@ impl Tracer {
             return Ok(());
         };
         let proto = p.proto.number();
+        let ebpf = self.datapath.ebpf_mut();
         match (p.src, p.dst) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
                 let key = Ct4Key {
@@ -384,15 +385,7 @@ impl Tracer {
                     dir: ct_dir::SERVICE,
                     pad: [0; 2],
                 };
-                if let Ok(v) = live4.get(&key, 0) {
-                    let mut scratch: HashMap<&mut MapData, Ct4Key, CtValue> = HashMap::try_from(
-                        self.datapath
-                            .ebpf_mut()
-                            .map_mut(map_names::CT4)
-                            .context("ct4")?,
-                    )?;
-                    scratch.insert(key, v, 0)?;
-                }
+                copy_entry(live4, ebpf, map_names::CT4, key)
             }
             (IpAddr::V6(s), IpAddr::V6(d)) => {
                 let key = Ct6Key {
@@ -404,20 +397,28 @@ impl Tracer {
                     dir: ct_dir::SERVICE,
                     pad: [0; 2],
                 };
-                if let Ok(v) = live6.get(&key, 0) {
-                    let mut scratch: HashMap<&mut MapData, Ct6Key, CtValue> = HashMap::try_from(
-                        self.datapath
-                            .ebpf_mut()
-                            .map_mut(map_names::CT6)
-                            .context("ct6")?,
-                    )?;
-                    scratch.insert(key, v, 0)?;
-                }
+                copy_entry(live6, ebpf, map_names::CT6, key)
             }
             _ => bail!("source and destination are of different address families"),
         }
-        Ok(())
     }
+}
+
+/// Copies `key`'s entry, if `live` has one, into the map `name` of the private object.
+fn copy_entry<K: aya::Pod>(
+    live: &HashMap<MapData, K, CtValue>,
+    ebpf: &mut aya::Ebpf,
+    name: &str,
+    key: K,
+) -> anyhow::Result<()> {
+    if let Ok(v) = live.get(&key, 0) {
+        let map = ebpf
+            .map_mut(name)
+            .with_context(|| format!("scratch {name}"))?;
+        let mut scratch: HashMap<&mut MapData, K, CtValue> = HashMap::try_from(map)?;
+        scratch.insert(key, v, 0)?;
+    }
+    Ok(())
 }
 
 fn fold(mut sum: u32) -> u16 {
