@@ -438,6 +438,12 @@ fn inspection_commands_show_the_live_maps() {
     assert!(counters["tc_forward_new"] >= 4, "{counters:?}");
     assert!(counters["tc_reverse_nat"] >= 4, "{counters:?}");
     let text = lb_text(&tb, &["status", "--pin-dir", &pin]);
+    // Shown with --nocapture (docs/operations.md's examples come from here).
+    eprintln!(
+        "$ lb services\n{}\n$ lb backends\n{}\n$ lb status\n{text}",
+        lb_text(&tb, &["services", "--pin-dir", &pin, "--state-dir", &state]),
+        lb_text(&tb, &["backends", "--pin-dir", &pin]),
+    );
     for want in [
         "Kernel:",
         "Programs:",

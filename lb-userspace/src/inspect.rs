@@ -239,13 +239,17 @@ impl BpfMaps {
 
 /// Fails with a hint when `dir` does not hold lb's maps.
 fn check_pin_dir(dir: &Path) -> anyhow::Result<()> {
-    if !dir.join(map_names::SERVICES4).exists() {
-        bail!(
+    match fs::metadata(dir.join(map_names::SERVICES4)) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => bail!(
+            "cannot read {}: permission denied (lb's pins are accessible to root only)",
+            dir.display()
+        ),
+        Err(_) => bail!(
             "no pinned maps at {}: is `lb run` running? (--pin-dir)",
             dir.display()
-        );
+        ),
     }
-    Ok(())
 }
 
 fn pin_error(path: &Path, e: aya::maps::MapError) -> anyhow::Error {
@@ -550,36 +554,34 @@ pub fn render_status(s: &Status) -> String {
         out.push_str("Programs:  none loaded that use these maps (is `lb run` running?)\n");
     } else {
         out.push_str("Programs:\n");
-        let rows: Vec<Vec<String>> = s
-            .programs
-            .iter()
-            .map(|p| {
-                let attached = if p.attachments.is_empty() {
-                    "-".to_string()
-                } else {
-                    p.attachments
-                        .iter()
-                        .map(|a| {
-                            let target = match (&a.target, a.ifindex, a.cgroup_id) {
-                                (Some(t), Some(i), _) => format!("{t} (ifindex {i})"),
-                                (Some(t), None, _) => t.clone(),
-                                (None, Some(i), _) => format!("ifindex {i}"),
-                                (None, None, Some(c)) => format!("cgroup id {c}"),
-                                (None, None, None) => "?".to_string(),
-                            };
-                            format!("{} link {}: {target}", a.link_type, a.link_id)
-                        })
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                };
-                vec![
-                    p.id.to_string(),
-                    p.name.clone(),
-                    p.prog_type.clone(),
-                    attached,
-                ]
-            })
-            .collect();
+        // One line per attachment; a program's other attachments go on continuation lines.
+        let mut rows: Vec<Vec<String>> = Vec::new();
+        for p in &s.programs {
+            let attached: Vec<String> = p
+                .attachments
+                .iter()
+                .map(|a| {
+                    let target = match (&a.target, a.ifindex, a.cgroup_id) {
+                        (Some(t), Some(i), _) => format!("{t} (ifindex {i})"),
+                        (Some(t), None, _) => t.clone(),
+                        (None, Some(i), _) => format!("ifindex {i}"),
+                        (None, None, Some(c)) => format!("cgroup id {c}"),
+                        (None, None, None) => "?".to_string(),
+                    };
+                    format!("{} link {}: {target}", a.link_type, a.link_id)
+                })
+                .collect();
+            let first = attached.first().cloned().unwrap_or_else(|| "-".into());
+            rows.push(vec![
+                p.id.to_string(),
+                p.name.clone(),
+                p.prog_type.clone(),
+                first,
+            ]);
+            for more in attached.into_iter().skip(1) {
+                rows.push(vec![String::new(), String::new(), String::new(), more]);
+            }
+        }
         out.push_str(&table(&["ID", "NAME", "TYPE", "ATTACHED"], &rows, "  "));
     }
     out.push_str("Maps:\n");
