@@ -4,11 +4,9 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    io::{BufRead as _, BufReader},
     net::IpAddr,
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
-    sync::mpsc,
+    process::{Command, Output},
     time::{Duration, Instant},
 };
 
@@ -17,7 +15,7 @@ use lb::{
     inspect::{self, ServiceView},
     maps::{LbMaps as _, MemMaps},
     model::{Backend, Frontend, L4Addr, Proto},
-    testbed::Testbed,
+    testbed::{LbDaemon, Testbed},
 };
 use lb_common::{SvcValue, map_names, metrics, prog_names, svc_flags};
 use serde_json::{Value, json};
@@ -26,108 +24,22 @@ const LB: &str = env!("CARGO_BIN_EXE_lb");
 const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
 const ECHO_PORT: u16 = 8080;
 
-/// `lb run` in the node netns, with its log lines collected; stopped and its pins and state
-/// removed on drop (also when the test fails).
-struct LbProcess {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    log: Vec<String>,
-    pin_dir: PathBuf,
-    state_dir: PathBuf,
-}
-
-impl LbProcess {
-    fn start(tb: &mut Testbed, manifests: &Path) -> Self {
-        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-inspect-{}", tb.id));
-        let state_dir = std::env::temp_dir().join(format!("lb-test-inspect-state-{}", tb.id));
-        let mut cmd = Command::new(LB);
-        cmd.arg("run")
-            .arg("--manifests")
-            .arg(manifests)
-            .arg("--pin-dir")
-            .arg(&pin_dir)
-            .arg("--state-dir")
-            .arg(&state_dir)
-            // Socket LB on the testbed's own (empty) cgroup, so the cgroup links are visible to
-            // `lb status` without touching any other process.
-            .arg("--cgroup-path")
-            .arg(&tb.cgroup)
-            .arg("--tc-ingress")
-            .arg(tb.node_ifaces().join(","))
-            .args(["--metrics-bind-address", "off"])
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let node_ns = tb.node_ns.clone();
-        let mut child = tb.spawn(&node_ns, None, cmd).expect("spawn lb");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut lb = Self {
-            child,
-            lines,
-            log: Vec::new(),
-            pin_dir,
-            state_dir,
-        };
-        lb.wait_for(|l| l.contains(" ready"), "ready");
-        lb
-    }
-
-    /// Waits for a log line matching `pred`, failing with the whole log on timeout or exit.
-    fn wait_for(&mut self, pred: impl Fn(&str) -> bool, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            match self.lines.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) => {
-                    let hit = pred(&line);
-                    self.log.push(line);
-                    if hit {
-                        return;
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Ok(Some(status)) = self.child.try_wait() {
-                        panic!(
-                            "lb exited ({status}) before {what}:\n{}",
-                            self.log.join("\n")
-                        );
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        panic!("no {what} from lb:\n{}", self.log.join("\n"));
-    }
-
-    /// SIGTERM and wait; the pins stay until drop.
-    fn stop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for LbProcess {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = fs::remove_dir_all(&self.pin_dir);
-        let _ = fs::remove_dir_all(&self.state_dir);
-    }
+/// `lb run` in the node netns, until ready. Socket LB goes on the testbed's own (empty)
+/// cgroup, so `lb status` sees cgroup links without any other process being touched.
+fn start_lb(tb: &mut Testbed, manifests: &Path) -> LbDaemon {
+    let cgroup = tb.cgroup.display().to_string();
+    let ifaces = tb.node_ifaces().join(",");
+    let args = [
+        "--manifests",
+        manifests.to_str().unwrap(),
+        "--cgroup-path",
+        &cgroup,
+        "--tc-ingress",
+        &ifaces,
+        "--metrics-bind-address",
+        "off",
+    ];
+    LbDaemon::start(tb, Path::new(LB), &args, "info").unwrap()
 }
 
 /// A temporary copy of deploy/examples, removed on drop.
@@ -263,7 +175,7 @@ fn inspection_commands_show_the_live_maps() {
     tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
         .expect("echo servers");
     let manifests = Manifests::new(&tb.id);
-    let mut lb = LbProcess::start(&mut tb, &manifests.0);
+    let mut lb = start_lb(&mut tb, &manifests.0);
     let pin = lb.pin_dir.to_str().unwrap().to_string();
     let state = lb.state_dir.to_str().unwrap().to_string();
 
@@ -455,7 +367,7 @@ fn inspection_commands_show_the_live_maps() {
     }
 
     // After lb exits the maps stay pinned and readable, and no program is listed any more.
-    lb.stop();
+    lb.stop().unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let status = lb_json(&tb, &["status", "--pin-dir", &pin]);

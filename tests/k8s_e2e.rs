@@ -14,15 +14,11 @@ mod support;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fs,
-    io::{BufRead as _, BufReader},
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::mpsc,
-    time::{Duration, Instant},
+    path::Path,
+    process::Command,
 };
 
-use lb::testbed::Testbed;
+use lb::testbed::{LbDaemon, Testbed};
 use support::{
     Ep,
     apiserver::{ApiServer, Kind},
@@ -36,118 +32,32 @@ const REQUESTS: usize = 30;
 const NODE: &str = "node-a";
 const TARGET: &str = "198.19.0.10:80";
 
-/// `lb run --kubeconfig` in the node netns, with its log lines collected. Stopped (SIGTERM,
-/// then SIGKILL) and its pin dir removed on drop.
-struct LbProcess {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    log: Vec<String>,
-    pin_dir: PathBuf,
+/// `lb run --kubeconfig` in the node netns, until ready; lb's own debug lines (event-to-write
+/// latency) are logged, not the HTTP stack's.
+fn start_lb(tb: &mut Testbed, kubeconfig: &Path) -> LbDaemon {
+    let ifaces = tb.node_ifaces().join(",");
+    let args = [
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--hostname-override",
+        NODE,
+        "--socket-lb=false",
+        "--tc-ingress",
+        &ifaces,
+        "--metrics-bind-address",
+        "off",
+    ];
+    LbDaemon::start(tb, Path::new(LB), &args, "info,lb=debug").unwrap()
 }
 
-impl LbProcess {
-    fn start(tb: &mut Testbed, kubeconfig: &Path) -> Self {
-        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-{}", tb.id));
-        let mut cmd = Command::new(LB);
-        cmd.arg("run")
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .args(["--hostname-override", NODE])
-            .arg("--pin-dir")
-            .arg(&pin_dir)
-            .arg("--socket-lb=false")
-            .arg("--tc-ingress")
-            .arg(tb.node_ifaces().join(","))
-            .args(["--metrics-bind-address", "off"])
-            // lb's own debug lines (event-to-write latency), not the HTTP stack's.
-            .env("RUST_LOG", "info,lb=debug")
-            // A proxy from the environment must not take the loopback connection elsewhere.
-            .env_remove("HTTPS_PROXY")
-            .env_remove("https_proxy")
-            .env_remove("KUBECONFIG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let node_ns = tb.node_ns.clone();
-        let mut child = tb.spawn(&node_ns, None, cmd).expect("spawn lb");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut lb = Self {
-            child,
-            lines,
-            log: Vec::new(),
-            pin_dir,
-        };
-        lb.wait_for(|l| l.contains(" ready"), "ready");
-        lb
-    }
-
-    /// Waits for a log line matching `pred` (also among the lines already collected since
-    /// `from`), failing with the whole log on timeout or exit. Returns the line.
-    fn wait_for(&mut self, pred: impl Fn(&str) -> bool, what: &str) -> String {
-        self.wait_for_from(0, pred, what)
-    }
-
-    fn wait_for_from(&mut self, from: usize, pred: impl Fn(&str) -> bool, what: &str) -> String {
-        if let Some(line) = self.log.iter().skip(from).find(|l| pred(l)) {
-            return line.clone();
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            match self.lines.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) => {
-                    let hit = pred(&line);
-                    self.log.push(line.clone());
-                    if hit {
-                        return line;
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Ok(Some(status)) = self.child.try_wait() {
-                        panic!(
-                            "lb exited ({status}) before {what}:\n{}",
-                            self.log.join("\n")
-                        );
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        panic!("no {what} from lb:\n{}", self.log.join("\n"));
-    }
-
-    /// The generation of the newest `synced` line so far.
-    fn last_generation(&self) -> u64 {
-        self.log
-            .iter()
-            .filter(|l| l.contains("synced"))
-            .filter_map(|l| field(l, "generation"))
-            .max()
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for LbProcess {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = fs::remove_dir_all(&self.pin_dir);
-    }
+/// The generation of the newest `synced` line so far.
+fn last_generation(lb: &LbDaemon) -> u64 {
+    lb.log
+        .iter()
+        .filter(|l| l.contains("synced"))
+        .filter_map(|l| field(l, "generation"))
+        .max()
+        .unwrap_or(0)
 }
 
 /// The numeric value of `name=` in a log line.
@@ -223,7 +133,7 @@ fn kubernetes_source_balances_and_follows_slice_changes() {
         &[Ep::ready(b1), Ep::ready(b2), Ep::ready(b3)],
     ));
 
-    let mut lb = LbProcess::start(&mut tb, kubeconfig.path());
+    let mut lb = start_lb(&mut tb, kubeconfig.path());
     assert!(
         lb.log.iter().any(|l| l.contains("source: Kubernetes API")),
         "lb uses the API source:\n{}",
@@ -236,26 +146,31 @@ fn kubernetes_source_balances_and_follows_slice_changes() {
     );
 
     // The slice loses b2 and b3: a MODIFIED event, a later generation with one backend.
-    let generation = lb.last_generation();
+    let generation = last_generation(&lb);
     let seen = lb.log.len();
     api.update(&slice("demo", "echo-abc12", "echo", 8080, &[Ep::ready(b1)]));
-    let synced = lb.wait_for_from(
-        seen,
-        |l| {
-            l.contains("synced")
-                && field(l, "generation").is_some_and(|g| g > generation)
-                && field(l, "backends") == Some(1)
-        },
-        "a later synced generation with one backend",
-    );
+    let synced = lb
+        .wait_for_from(
+            seen,
+            |l| {
+                l.contains("synced")
+                    && field(l, "generation").is_some_and(|g| g > generation)
+                    && field(l, "backends") == Some(1)
+            },
+            "a later synced generation with one backend",
+        )
+        .unwrap();
     assert_eq!(field(&synced, "errors"), Some(0), "{synced}");
     assert_eq!(backends(&tb), ["b1"], "only b1 answers after the update");
 
     // The daemon logs the event-to-map-write latency at debug level.
-    let latency = lb.wait_for(
-        |l| l.contains("DEBUG") && l.contains("event to map write"),
-        "the event-to-write latency line",
-    );
+    let latency = lb
+        .wait_for_from(
+            0,
+            |l| l.contains("DEBUG") && l.contains("event to map write"),
+            "the event-to-write latency line",
+        )
+        .unwrap();
     assert!(
         field(&latency, "event_to_write_us").is_some(),
         "latency in microseconds: {latency}"

@@ -6,139 +6,51 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
-    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::mpsc,
-    time::{Duration, Instant},
+    process::Command,
 };
 
-use lb::testbed::Testbed;
+use lb::testbed::{LbDaemon, Testbed};
 
 const LB: &str = env!("CARGO_BIN_EXE_lb");
 const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
 const ECHO_PORT: u16 = 8080;
 const REQUESTS: usize = 30;
 
-/// `lb run` in the node netns, with its log lines collected.
-struct LbProcess {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    log: Vec<String>,
-    pin_dir: PathBuf,
-    state_dir: PathBuf,
+fn lb_args(tb: &Testbed, manifests: &Path, socket_lb: bool) -> Vec<String> {
+    let mut args = vec!["--manifests".to_string(), manifests.display().to_string()];
+    if socket_lb {
+        args.extend(["--cgroup-path".into(), tb.cgroup.display().to_string()]);
+    } else {
+        args.extend([
+            "--socket-lb=false".into(),
+            "--tc-pod".into(),
+            tb.node_ifaces().join(","),
+        ]);
+    }
+    args
 }
 
-impl LbProcess {
-    fn start(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> Self {
-        let mut lb = Self::spawn(tb, manifests, socket_lb);
-        lb.wait_for(|l| l.contains(" ready"), "ready");
-        lb
-    }
-
-    /// Starts lb without waiting for it to be ready.
-    fn spawn(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> Self {
-        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-{}", tb.id));
-        let state_dir = std::env::temp_dir().join(format!("lb-test-state-{}", tb.id));
-        let mut cmd = Command::new(LB);
-        cmd.arg("run")
-            .arg("--manifests")
-            .arg(manifests)
-            .arg("--pin-dir")
-            .arg(&pin_dir)
-            .arg("--state-dir")
-            .arg(&state_dir)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        if socket_lb {
-            cmd.arg("--cgroup-path").arg(&tb.cgroup);
-        } else {
-            cmd.arg("--socket-lb=false")
-                .arg("--tc-pod")
-                .arg(tb.node_ifaces().join(","));
-        }
-        let node_ns = tb.node_ns.clone();
-        let mut child = tb.spawn(&node_ns, None, cmd).expect("spawn lb");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Self {
-            child,
-            lines,
-            log: Vec::new(),
-            pin_dir,
-            state_dir,
-        }
-    }
-
-    /// Waits for a log line matching `pred`, failing with the whole log on timeout or exit.
-    fn wait_for(&mut self, pred: impl Fn(&str) -> bool, what: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            match self.lines.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) => {
-                    let hit = pred(&line);
-                    self.log.push(line);
-                    if hit {
-                        return;
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Ok(Some(status)) = self.child.try_wait() {
-                        panic!(
-                            "lb exited ({status}) before {what}:\n{}",
-                            self.log.join("\n")
-                        );
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        panic!("no {what} from lb:\n{}", self.log.join("\n"));
-    }
-
-    /// Stops lb with SIGTERM and waits for it.
-    fn stop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-        let status = self.child.wait().expect("wait");
-        assert!(status.success(), "lb exits cleanly on SIGTERM: {status}");
-    }
-
-    fn reload(&mut self, generation: u64) {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGHUP,
-        )
-        .expect("SIGHUP");
-        let want = format!("generation={generation}");
-        self.wait_for(|l| l.contains("synced") && l.contains(&want), &want);
-    }
+/// `lb run` in the node netns, started without waiting.
+fn spawn_lb(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> LbDaemon {
+    let args = lb_args(tb, manifests, socket_lb);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    LbDaemon::spawn(tb, Path::new(LB), &args, "info").unwrap()
 }
 
-impl Drop for LbProcess {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = fs::remove_dir_all(&self.pin_dir);
-        let _ = fs::remove_dir_all(&self.state_dir);
-    }
+/// `lb run` in the node netns, waited for until ready.
+fn start_lb(tb: &mut Testbed, manifests: &Path, socket_lb: bool) -> LbDaemon {
+    let mut lb = spawn_lb(tb, manifests, socket_lb);
+    lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
+    lb
+}
+
+/// SIGHUP, then wait for the sync of `generation`.
+fn reload(lb: &mut LbDaemon, generation: u64) {
+    lb.signal(nix::sys::signal::Signal::SIGHUP).unwrap();
+    let want = format!("generation={generation}");
+    lb.wait_for(|l| l.contains("synced") && l.contains(&want), &want)
+        .unwrap();
 }
 
 /// A temporary copy of deploy/examples, removed on drop.
@@ -259,7 +171,7 @@ fn balance_then_remove_backend(socket_lb: bool) {
     tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
         .expect("echo servers");
     let manifests = Manifests::new(&tb.id);
-    let mut lb = LbProcess::start(&mut tb, &manifests.0, socket_lb);
+    let mut lb = start_lb(&mut tb, &manifests.0, socket_lb);
 
     assert_balanced(&mut tb, socket_lb, &["b1", "b2", "b3"], &[]);
     if socket_lb {
@@ -274,11 +186,11 @@ fn balance_then_remove_backend(socket_lb: bool) {
 
     // b3 leaves the service: after the reload no new connection reaches it.
     manifests.remove_endpoints(&["198.18.13.2", "2001:db8:0:13::2"]);
-    lb.reload(2);
+    reload(&mut lb, 2);
     assert_balanced(&mut tb, socket_lb, &["b1", "b2"], &[]);
 
     // Stopping lb detaches its programs: nothing translates the VIP any more.
-    lb.stop();
+    assert!(lb.stop().unwrap().success(), "lb exits cleanly on SIGTERM");
     let mut cmd = Command::new(LB_ECHO);
     cmd.args(["client", "--target", "198.19.0.10:80", "--proto", "tcp"])
         .args(["--count", "1", "--timeout-ms", "500"]);
@@ -335,11 +247,12 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     let dir = std::env::temp_dir().join(format!("lb-test-watch-{}", tb.id));
     let _cleanup = Manifests(dir.clone());
     // The directory does not exist yet: lb runs, cannot sync, and is not healthy.
-    let mut lb = LbProcess::spawn(&mut tb, &dir, false);
+    let mut lb = spawn_lb(&mut tb, &dir, false);
     lb.wait_for(
         |l| l.contains("cannot read manifests"),
         "manifest read error",
-    );
+    )
+    .unwrap();
     let node = tb.node_ns.clone();
     let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
     assert_eq!(status, 503, "unhealthy before the first sync: {body}");
@@ -355,8 +268,9 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     lb.wait_for(
         |l| l.contains("synced") && l.contains("services=4"),
         "sync of 4 frontends",
-    );
-    lb.wait_for(|l| l.contains(" ready"), "ready");
+    )
+    .unwrap();
+    lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
     let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
     assert_eq!(status, 200, "healthy after the sync: {body}");
 
@@ -376,17 +290,20 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     lb.wait_for(
         |l| l.contains("synced") && l.contains("services=5"),
         "added file applied",
-    );
+    )
+    .unwrap();
     write(svc("198.19.0.78"));
     lb.wait_for(
         |l| l.contains("synced") && l.contains("services=5") && l.contains("writes=2"),
         "changed file applied",
-    );
+    )
+    .unwrap();
     fs::remove_file(&extra).unwrap();
     lb.wait_for(
         |l| l.contains("synced") && l.contains("services=4"),
         "removed file applied",
-    );
+    )
+    .unwrap();
 
     // Metrics from the running daemon, parsed.
     let (status, metrics) = http_get(&node, "127.0.0.1:10249", "/metrics");
@@ -429,20 +346,18 @@ fn tc_path_balances_and_follows_backend_removal() {
 fn restart_reuses_pinned_maps_without_flushing() {
     let mut tb = Testbed::create(1).expect("testbed");
     let manifests = Manifests::new(&tb.id);
-    let lb = LbProcess::start(&mut tb, &manifests.0, false);
+    let mut lb = start_lb(&mut tb, &manifests.0, false);
     let pin_dir = lb.pin_dir.clone();
     let before = fs::metadata(pin_dir.join("lb4_services")).unwrap();
-    // Keep the pins across the restart: stop lb without its Drop removing them.
-    let mut lb = std::mem::ManuallyDrop::new(lb);
-    let pid = nix::unistd::Pid::from_raw(lb.child.id() as i32);
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-    lb.child.wait().unwrap();
+    lb.keep_dirs();
+    assert!(lb.stop().unwrap().success());
+    drop(lb);
     assert!(
         pin_dir.join("lb4_services").exists(),
         "maps stay pinned after exit"
     );
 
-    let mut lb2 = LbProcess::start(&mut tb, &manifests.0, false);
+    let mut lb2 = start_lb(&mut tb, &manifests.0, false);
     let reused = lb2
         .log
         .iter()
@@ -466,7 +381,5 @@ fn restart_reuses_pinned_maps_without_flushing() {
     let after = fs::metadata(pin_dir.join("lb4_services")).unwrap();
     use std::os::unix::fs::MetadataExt as _;
     assert_eq!(before.ino(), after.ino(), "same pinned map");
-    lb2.reload(2);
-    // SAFETY-free cleanup of the first handle's resources: its child is already reaped.
-    drop(std::mem::ManuallyDrop::into_inner(lb));
+    reload(&mut lb2, 2);
 }

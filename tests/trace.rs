@@ -5,15 +5,12 @@
 use std::{
     collections::BTreeSet,
     fs,
-    io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    sync::mpsc,
-    time::{Duration, Instant},
+    process::Command,
 };
 
 use aya::maps::{HashMap, Map, MapData};
-use lb::testbed::Testbed;
+use lb::testbed::{LbDaemon, Testbed};
 use lb_common::{Ct4Key, CtValue};
 
 const LB: &str = env!("CARGO_BIN_EXE_lb");
@@ -23,74 +20,20 @@ fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
 }
 
-/// `lb run` (tc on the pod veths, no socket LB) in the node netns.
-struct Daemon {
-    child: Child,
-    pin_dir: PathBuf,
-    state_dir: PathBuf,
-}
-
-impl Daemon {
-    fn start(tb: &mut Testbed) -> Self {
-        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-trace-{}", tb.id));
-        let state_dir = std::env::temp_dir().join(format!("lb-trace-state-{}", tb.id));
-        let mut cmd = Command::new(LB);
-        cmd.arg("run")
-            .arg("--manifests")
-            .arg(examples())
-            .arg("--pin-dir")
-            .arg(&pin_dir)
-            .arg("--state-dir")
-            .arg(&state_dir)
-            .args(["--socket-lb=false", "--metrics-bind-address", "off"])
-            .arg("--tc-pod")
-            .arg(tb.node_ifaces().join(","))
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let ns = tb.node_ns.clone();
-        let mut child = tb.spawn(&ns, None, cmd).expect("spawn lb");
-        let (tx, rx) = mpsc::channel();
-        let stderr = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let mut log = Vec::new();
-        loop {
-            assert!(
-                Instant::now() < deadline,
-                "lb not ready:\n{}",
-                log.join("\n")
-            );
-            if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
-                let ready = line.contains(" ready");
-                log.push(line);
-                if ready {
-                    break;
-                }
-            }
-        }
-        Self {
-            child,
-            pin_dir,
-            state_dir,
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-        let _ = fs::remove_dir_all(&self.pin_dir);
-        let _ = fs::remove_dir_all(&self.state_dir);
-    }
+/// `lb run` (tc on the pod veths, no socket LB) in the node netns, until ready.
+fn start_lb(tb: &mut Testbed) -> LbDaemon {
+    let examples = examples();
+    let ifaces = tb.node_ifaces().join(",");
+    let args = [
+        "--manifests",
+        examples.to_str().unwrap(),
+        "--socket-lb=false",
+        "--metrics-bind-address",
+        "off",
+        "--tc-pod",
+        &ifaces,
+    ];
+    LbDaemon::start(tb, Path::new(LB), &args, "info").unwrap()
 }
 
 const TARGETS: [(&str, &str, &str, &str); 4] = [
@@ -206,7 +149,7 @@ fn ct_entries(pin_dir: &Path) -> usize {
 fn trace_agrees_with_real_traffic() {
     let mut tb = Testbed::create(3).expect("testbed");
     tb.start_echo_servers(Path::new(LB_ECHO), 8080).unwrap();
-    let daemon = Daemon::start(&mut tb);
+    let daemon = start_lb(&mut tb);
     let pin = daemon.pin_dir.to_str().unwrap().to_string();
     let state = daemon.state_dir.to_str().unwrap().to_string();
     let manifests = examples();

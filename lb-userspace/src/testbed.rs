@@ -53,7 +53,7 @@ use std::{
         unix::process::CommandExt as _,
     },
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
+    process::{Child, Command, ExitStatus, Output, Stdio},
     sync::{
         atomic::{AtomicU64, Ordering},
         mpsc,
@@ -586,6 +586,161 @@ fn remove_cgroup(cg: &Path) -> anyhow::Result<()> {
                 thread::sleep(Duration::from_millis(10));
             }
             Err(err) => return Err(err).context("rmdir"),
+        }
+    }
+}
+
+/// `lb run` inside a testbed's node netns with a pin dir and a state dir of its own, its log
+/// (stderr) collected line by line. Dropping it stops lb (SIGTERM, then SIGKILL) and removes
+/// both directories unless [`LbDaemon::keep_dirs`] was called.
+pub struct LbDaemon {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    /// Every log line received so far.
+    pub log: Vec<String>,
+    pub pin_dir: PathBuf,
+    pub state_dir: PathBuf,
+    keep_dirs: bool,
+}
+
+/// How long [`LbDaemon`] waits for a log line.
+pub const LB_LOG_TIMEOUT: Duration = Duration::from_secs(20);
+
+impl LbDaemon {
+    /// Starts `lb run ARGS --pin-dir … --state-dir …` (`lb` is the binary) in `tb`'s node netns
+    /// with `RUST_LOG=rust_log`, without waiting for it. Proxy variables are removed: lb talks
+    /// to loopback only here.
+    pub fn spawn(
+        tb: &mut Testbed,
+        lb: &Path,
+        args: &[&str],
+        rust_log: &str,
+    ) -> anyhow::Result<Self> {
+        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-{}", tb.id));
+        let state_dir = std::env::temp_dir().join(format!("lb-test-state-{}", tb.id));
+        let mut cmd = Command::new(lb);
+        cmd.arg("run")
+            .args(args)
+            .arg("--pin-dir")
+            .arg(&pin_dir)
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .env("RUST_LOG", rust_log)
+            .env_remove("HTTPS_PROXY")
+            .env_remove("https_proxy")
+            .env_remove("KUBECONFIG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let node_ns = tb.node_ns.clone();
+        let mut child = tb.spawn(&node_ns, None, cmd)?;
+        let stderr = child.stderr.take().context("lb's stderr")?;
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            lines,
+            log: Vec::new(),
+            pin_dir,
+            state_dir,
+            keep_dirs: false,
+        })
+    }
+
+    /// [`LbDaemon::spawn`] and wait until lb reports `ready` (programmed and attached).
+    pub fn start(
+        tb: &mut Testbed,
+        lb: &Path,
+        args: &[&str],
+        rust_log: &str,
+    ) -> anyhow::Result<Self> {
+        let mut daemon = Self::spawn(tb, lb, args, rust_log)?;
+        daemon.wait_for(|l| l.contains(" ready"), "ready")?;
+        Ok(daemon)
+    }
+
+    /// Waits for a new log line matching `pred` and returns it; the error carries the whole
+    /// log (timeout, or lb exited).
+    pub fn wait_for(&mut self, pred: impl Fn(&str) -> bool, what: &str) -> anyhow::Result<String> {
+        self.wait_for_from(self.log.len(), pred, what)
+    }
+
+    /// Like [`LbDaemon::wait_for`], but lines already received from index `from` on count too.
+    pub fn wait_for_from(
+        &mut self,
+        from: usize,
+        pred: impl Fn(&str) -> bool,
+        what: &str,
+    ) -> anyhow::Result<String> {
+        if let Some(line) = self.log.iter().skip(from).find(|l| pred(l)) {
+            return Ok(line.clone());
+        }
+        let deadline = Instant::now() + LB_LOG_TIMEOUT;
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => {
+                    let hit = pred(&line);
+                    self.log.push(line.clone());
+                    if hit {
+                        return Ok(line);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if let Ok(Some(status)) = self.child.try_wait() {
+                        bail!(
+                            "lb exited ({status}) before {what}:\n{}",
+                            self.log.join("\n")
+                        );
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        bail!("no {what} from lb:\n{}", self.log.join("\n"))
+    }
+
+    /// Sends `signal` to lb.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id())?);
+        nix::sys::signal::kill(pid, signal).context("kill")
+    }
+
+    /// Stops lb with SIGTERM (SIGKILL after 5 s) and returns how it exited.
+    pub fn stop(&mut self) -> anyhow::Result<ExitStatus> {
+        if let Some(status) = self.child.try_wait()? {
+            return Ok(status);
+        }
+        self.signal(nix::sys::signal::Signal::SIGTERM)?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        self.child.kill()?;
+        Ok(self.child.wait()?)
+    }
+
+    /// Leaves the pin and state directories behind on drop (a later lb reuses them).
+    pub fn keep_dirs(&mut self) {
+        self.keep_dirs = true;
+    }
+}
+
+impl Drop for LbDaemon {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            eprintln!("lb-testbed: stopping lb: {e:#}");
+        }
+        if !self.keep_dirs {
+            let _ = fs::remove_dir_all(&self.pin_dir);
+            let _ = fs::remove_dir_all(&self.state_dir);
         }
     }
 }
