@@ -66,6 +66,9 @@ fn packages() -> Vec<String> {
         "iproute2".to_owned(),
         "bpftool".to_owned(),
         "util-linux".to_owned(),
+        // kube-proxy's rule layouts, for the benchmark and its quick test.
+        "iptables".to_owned(),
+        "nftables".to_owned(),
     ]
     .into()
 }
