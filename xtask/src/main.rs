@@ -1,5 +1,6 @@
 //! Developer tasks for lb, run as `cargo xtask <command>`.
 
+mod bench;
 mod process;
 mod setup;
 
@@ -45,8 +46,8 @@ enum Task {
     },
     /// Check formatting and run clippy with warnings denied.
     Lint,
-    /// Benchmarks (not implemented yet).
-    Bench,
+    /// Run the benchmarks (lb-bench) and write docs/benchmarks.md; needs root.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -64,10 +65,7 @@ fn run_task(task: Task) -> Result<ExitCode> {
         Task::Test { args } => test(&args)?,
         Task::Demo { args } => demo(&args)?,
         Task::Lint => lint()?,
-        Task::Bench => {
-            println!("bench: not implemented yet (issue 5)");
-            return Ok(ExitCode::from(2));
-        }
+        Task::Bench(args) => bench::bench(&args)?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,664 @@
+//! `controlplane`: programming cost, from objects in memory.
+//!
+//! - cold: translate + Reconciler over fresh private BpfMaps for N services × E endpoints,
+//!   next to `iptables-restore --noflush --counters` (legacy and nf_tables backends) of
+//!   kube-proxy's full ruleset and `nft -f` of kube-proxy's full table, each into a fresh
+//!   scratch netns;
+//! - change: one EndpointSlice change (an endpoint replaced) to map write, as the daemon syncs
+//!   (translate of every object + apply of the full state), over many changes; next to
+//!   kube-proxy's reaction to the same kind of change: a full `iptables-restore` (kube-proxy
+//!   rewrites the whole table on full syncs), the partial restore of kube-proxy ≥ 1.28
+//!   (`KUBE-SERVICES` plus the changed chains), and nftables mode's partial sync
+//!   (`nft --json list chains ip` + the `nft -f` transaction);
+//! - peak RSS (VmHWM) of a child process holding the objects, the desired state and the
+//!   programmed maps, and the kernel memory of its maps (memlock).
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail, ensure};
+use lb::{
+    bpf::{Datapath, LoadOptions},
+    maps::BpfMaps,
+    reconcile::{ApplyReport, Reconciler},
+    translate::{NodeInfo, desired_state},
+};
+use lb_common::{map_names, map_sizes};
+
+use crate::{
+    kubeproxy::{self, Config, ServicePort},
+    netns::{self, Scratch, TempDir},
+    workload::{self, Objects, Results, Rng, ServiceDef},
+};
+
+const SUITE: &str = "controlplane";
+
+pub struct Settings {
+    /// (services, endpoints per service) for the cold case.
+    pub cold: Vec<(usize, usize)>,
+    /// Largest service count each rules implementation is loaded at: their loading time
+    /// grows faster than linearly, and 5 repetitions must fit the run's time budget.
+    pub rules_max: [(Rules, usize); 3],
+    pub reps: usize,
+    /// The change case: services, endpoints per service, changes.
+    pub change: (usize, usize, usize),
+    /// The peak-RSS case: services, endpoints per service.
+    pub rss: (usize, usize),
+    /// A case tried once with lb's default map sizes, to report whether it fits.
+    pub attempt: Option<(usize, usize)>,
+}
+
+impl Settings {
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                cold: vec![(100, 10), (300, 10)],
+                rules_max: [
+                    (Rules::Iptables, usize::MAX),
+                    (Rules::IptablesNft, usize::MAX),
+                    (Rules::Nftables, usize::MAX),
+                ],
+                reps: 3,
+                change: (300, 10, 20),
+                rss: (1_000, 10),
+                attempt: None,
+            }
+        } else {
+            Self {
+                cold: vec![(1_000, 10), (10_000, 10), (50_000, 10)],
+                rules_max: [
+                    (Rules::Iptables, 10_000),
+                    (Rules::IptablesNft, 1_000),
+                    (Rules::Nftables, 10_000),
+                ],
+                reps: 5,
+                change: (10_000, 10, 1_000),
+                rss: (10_000, 10),
+                attempt: Some((50_000, 10)),
+            }
+        }
+    }
+
+    fn loads(&self, rules: Rules, n: usize) -> bool {
+        self.rules_max
+            .iter()
+            .any(|(r, max)| *r == rules && n <= *max)
+    }
+}
+
+fn kp_config() -> Config {
+    Config {
+        pod_cidr: workload::POD_CIDR.into(),
+        service_cidr: workload::SERVICE_CIDR.into(),
+        node_ip: std::net::Ipv4Addr::new(198, 18, 10, 1),
+    }
+}
+
+pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
+    let tmp = TempDir::new("controlplane")?;
+    if let Some((n, e)) = settings.attempt {
+        attempt(n, e, results)?;
+    }
+    cold(settings, &tmp, results)?;
+    change(settings, &tmp, results)?;
+    rss(settings, results)?;
+    Ok(())
+}
+
+/// Map sizes that hold `n` services × `e` endpoints: lb's defaults where they suffice, else
+/// the next powers of two (what `lb run --bpf-map-max` would be given).
+fn load_options(n: usize, e: usize) -> (LoadOptions, Option<String>) {
+    let mut opts = LoadOptions::default();
+    let mut changed = Vec::new();
+    for (name, default, need) in [
+        (map_names::SERVICES4, map_sizes::SERVICES, n * (e + 1)),
+        (map_names::BACKENDS4, map_sizes::BACKENDS, n * e),
+        (map_names::REVNAT4, map_sizes::REVNAT, n),
+    ] {
+        if need > default as usize {
+            let size = u32::try_from(need.next_power_of_two()).unwrap_or(u32::MAX);
+            opts.max_entries.insert(name.to_owned(), size);
+            changed.push(format!("{name}={size}"));
+        }
+    }
+    let note = (!changed.is_empty()).then(|| changed.join(","));
+    (opts, note)
+}
+
+/// Programs `n` × `e` once with lb's default map sizes and reports whether (and where) it does
+/// not fit.
+fn attempt(n: usize, e: usize, results: &mut Results) -> anyhow::Result<()> {
+    let objects = workload::objects(&workload::fillers(n, e));
+    let (_, report) = program_cold(&objects, &LoadOptions::default())?;
+    let text = match report.errors.first() {
+        None => format!("{n} services × {e} endpoints fit lb's default map sizes"),
+        Some(first) => format!(
+            "{n} services × {e} endpoints do not fit lb's default map sizes: they need {} \
+             {} entries (default max {}) and {} {} entries (default max {}); with the \
+             defaults {} of {n} services were not programmed, the first error being \
+             \"{}: {}\"",
+            n * (e + 1),
+            map_names::SERVICES4,
+            map_sizes::SERVICES,
+            n * e,
+            map_names::BACKENDS4,
+            map_sizes::BACKENDS,
+            report.errors.len(),
+            first.frontend,
+            first.error
+        ),
+    };
+    results.note(&format!("controlplane_fit_{n:06}x{e}"), text);
+    Ok(())
+}
+
+/// translate + Reconciler::new + apply into fresh private maps; the load is not timed.
+fn program_cold(objects: &Objects, opts: &LoadOptions) -> anyhow::Result<(Duration, ApplyReport)> {
+    let mut datapath = Datapath::load(opts)?;
+    let maps = datapath.take_lb_maps()?;
+    let start = Instant::now();
+    let mut reconciler = Reconciler::new(maps)?;
+    let translation = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+    let report = reconciler.apply(&translation.state);
+    Ok((start.elapsed(), report))
+}
+
+/// A kube-proxy mode and the command that loads its rules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rules {
+    Iptables,
+    IptablesNft,
+    Nftables,
+}
+
+impl Rules {
+    const ALL: [Rules; 3] = [Rules::Iptables, Rules::IptablesNft, Rules::Nftables];
+
+    fn name(self) -> &'static str {
+        match self {
+            Rules::Iptables => "iptables",
+            Rules::IptablesNft => "iptables_nft",
+            Rules::Nftables => "nftables",
+        }
+    }
+
+    fn program(self) -> &'static str {
+        match self {
+            Rules::Iptables => "iptables-legacy-restore",
+            Rules::IptablesNft => "iptables-nft-restore",
+            Rules::Nftables => "nft",
+        }
+    }
+
+    /// The command that loads `file` the way kube-proxy does.
+    fn command(self, file: &Path) -> Command {
+        let mut cmd = Command::new(self.program());
+        match self {
+            Rules::Nftables => cmd.arg("-f").arg(file),
+            _ => cmd.args(["--noflush", "--counters"]).arg(file),
+        };
+        cmd
+    }
+
+    /// Loads `file` into `ns`; returns the wall time.
+    fn load(self, ns: &str, file: &Path) -> anyhow::Result<Duration> {
+        Ok(netns::run(ns, self.command(file))?.1)
+    }
+
+    /// A fresh netns with what kube-proxy sets up before its first sync (the jump rules).
+    fn scratch(self, tmp: &TempDir) -> anyhow::Result<Scratch> {
+        let scratch = Scratch::new(self.name())?;
+        if self != Rules::Nftables {
+            let jumps = tmp.write("jumps.rules", &kubeproxy::iptables_jumps())?;
+            let mut cmd = Command::new(self.program());
+            cmd.arg("--noflush").arg(&jumps);
+            netns::run(&scratch.name, cmd)?;
+        }
+        Ok(scratch)
+    }
+
+    /// The file with kube-proxy's full rules for `ports`.
+    fn write_full(
+        self,
+        tmp: &TempDir,
+        tag: &str,
+        ports: &[ServicePort],
+        cfg: &Config,
+    ) -> anyhow::Result<PathBuf> {
+        match self {
+            Rules::Nftables => tmp.write(&format!("{tag}.nft"), &kubeproxy::nft_full(ports, cfg)),
+            _ => tmp.write(
+                &format!("{tag}.rules"),
+                &kubeproxy::iptables_restore(ports, cfg, None),
+            ),
+        }
+    }
+}
+
+fn cold(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::Result<()> {
+    let cfg = kp_config();
+    let mut rng = Rng::new(0xc01d);
+    struct Size {
+        n: usize,
+        e: usize,
+        opts: LoadOptions,
+        objects: Objects,
+        /// Slot 0 is lb, then one per loaded rules implementation.
+        rules: Vec<(Rules, PathBuf)>,
+        samples: Vec<Vec<f64>>,
+    }
+    let mut sizes = Vec::new();
+    for &(n, e) in &settings.cold {
+        let objects = workload::objects(&workload::fillers(n, e));
+        let ports = kubeproxy::service_ports(&objects.services, &objects.slices);
+        let count = kubeproxy::count_iptables(&kubeproxy::iptables_restore(&ports, &cfg, None));
+        results.note(
+            &format!("controlplane_rules_{n:06}x{e}"),
+            format!(
+                "kube-proxy's iptables rules for {n} services × {e} endpoints: {} chains, {} \
+                 rules",
+                count.chains, count.rules
+            ),
+        );
+        let mut rules = Vec::new();
+        for r in Rules::ALL {
+            let tag = format!("cold-{n}x{e}");
+            if settings.loads(r, n) {
+                rules.push((r, r.write_full(tmp, &tag, &ports, &cfg)?));
+            } else {
+                results.note(
+                    &format!("not_measured_controlplane_{}_{n:06}x{e}", r.name()),
+                    format!(
+                        "{} cold load at {n} services × {e} endpoints: not run; {} time grows \
+                         faster than linearly with the ruleset (see the smaller sizes) and 5 \
+                         repetitions would not fit the run's time budget",
+                        r.name(),
+                        r.program()
+                    ),
+                );
+            }
+        }
+        let (opts, enlarged) = load_options(n, e);
+        if let Some(maps) = enlarged {
+            results.note(
+                &format!("controlplane_maps_{n:06}x{e}"),
+                format!("lb programmed {n} services × {e} endpoints with --bpf-map-max {maps}"),
+            );
+        }
+        let slots = 1 + rules.len();
+        sizes.push(Size {
+            n,
+            e,
+            opts,
+            objects,
+            rules,
+            samples: vec![Vec::new(); slots],
+        });
+    }
+    for rep in 0..settings.reps {
+        for size in &mut sizes {
+            let mut order: Vec<usize> = (0..size.samples.len()).collect();
+            rng.shuffle(&mut order);
+            for slot in order {
+                workload::check_interrupted()?;
+                let took = if slot == 0 {
+                    let (took, report) = program_cold(&size.objects, &size.opts)?;
+                    if let Some(e) = report.errors.first() {
+                        bail!(
+                            "{} × {}: {} services not programmed, first {}: {}",
+                            size.n,
+                            size.e,
+                            report.errors.len(),
+                            e.frontend,
+                            e.error
+                        );
+                    }
+                    took
+                } else {
+                    let (rules, file) = &size.rules[slot - 1];
+                    let scratch = rules.scratch(tmp)?;
+                    rules
+                        .load(&scratch.name, file)
+                        .with_context(|| format!("{} cold {} rep {rep}", rules.name(), size.n))?
+                };
+                size.samples[slot].push(took.as_secs_f64() * 1e3);
+            }
+        }
+        println!("controlplane: cold repetition {} done", rep + 1);
+    }
+    for size in &mut sizes {
+        let case = format!("cold_{}_endpoints", size.e);
+        let mut impls = vec!["lb"];
+        impls.extend(size.rules.iter().map(|(r, _)| r.name()));
+        for (slot, imp) in impls.iter().enumerate() {
+            let median = workload::median(&mut size.samples[slot]);
+            results.push(
+                SUITE,
+                &case,
+                imp,
+                size.n,
+                "program_time",
+                median,
+                None,
+                "ms",
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Replaces endpoint 0 of service `i` with the `c`-th replacement address.
+fn replace_endpoint(defs: &mut [ServiceDef], objects: &mut Objects, i: usize, c: usize) {
+    defs[i].endpoints[0] = workload::replacement_ip(c);
+    objects.slices[i] = Arc::new(workload::slice(&defs[i], &defs[i].endpoints));
+}
+
+/// kube-proxy's reactions to one change, each timed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reaction {
+    IptablesFull,
+    IptablesPartial,
+    IptablesNftFull,
+    IptablesNftPartial,
+    NftPartial,
+}
+
+impl Reaction {
+    const ALL: [Reaction; 5] = [
+        Reaction::IptablesFull,
+        Reaction::IptablesPartial,
+        Reaction::IptablesNftFull,
+        Reaction::IptablesNftPartial,
+        Reaction::NftPartial,
+    ];
+
+    fn rules(self) -> Rules {
+        match self {
+            Reaction::IptablesFull | Reaction::IptablesPartial => Rules::Iptables,
+            Reaction::IptablesNftFull | Reaction::IptablesNftPartial => Rules::IptablesNft,
+            Reaction::NftPartial => Rules::Nftables,
+        }
+    }
+
+    fn metric(self) -> &'static str {
+        match self {
+            Reaction::IptablesFull | Reaction::IptablesNftFull => "change_full_restore",
+            Reaction::IptablesPartial | Reaction::IptablesNftPartial => "change_partial_restore",
+            Reaction::NftPartial => "change_partial_sync",
+        }
+    }
+}
+
+fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::Result<()> {
+    let (n, e, changes) = settings.change;
+    let cfg = kp_config();
+    let mut defs = workload::fillers(n, e);
+    let mut objects = workload::objects(&defs);
+    let mut rng = Rng::new(0xc4a6);
+
+    let mut datapath = Datapath::load(&LoadOptions::default())?;
+    let mut reconciler: Reconciler<BpfMaps> = Reconciler::new(datapath.take_lb_maps()?)?;
+    let initial = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+    let report = reconciler.apply(&initial.state);
+    ensure!(report.errors.is_empty(), "initial programming failed");
+    drop(initial);
+
+    // kube-proxy's tables, loaded once (concurrently; not timed).
+    let ports = kubeproxy::service_ports(&objects.services, &objects.slices);
+    let mut scratches: Vec<(Rules, Scratch)> = Vec::new();
+    let mut loading = Vec::new();
+    for rules in Rules::ALL {
+        if !settings.loads(rules, n) {
+            results.note(
+                &format!("not_measured_controlplane_change_{}", rules.name()),
+                format!(
+                    "{} reaction to a change at {n} services × {e} endpoints: not run, its \
+                     table could not be loaded within the run's time budget (see the cold \
+                     loads)",
+                    rules.name()
+                ),
+            );
+            continue;
+        }
+        let scratch = rules.scratch(tmp)?;
+        let file = rules.write_full(
+            tmp,
+            &format!("change-initial-{}", rules.name()),
+            &ports,
+            &cfg,
+        )?;
+        loading.push(netns::spawn(&scratch.name, rules.command(&file))?);
+        scratches.push((rules, scratch));
+    }
+    netns::wait_all(loading)?;
+    let reactions: Vec<Reaction> = Reaction::ALL
+        .into_iter()
+        .filter(|r| scratches.iter().any(|(rules, _)| *rules == r.rules()))
+        .collect();
+    // What the nftables table holds per service port (its partial syncs build on it).
+    let mut nft_view: Vec<ServicePort> = ports;
+
+    let rounds = settings.reps.max(1) * 2;
+    let per_round = changes.div_ceil(rounds);
+    let (mut total, mut translate_t, mut apply_t) = (Vec::new(), Vec::new(), Vec::new());
+    let mut kp: Vec<Vec<f64>> = vec![Vec::new(); Reaction::ALL.len()];
+    let mut c = 0;
+    for round in 0..rounds {
+        for k in 0..per_round {
+            if c >= changes {
+                break;
+            }
+            workload::check_interrupted()?;
+            let i = rng.below(n);
+            replace_endpoint(&mut defs, &mut objects, i, c);
+            c += 1;
+            // The daemon's sync: translate everything, apply the full desired state.
+            let t0 = Instant::now();
+            let translation =
+                desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+            let t1 = Instant::now();
+            let report = reconciler.apply(&translation.state);
+            let t2 = Instant::now();
+            ensure!(
+                report.errors.is_empty() && report.writes > 0,
+                "change {c}: {} writes, errors {:?}",
+                report.writes,
+                report.errors.first()
+            );
+            total.push((t2 - t0).as_secs_f64() * 1e3);
+            translate_t.push((t1 - t0).as_secs_f64() * 1e3);
+            apply_t.push((t2 - t1).as_secs_f64() * 1e3);
+            if k > 0 || reactions.is_empty() {
+                continue;
+            }
+            // kube-proxy's reactions to the same change, once per round.
+            let ports = kubeproxy::service_ports(&objects.services, &objects.slices);
+            let full = tmp.write(
+                "change-full.rules",
+                &kubeproxy::iptables_restore(&ports, &cfg, None),
+            )?;
+            let partial = tmp.write(
+                "change-partial.rules",
+                &kubeproxy::iptables_restore(&ports, &cfg, Some(&[i])),
+            )?;
+            let nft = tmp.write(
+                "change.nft",
+                &kubeproxy::nft_change(&nft_view[i], &ports[i], &cfg),
+            )?;
+            nft_view[i] = ports[i].clone();
+            let mut order = reactions.clone();
+            rng.shuffle(&mut order);
+            for reaction in order {
+                let ns = scratches
+                    .iter()
+                    .find(|(r, _)| *r == reaction.rules())
+                    .map(|(_, s)| s.name.clone())
+                    .context("scratch netns")?;
+                let took = match reaction {
+                    Reaction::IptablesFull | Reaction::IptablesNftFull => {
+                        reaction.rules().load(&ns, &full)?
+                    }
+                    Reaction::IptablesPartial | Reaction::IptablesNftPartial => {
+                        reaction.rules().load(&ns, &partial)?
+                    }
+                    Reaction::NftPartial => {
+                        // knftables' List("chains"): all chains of the family.
+                        let mut list = Command::new("nft");
+                        list.args(["--json", "list", "chains", "ip"]);
+                        let (_, listed) = netns::run(&ns, list)?;
+                        listed + Rules::Nftables.load(&ns, &nft)?
+                    }
+                };
+                let slot = Reaction::ALL
+                    .iter()
+                    .position(|r| *r == reaction)
+                    .unwrap_or(0);
+                kp[slot].push(took.as_secs_f64() * 1e3);
+            }
+        }
+        println!("controlplane: change round {} of {rounds} done", round + 1);
+    }
+    let case = format!("change_{e}_endpoints");
+    let mut push = |imp: &str, metric: &str, v: &mut Vec<f64>, p99: bool| {
+        let median = workload::median(v);
+        let p = p99.then(|| workload::percentile(v, 99.0));
+        results.push(SUITE, &case, imp, n, metric, median, p, "ms");
+    };
+    push("lb", "change_to_map_write", &mut total, true);
+    push("lb", "change_translate", &mut translate_t, true);
+    push("lb", "change_apply", &mut apply_t, true);
+    for (slot, reaction) in Reaction::ALL.iter().enumerate() {
+        if !kp[slot].is_empty() {
+            push(
+                reaction.rules().name(),
+                reaction.metric(),
+                &mut kp[slot],
+                false,
+            );
+        }
+    }
+    results.note(
+        "controlplane_change_method",
+        format!(
+            "{c} changes at {n} services × {e} endpoints, each replacing one endpoint of a \
+             random service's EndpointSlice; lb: translate of all objects + Reconciler::apply \
+             of the full desired state (what the daemon's sync does), median and p99 over all \
+             changes; kube-proxy: the same kind of change once per round ({rounds} rounds, \
+             interleaved with lb's), wall time of the iptables-restore / nft commands only \
+             (kube-proxy's own rule rendering is not included), median"
+        ),
+    );
+    Ok(())
+}
+
+/// Peak RSS of `lb-bench rss` children (fresh processes).
+fn rss(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
+    let (n, e) = settings.rss;
+    let exe = std::env::current_exe()?;
+    let (mut hwm, mut memlock) = (Vec::new(), Vec::new());
+    for _ in 0..settings.reps {
+        let out = Command::new(&exe)
+            .args(["rss", "--services", &n.to_string()])
+            .args(["--endpoints", &e.to_string()])
+            .output()
+            .context("run lb-bench rss")?;
+        ensure!(
+            out.status.success(),
+            "lb-bench rss failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        hwm.push(v["vm_hwm_kib"].as_f64().context("vm_hwm_kib")? / 1024.0);
+        memlock.push(v["map_memlock_bytes"].as_f64().context("memlock")? / (1024.0 * 1024.0));
+    }
+    let case = format!("hold_{e}_endpoints");
+    let median = workload::median(&mut hwm);
+    results.push(SUITE, &case, "lb", n, "peak_rss", median, None, "MiB");
+    let median = workload::median(&mut memlock);
+    results.push(SUITE, &case, "lb", n, "bpf_map_memory", median, None, "MiB");
+    Ok(())
+}
+
+/// `lb-bench rss`: holds `n` × `e` programmed the way the daemon does (objects, desired
+/// state, reconciler mirror, maps) and prints its VmHWM and its maps' memlock as JSON.
+pub fn rss_child(n: usize, e: usize) -> anyhow::Result<()> {
+    let objects = workload::objects(&workload::fillers(n, e));
+    let mut datapath = Datapath::load(&LoadOptions::default())?;
+    let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
+    let translation = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+    let report = reconciler.apply(&translation.state);
+    ensure!(report.errors.is_empty(), "programming failed");
+    let status = fs::read_to_string("/proc/self/status")?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("{name} in /proc/self/status"))
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "services": reconciler.service_count(),
+            "backends": reconciler.backend_count(),
+            "vm_hwm_kib": field("VmHWM:")?,
+            "vm_rss_kib": field("VmRSS:")?,
+            "map_memlock_bytes": map_memlock()?,
+        })
+    );
+    drop((objects, translation, reconciler, datapath));
+    Ok(())
+}
+
+/// Sum of `memlock` over this process's BPF map fds (the kernel memory of its maps).
+fn map_memlock() -> anyhow::Result<u64> {
+    let mut total = 0;
+    for entry in fs::read_dir("/proc/self/fdinfo")? {
+        let Ok(text) = fs::read_to_string(entry?.path()) else {
+            continue;
+        };
+        if !text.contains("map_type:") {
+            continue;
+        }
+        total += text
+            .lines()
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Ok(total)
+}
+
+/// `lb-bench rules`: kube-proxy's full iptables-restore input (`kube-proxy-N-E.rules`, load
+/// with `iptables-restore --noflush --counters` after `kube-proxy-jumps.rules`) and nftables
+/// transaction (`kube-proxy-N-E.nft`, load with `nft -f`) for `n` × `e`.
+pub fn write_rules(n: usize, e: usize, dir: &Path) -> anyhow::Result<()> {
+    let objects = workload::objects(&workload::fillers(n, e));
+    let ports = kubeproxy::service_ports(&objects.services, &objects.slices);
+    let cfg = kp_config();
+    fs::create_dir_all(dir)?;
+    for (name, text) in [
+        (
+            "kube-proxy-jumps.rules".to_owned(),
+            kubeproxy::iptables_jumps(),
+        ),
+        (
+            format!("kube-proxy-{n}-{e}.rules"),
+            kubeproxy::iptables_restore(&ports, &cfg, None),
+        ),
+        (
+            format!("kube-proxy-{n}-{e}.nft"),
+            kubeproxy::nft_full(&ports, &cfg),
+        ),
+    ] {
+        let path = dir.join(name);
+        fs::write(&path, text).with_context(|| format!("write {}", path.display()))?;
+        println!("{}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,188 @@
+//! `lb-bench run --quick`: every suite runs end to end and writes a results.json with every
+//! suite, case, implementation and metric the report needs, each value finite and positive.
+//! It checks shape only, never speed. Needs root, iptables and nftables (`cargo xtask bench`
+//! installs them).
+use std::{
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use serde_json::Value;
+
+const LB_BENCH: &str = env!("CARGO_BIN_EXE_lb-bench");
+
+/// A scratch output directory, removed on drop.
+struct OutDir(PathBuf);
+
+impl Drop for OutDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tools_present() -> Vec<&'static str> {
+    ["iptables-legacy-restore", "iptables-nft-restore", "nft"]
+        .into_iter()
+        .filter(|c| {
+            !["/usr/sbin", "/sbin", "/usr/bin"]
+                .iter()
+                .any(|d| Path::new(d).join(c).exists())
+        })
+        .collect()
+}
+
+#[test]
+fn quick_run_writes_every_result() {
+    let missing = tools_present();
+    assert!(
+        missing.is_empty(),
+        "missing {missing:?}: install the Debian packages iptables and nftables \
+         (`cargo xtask bench` does)"
+    );
+    let out = OutDir(std::env::temp_dir().join(format!("lb-bench-quick-{}", std::process::id())));
+    let run = Command::new(LB_BENCH)
+        .args(["run", "--quick", "--out"])
+        .arg(&out.0)
+        .output()
+        .expect("start lb-bench");
+    assert!(
+        run.status.success(),
+        "lb-bench run --quick failed ({}):\n{}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+
+    let text = fs::read_to_string(out.0.join("results.json")).expect("results.json");
+    let records: Vec<Value> = serde_json::from_str(&text).expect("results.json is a JSON list");
+    let mut seen = BTreeSet::new();
+    for r in &records {
+        let field = |k: &str| r[k].as_str().unwrap_or_else(|| panic!("{k} in {r}"));
+        for k in ["suite", "case", "impl", "metric", "unit"] {
+            assert!(!field(k).is_empty(), "{k} empty in {r}");
+        }
+        let services = r["services"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("services in {r}"));
+        assert!(services > 0, "{r}");
+        let median = r["median"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("median in {r}"));
+        assert!(median.is_finite() && median > 0.0, "median of {r}");
+        match &r["p99"] {
+            Value::Null => {}
+            p => {
+                let p = p.as_f64().unwrap_or_else(|| panic!("p99 in {r}"));
+                assert!(p.is_finite() && p > 0.0, "p99 of {r}");
+            }
+        }
+        assert_eq!(r.as_object().map(|o| o.len()), Some(8), "fields of {r}");
+        seen.insert((
+            field("suite").to_owned(),
+            field("case").to_owned(),
+            field("impl").to_owned(),
+            field("metric").to_owned(),
+        ));
+    }
+
+    let mut expected: Vec<(String, String, String, String)> = Vec::new();
+    let mut want = |s: &str, c: &str, i: &str, m: &str| {
+        expected.push((s.into(), c.into(), i.into(), m.into()));
+    };
+    for suffix in ["", "_single"] {
+        for case in ["new_flow", "established", "miss"] {
+            want(
+                "datapath",
+                &format!("{case}{suffix}"),
+                "lb_tc_ingress",
+                "ns_per_packet",
+            );
+        }
+        for imp in ["pass_through", "lb_tc_egress_miss"] {
+            want(
+                "datapath",
+                &format!("baseline{suffix}"),
+                imp,
+                "ns_per_packet",
+            );
+        }
+    }
+    for case in ["tcp_last", "tcp_random", "udp_last", "udp_random"] {
+        let latency = if case.starts_with("tcp") {
+            "connect_latency"
+        } else {
+            "request_latency"
+        };
+        for imp in [
+            "direct",
+            "lb_socket",
+            "lb_tc",
+            "iptables",
+            "iptables_nft",
+            "nftables",
+        ] {
+            want("newflows", case, imp, "new_flows_per_s");
+            want("newflows", case, imp, latency);
+        }
+    }
+    for imp in ["lb", "iptables", "iptables_nft", "nftables"] {
+        want("controlplane", "cold_10_endpoints", imp, "program_time");
+    }
+    for metric in ["change_to_map_write", "change_translate", "change_apply"] {
+        want("controlplane", "change_10_endpoints", "lb", metric);
+    }
+    for imp in ["iptables", "iptables_nft"] {
+        want(
+            "controlplane",
+            "change_10_endpoints",
+            imp,
+            "change_full_restore",
+        );
+        want(
+            "controlplane",
+            "change_10_endpoints",
+            imp,
+            "change_partial_restore",
+        );
+    }
+    want(
+        "controlplane",
+        "change_10_endpoints",
+        "nftables",
+        "change_partial_sync",
+    );
+    want("controlplane", "hold_10_endpoints", "lb", "peak_rss");
+    want("controlplane", "hold_10_endpoints", "lb", "bpf_map_memory");
+    let missing: Vec<_> = expected.iter().filter(|e| !seen.contains(*e)).collect();
+    assert!(missing.is_empty(), "results.json lacks {missing:?}");
+
+    // Every datapath cell exists at every datapath size.
+    let sizes = |suite: &str| -> BTreeSet<u64> {
+        records
+            .iter()
+            .filter(|r| r["suite"] == suite)
+            .filter_map(|r| r["services"].as_u64())
+            .collect()
+    };
+    let dp = sizes("datapath");
+    assert!(dp.len() >= 2, "datapath at several sizes: {dp:?}");
+    assert_eq!(
+        records.iter().filter(|r| r["suite"] == "datapath").count(),
+        10 * dp.len(),
+        "10 datapath records per size"
+    );
+    assert!(sizes("newflows").len() >= 2, "newflows at several sizes");
+
+    let notes: Value =
+        serde_json::from_str(&fs::read_to_string(out.0.join("notes.json")).expect("notes.json"))
+            .expect("notes.json is JSON");
+    for key in [
+        "datapath_method",
+        "newflows_method",
+        "controlplane_change_method",
+    ] {
+        assert!(notes[key].is_string(), "notes.json lacks {key}");
+    }
+}

@@ -1,0 +1,823 @@
+//! Renders docs/benchmarks.md from `lb-bench`'s results.json and notes.json: the machine, the
+//! targets (met / not met, computed from the records), every table, the method and what was
+//! not measured.
+use std::{collections::BTreeMap, fmt::Write as _, fs, path::Path, time::Duration};
+
+use anyhow::{Context as _, Result};
+use serde::Deserialize;
+
+use super::MachineFacts;
+
+/// One line of results.json.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Record {
+    suite: String,
+    case: String,
+    #[serde(rename = "impl")]
+    imp: String,
+    services: usize,
+    metric: String,
+    median: f64,
+    p99: Option<f64>,
+    unit: String,
+}
+
+pub struct Results {
+    records: Vec<Record>,
+    notes: BTreeMap<String, String>,
+}
+
+impl Results {
+    pub fn load(dir: &Path) -> Result<Self> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))
+        };
+        Ok(Self {
+            records: serde_json::from_str(&read("results.json")?).context("results.json")?,
+            notes: serde_json::from_str(&read("notes.json")?).context("notes.json")?,
+        })
+    }
+
+    fn get(&self, suite: &str, case: &str, imp: &str, n: usize, metric: &str) -> Option<&Record> {
+        self.records.iter().find(|r| {
+            r.suite == suite
+                && r.case == case
+                && r.imp == imp
+                && r.services == n
+                && r.metric == metric
+        })
+    }
+
+    fn median(&self, suite: &str, case: &str, imp: &str, n: usize, metric: &str) -> Option<f64> {
+        self.get(suite, case, imp, n, metric).map(|r| r.median)
+    }
+
+    /// Service counts with records in `suite` (and `case` when given), ascending.
+    fn sizes(&self, suite: &str, case: Option<&str>) -> Vec<usize> {
+        let mut v: Vec<usize> = self
+            .records
+            .iter()
+            .filter(|r| r.suite == suite && case.is_none_or(|c| r.case == c))
+            .map(|r| r.services)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    fn has_suite(&self, suite: &str) -> bool {
+        self.records.iter().any(|r| r.suite == suite)
+    }
+
+    fn notes_with(&self, prefix: &str) -> Vec<&str> {
+        self.notes
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+}
+
+/// 12345.6 → "12,346".
+fn thousands(x: f64) -> String {
+    let s = format!("{:.0}", x.round());
+    let (sign, digits) = s.strip_prefix('-').map_or(("", s.as_str()), |d| ("-", d));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    format!("{sign}{out}")
+}
+
+/// A measured value with sensible precision.
+fn num(x: f64) -> String {
+    if x.abs() >= 1000.0 {
+        thousands(x)
+    } else if x.abs() >= 100.0 {
+        format!("{x:.0}")
+    } else if x.abs() >= 10.0 {
+        format!("{x:.1}")
+    } else {
+        format!("{x:.2}")
+    }
+}
+
+fn pct(ratio: f64) -> String {
+    format!("{:+.1} %", (ratio - 1.0) * 100.0)
+}
+
+enum Verdict {
+    Met,
+    NotMet,
+    NotEvaluated(String),
+}
+
+struct Target {
+    name: &'static str,
+    measured: String,
+    verdict: Verdict,
+}
+
+const DP_CASES: [(&str, &str); 3] = [
+    ("new_flow", "new flow"),
+    ("established", "established flow"),
+    ("miss", "miss (no service)"),
+];
+const NF_CASES: [(&str, &str); 4] = [
+    ("tcp_last", "TCP, traced service last in rule order"),
+    ("tcp_random", "TCP, traced service at a random position"),
+    ("udp_last", "UDP, traced service last in rule order"),
+    ("udp_random", "UDP, traced service at a random position"),
+];
+const NF_IMPLS: [(&str, &str); 6] = [
+    ("direct", "direct to a backend (floor)"),
+    ("lb_socket", "lb socket LB"),
+    ("lb_tc", "lb tc only"),
+    ("nftables", "kube-proxy nftables"),
+    ("iptables", "kube-proxy iptables (legacy)"),
+    ("iptables_nft", "kube-proxy iptables (nf_tables backend)"),
+];
+
+fn targets(r: &Results) -> Vec<Target> {
+    let mut out = Vec::new();
+
+    // Per-packet cost at 100,000 services vs the smallest case.
+    let sizes = r.sizes("datapath", Some("new_flow"));
+    out.push(match (sizes.first(), sizes.last()) {
+        (Some(&lo), Some(&hi)) if lo != hi => {
+            let mut parts = Vec::new();
+            let mut worst: f64 = 0.0;
+            for (case, label) in DP_CASES {
+                let net = |n| {
+                    Some(
+                        r.median("datapath", case, "lb_tc_ingress", n, "ns_per_packet")?
+                            - r.median("datapath", "baseline", "pass_through", n, "ns_per_packet")?,
+                    )
+                };
+                if let (Some(a), Some(b)) = (net(lo), net(hi)) {
+                    worst = worst.max(b / a);
+                    parts.push(format!(
+                        "{label} {} ({} → {} ns)",
+                        pct(b / a),
+                        num(a),
+                        num(b)
+                    ));
+                }
+            }
+            Target {
+                name: "per-packet cost at 100,000 services within 10 % of the cost at 1 service",
+                measured: format!(
+                    "{} vs {} services, net of the pass-through baseline: {}",
+                    thousands(hi as f64),
+                    thousands(lo as f64),
+                    parts.join("; ")
+                ),
+                verdict: if hi != 100_000 {
+                    Verdict::NotEvaluated(format!("largest case in this run: {hi} services"))
+                } else if worst <= 1.10 {
+                    Verdict::Met
+                } else {
+                    Verdict::NotMet
+                },
+            }
+        }
+        _ => Target {
+            name: "per-packet cost at 100,000 services within 10 % of the cost at 1 service",
+            measured: "—".into(),
+            verdict: Verdict::NotEvaluated("datapath suite not run".into()),
+        },
+    });
+
+    // New flows/s at 10,000 services vs iptables and nftables, per position of the traced
+    // service and per lb mode.
+    for (base, factor, name) in [
+        (
+            "iptables",
+            5.0,
+            "new flows/s at 10,000 services ≥ 5× iptables",
+        ),
+        (
+            "nftables",
+            1.5,
+            "new flows/s at 10,000 services ≥ 1.5× nftables",
+        ),
+    ] {
+        for (position, where_) in [
+            ("last", "traced service last"),
+            ("random", "random position"),
+        ] {
+            for (lb, lb_name) in [("lb_socket", "socket LB"), ("lb_tc", "tc only")] {
+                let mut parts = Vec::new();
+                let mut worst = f64::INFINITY;
+                for proto in ["tcp", "udp"] {
+                    let case = format!("{proto}_{position}");
+                    let a = r.median("newflows", &case, lb, 10_000, "new_flows_per_s");
+                    let b = r.median("newflows", &case, base, 10_000, "new_flows_per_s");
+                    if let (Some(a), Some(b)) = (a, b) {
+                        worst = worst.min(a / b);
+                        parts.push(format!("{} {:.2}×", proto.to_uppercase(), a / b));
+                    }
+                }
+                out.push(Target {
+                    name,
+                    measured: if parts.is_empty() {
+                        "—".into()
+                    } else {
+                        format!("lb {lb_name}, {where_}: {}", parts.join(", "))
+                    },
+                    verdict: if parts.is_empty() {
+                        Verdict::NotEvaluated(format!("no 10,000-service {lb} vs {base} result"))
+                    } else if worst >= factor {
+                        Verdict::Met
+                    } else {
+                        Verdict::NotMet
+                    },
+                });
+            }
+        }
+    }
+
+    // Socket LB vs the direct floor, every size and case.
+    let mut worst: Option<(f64, &str, usize)> = None;
+    for n in r.sizes("newflows", None) {
+        for (case, _) in NF_CASES {
+            let a = r.median("newflows", case, "lb_socket", n, "new_flows_per_s");
+            let b = r.median("newflows", case, "direct", n, "new_flows_per_s");
+            if let (Some(a), Some(b)) = (a, b)
+                && worst.is_none_or(|(w, _, _)| a / b < w)
+            {
+                worst = Some((a / b, case, n));
+            }
+        }
+    }
+    out.push(Target {
+        name: "socket LB within 10 % of the direct floor (new flows/s)",
+        measured: worst.map_or_else(
+            || "—".into(),
+            |(w, case, n)| {
+                format!(
+                    "worst case over all sizes and cases: {:.3}× the floor ({case}, {} services)",
+                    w,
+                    thousands(n as f64)
+                )
+            },
+        ),
+        verdict: match worst {
+            None => Verdict::NotEvaluated("newflows suite not run".into()),
+            Some((w, _, _)) if w >= 0.90 => Verdict::Met,
+            Some(_) => Verdict::NotMet,
+        },
+    });
+
+    let single =
+        |case: &str, metric: &str, n: usize, limit: f64, p99: bool, name, what: &str| match r.get(
+            "controlplane",
+            case,
+            "lb",
+            n,
+            metric,
+        ) {
+            Some(rec) => {
+                let v = if p99 {
+                    rec.p99.unwrap_or(rec.median)
+                } else {
+                    rec.median
+                };
+                Target {
+                    name,
+                    measured: format!("{what} {} {}", num(v), rec.unit),
+                    verdict: if v < limit {
+                        Verdict::Met
+                    } else {
+                        Verdict::NotMet
+                    },
+                }
+            }
+            None => Target {
+                name,
+                measured: "—".into(),
+                verdict: Verdict::NotEvaluated(format!("no {n}-service {metric} result")),
+            },
+        };
+    out.push(single(
+        "cold_10_endpoints",
+        "program_time",
+        10_000,
+        1000.0,
+        false,
+        "10,000 services × 10 endpoints programmed cold in < 1 s",
+        "median",
+    ));
+    let change_n = r
+        .records
+        .iter()
+        .find(|x| x.metric == "change_to_map_write")
+        .map_or(10_000, |x| x.services);
+    let mut change = single(
+        "change_10_endpoints",
+        "change_to_map_write",
+        change_n,
+        1.0,
+        true,
+        "one EndpointSlice change to map write, p99 < 1 ms",
+        "p99",
+    );
+    if change_n != 10_000 && !matches!(change.verdict, Verdict::NotEvaluated(_)) {
+        change.verdict = Verdict::NotEvaluated(format!("measured at {change_n} services"));
+    }
+    out.push(change);
+    let rss_n = r
+        .records
+        .iter()
+        .find(|x| x.metric == "peak_rss")
+        .map_or(10_000, |x| x.services);
+    let mut rss = single(
+        "hold_10_endpoints",
+        "peak_rss",
+        rss_n,
+        100.0,
+        false,
+        "peak RSS < 100 MiB at 10,000 services / 100,000 endpoints",
+        "VmHWM",
+    );
+    if rss_n != 10_000 && !matches!(rss.verdict, Verdict::NotEvaluated(_)) {
+        rss.verdict = Verdict::NotEvaluated(format!("measured at {rss_n} services"));
+    }
+    out.push(rss);
+    out
+}
+
+pub fn render(r: &Results, m: &MachineFacts, phases: &[(&str, Duration)], quick: bool) -> String {
+    let mut s = String::new();
+    let w = &mut s;
+    let _ = writeln!(w, "# Benchmarks\n");
+    let _ = writeln!(
+        w,
+        "Generated by `cargo xtask bench{}` on {}. Every number below comes from that one run; \
+         comparisons were measured in the same run, interleaved, and ratios are to baselines \
+         measured alongside. Do not edit by hand: rerun the benchmark.\n",
+        if quick { " --quick" } else { "" },
+        m.date
+    );
+    if quick {
+        let _ = writeln!(
+            w,
+            "**Quick run**: tiny sizes and few repetitions, to check that everything runs. \
+             These numbers say nothing about the targets.\n"
+        );
+    }
+    let times: Vec<String> = phases
+        .iter()
+        .map(|(n, d)| format!("{n} {:.1} min", d.as_secs_f64() / 60.0))
+        .collect();
+    let _ = writeln!(w, "Wall time: {}.\n", times.join(", "));
+
+    let _ = writeln!(w, "## Machine\n");
+    let _ = writeln!(w, "| | |\n|---|---|");
+    for (k, v) in [
+        ("kernel", m.kernel.clone()),
+        ("CPU", m.cpu.clone()),
+        ("cores", m.cores.to_string()),
+        ("memory", m.memory.clone()),
+        ("OS", m.os.clone()),
+        ("iptables", m.iptables.clone()),
+        ("nftables", m.nft.clone()),
+    ] {
+        let _ = writeln!(w, "| {k} | {v} |");
+    }
+    let _ = writeln!(w);
+
+    let _ = writeln!(w, "## Targets\n");
+    let _ = writeln!(w, "| target | measured | result |\n|---|---|---|");
+    for mut t in targets(r) {
+        if quick {
+            t.verdict = Verdict::NotEvaluated("quick run".into());
+        }
+        let verdict = match &t.verdict {
+            Verdict::Met => "**met**".to_owned(),
+            Verdict::NotMet => "**not met**".to_owned(),
+            Verdict::NotEvaluated(why) => format!("not evaluated ({why})"),
+        };
+        let _ = writeln!(w, "| {} | {} | {verdict} |", t.name, t.measured);
+    }
+    let _ = writeln!(w);
+
+    datapath(w, r);
+    newflows(w, r);
+    controlplane(w, r);
+    method(w, r);
+    s
+}
+
+fn header(w: &mut String, first: &str, sizes: &[usize], extra: &[&str]) {
+    let _ = write!(w, "| {first} |");
+    for n in sizes {
+        let _ = write!(w, " {} |", thousands(*n as f64));
+    }
+    for e in extra {
+        let _ = write!(w, " {e} |");
+    }
+    let _ = writeln!(w);
+    let _ = writeln!(w, "|---|{}", "---|".repeat(sizes.len() + extra.len()));
+}
+
+fn datapath(w: &mut String, r: &Results) {
+    if !r.has_suite("datapath") {
+        return;
+    }
+    let sizes = r.sizes("datapath", Some("new_flow"));
+    let _ = writeln!(w, "## Datapath: per-packet cost (BPF_PROG_TEST_RUN)\n");
+    let _ = writeln!(
+        w,
+        "ns per packet by number of ClusterIP services loaded (2 backends each), median of the \
+         repetitions; in parentheses the cost over the pass-through program (the test-run \
+         harness's own cost). The last column compares the largest case with the smallest \
+         (lb rows: net of the pass-through). The smallest case is the 4-service ring the \
+         method needs (see Method).\n"
+    );
+    let last = format!(
+        "{} vs {}",
+        sizes.last().map_or(String::new(), |n| thousands(*n as f64)),
+        sizes
+            .first()
+            .map_or(String::new(), |n| thousands(*n as f64))
+    );
+    header(w, "case", &sizes, &[&last]);
+    let rows: [(&str, &str, &str); 5] = [
+        ("new_flow", "lb_tc_ingress", "lb_tc_ingress, new flow"),
+        (
+            "established",
+            "lb_tc_ingress",
+            "lb_tc_ingress, established flow",
+        ),
+        ("miss", "lb_tc_ingress", "lb_tc_ingress, miss (no service)"),
+        (
+            "baseline",
+            "lb_tc_egress_miss",
+            "baseline: lb_tc_egress, packet matching nothing",
+        ),
+        (
+            "baseline",
+            "pass_through",
+            "baseline: pass-through program (2 instructions)",
+        ),
+    ];
+    for (case, imp, label) in rows {
+        let _ = write!(w, "| {label} |");
+        let lb = imp == "lb_tc_ingress";
+        let value = |n: usize| -> Option<(f64, f64)> {
+            let v = r.median("datapath", case, imp, n, "ns_per_packet")?;
+            let base = r.median("datapath", "baseline", "pass_through", n, "ns_per_packet")?;
+            Some((v, v - base))
+        };
+        for n in &sizes {
+            match value(*n) {
+                Some((v, net)) if lb => {
+                    let _ = write!(w, " {} ns ({}) |", num(v), num(net));
+                }
+                Some((v, _)) => {
+                    let _ = write!(w, " {} ns |", num(v));
+                }
+                None => w.push_str(" — |"),
+            }
+        }
+        let change = match (
+            sizes.first().and_then(|n| value(*n)),
+            sizes.last().and_then(|n| value(*n)),
+        ) {
+            (Some(a), Some(b)) if lb => pct(b.1 / a.1),
+            (Some(a), Some(b)) => pct(b.0 / a.0),
+            _ => "—".into(),
+        };
+        let _ = writeln!(w, " {change} |");
+    }
+    let _ = write!(w, "| XDP |");
+    for _ in &sizes {
+        w.push_str(" n/a |");
+    }
+    let _ = writeln!(w, " n/a (XDP datapath not built yet) |\n");
+
+    let _ = writeln!(
+        w,
+        "Cross-check, one BPF_PROG_TEST_RUN per packet (repeat = 1) over distinct flows: every \
+         \"new flow\" is a conntrack miss and insert, every established packet follows its own \
+         new flow. Median / p99 of the kernel's per-run duration (which includes one \
+         `ktime_get_ns` and cold caches, hence the higher numbers).\n"
+    );
+    header(w, "case", &sizes, &[]);
+    for (case, imp, label) in rows {
+        let _ = write!(w, "| {label} |");
+        for n in &sizes {
+            match r.get(
+                "datapath",
+                &format!("{case}_single"),
+                imp,
+                *n,
+                "ns_per_packet",
+            ) {
+                Some(rec) => {
+                    let _ = write!(
+                        w,
+                        " {} / {} ns |",
+                        num(rec.median),
+                        rec.p99.map_or("—".into(), num)
+                    );
+                }
+                None => w.push_str(" — |"),
+            }
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(w);
+}
+
+fn newflows(w: &mut String, r: &Results) {
+    if !r.has_suite("newflows") {
+        return;
+    }
+    let sizes = r.sizes("newflows", None);
+    let _ = writeln!(w, "## New flows through a node (network namespaces)\n");
+    let _ = writeln!(
+        w,
+        "New flows per second of one sequential client by number of services (2 endpoints \
+         each), median of the repetitions; in parentheses the ratio to the direct floor \
+         measured in the same run. Then the latency of each flow's first exchange (TCP \
+         `connect()`, UDP request → response): median of the repetitions' p50 / p99.\n"
+    );
+    for (case, label) in NF_CASES {
+        if !r
+            .records
+            .iter()
+            .any(|x| x.suite == "newflows" && x.case == case)
+        {
+            continue;
+        }
+        let latency = if case.starts_with("tcp") {
+            "connect_latency"
+        } else {
+            "request_latency"
+        };
+        let _ = writeln!(w, "### {label}\n");
+        if case.ends_with("random") {
+            let positions = r.notes_with("newflows_position_");
+            if !positions.is_empty() {
+                let _ = writeln!(w, "Positions: {}.\n", positions.join("; "));
+            }
+        }
+        header(w, "flows/s", &sizes, &[]);
+        for (imp, name) in NF_IMPLS {
+            let _ = write!(w, "| {name} |");
+            for n in &sizes {
+                let v = r.median("newflows", case, imp, *n, "new_flows_per_s");
+                let floor = r.median("newflows", case, "direct", *n, "new_flows_per_s");
+                match (v, floor) {
+                    (Some(v), Some(f)) => {
+                        let _ = write!(w, " {} ({:.2}) |", thousands(v), v / f);
+                    }
+                    (Some(v), None) => {
+                        let _ = write!(w, " {} |", thousands(v));
+                    }
+                    _ => w.push_str(" — |"),
+                }
+            }
+            let _ = writeln!(w);
+        }
+        let _ = writeln!(w);
+        header(w, "latency p50 / p99 (µs)", &sizes, &[]);
+        for (imp, name) in NF_IMPLS {
+            let _ = write!(w, "| {name} |");
+            for n in &sizes {
+                match r.get("newflows", case, imp, *n, latency) {
+                    Some(rec) => {
+                        let _ = write!(
+                            w,
+                            " {} / {} |",
+                            num(rec.median),
+                            rec.p99.map_or("—".into(), num)
+                        );
+                    }
+                    None => w.push_str(" — |"),
+                }
+            }
+            let _ = writeln!(w);
+        }
+        let _ = writeln!(w);
+    }
+}
+
+fn controlplane(w: &mut String, r: &Results) {
+    if !r.has_suite("controlplane") {
+        return;
+    }
+    let _ = writeln!(w, "## Control plane\n");
+    let cold_sizes = r.sizes("controlplane", Some("cold_10_endpoints"));
+    if !cold_sizes.is_empty() {
+        let _ = writeln!(
+            w,
+            "Cold programming of N services × 10 endpoints, median ms (in parentheses: × lb). \
+             lb: translate + Reconciler into fresh private maps. kube-proxy: \
+             `iptables-restore --noflush --counters` of its full ruleset and `nft -f` of its \
+             full table, each into a fresh network namespace.\n"
+        );
+        header(w, "program time", &cold_sizes, &[]);
+        for (imp, name) in [
+            ("lb", "lb"),
+            ("iptables", "kube-proxy iptables (legacy)"),
+            ("iptables_nft", "kube-proxy iptables (nf_tables backend)"),
+            ("nftables", "kube-proxy nftables"),
+        ] {
+            let _ = write!(w, "| {name} |");
+            for n in &cold_sizes {
+                let v = r.median("controlplane", "cold_10_endpoints", imp, *n, "program_time");
+                let lb = r.median(
+                    "controlplane",
+                    "cold_10_endpoints",
+                    "lb",
+                    *n,
+                    "program_time",
+                );
+                match (v, lb) {
+                    (Some(v), Some(lb)) if imp != "lb" => {
+                        let _ = write!(w, " {} ms ({}×) |", num(v), num(v / lb));
+                    }
+                    (Some(v), _) => {
+                        let _ = write!(w, " {} ms |", num(v));
+                    }
+                    _ => w.push_str(" — |"),
+                }
+            }
+            let _ = writeln!(w);
+        }
+        let _ = writeln!(w);
+    }
+    let changes: Vec<&Record> = r
+        .records
+        .iter()
+        .filter(|x| x.suite == "controlplane" && x.case.starts_with("change"))
+        .collect();
+    if let Some(first) = changes.first() {
+        let _ = writeln!(
+            w,
+            "One EndpointSlice change (one endpoint replaced) at {} services × 10 endpoints.\n",
+            thousands(first.services as f64)
+        );
+        let _ = writeln!(
+            w,
+            "| implementation | what is timed | median | p99 |\n|---|---|---|---|"
+        );
+        for rec in changes {
+            let what = match rec.metric.as_str() {
+                "change_to_map_write" => "change → map write (translate + apply)",
+                "change_translate" => "of which translate (all objects)",
+                "change_apply" => "of which Reconciler::apply (full state)",
+                "change_full_restore" => "full `iptables-restore` (full sync)",
+                "change_partial_restore" => "partial `iptables-restore` (kube-proxy ≥ 1.28)",
+                "change_partial_sync" => "`nft --json list chains ip` + `nft -f` transaction",
+                other => other,
+            };
+            let _ = writeln!(
+                w,
+                "| {} | {what} | {} {} | {} |",
+                rec.imp,
+                num(rec.median),
+                rec.unit,
+                rec.p99
+                    .map_or("—".into(), |p| format!("{} {}", num(p), rec.unit))
+            );
+        }
+        let _ = writeln!(w);
+    }
+    let held: Vec<&Record> = r
+        .records
+        .iter()
+        .filter(|x| x.suite == "controlplane" && x.case.starts_with("hold"))
+        .collect();
+    if let Some(first) = held.first() {
+        let _ = writeln!(
+            w,
+            "A process holding {} services × 10 endpoints programmed (objects, desired state, \
+             reconciler, maps), median of fresh child processes:\n",
+            thousands(first.services as f64)
+        );
+        let _ = writeln!(w, "| | |\n|---|---|");
+        for rec in held {
+            let what = match rec.metric.as_str() {
+                "peak_rss" => "peak RSS (VmHWM)",
+                "bpf_map_memory" => "kernel memory of its BPF maps (memlock, not in RSS)",
+                other => other,
+            };
+            let _ = writeln!(w, "| {what} | {} {} |", num(rec.median), rec.unit);
+        }
+        let _ = writeln!(w);
+    }
+}
+
+fn method(w: &mut String, r: &Results) {
+    let _ = writeln!(w, "## Not measured\n");
+    let _ = writeln!(w, "- XDP: n/a, lb's XDP datapath is not built yet.");
+    for note in r.notes_with("not_measured_") {
+        let _ = writeln!(w, "- {note}");
+    }
+    let _ = writeln!(w);
+    let facts: Vec<&str> = [
+        "controlplane_fit_",
+        "controlplane_maps_",
+        "controlplane_rules_",
+        "newflows_load_",
+    ]
+    .iter()
+    .flat_map(|p| r.notes_with(p))
+    .collect();
+    if !facts.is_empty() {
+        let _ = writeln!(w, "## Rule sets, map sizes, load times\n");
+        for note in facts {
+            let _ = writeln!(w, "- {note}");
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(w, "## Method\n");
+    let _ = writeln!(w, "{}", METHOD.trim());
+    let _ = writeln!(w);
+    for (key, note) in &r.notes {
+        if key.ends_with("_method") {
+            let _ = writeln!(w, "- {note}");
+        }
+    }
+    let _ = writeln!(w, "\n## How to reproduce\n");
+    let _ = writeln!(w, "{}", REPRODUCE.trim());
+}
+
+const METHOD: &str = r#"
+Everything runs on one machine, as root, in network namespaces with addresses from
+198.18.0.0/15 and no default route. `lb-bench` (lb-userspace/src/bin/lb-bench.rs) measures;
+`cargo xtask bench` sets up, builds it in release mode, runs it and writes this file.
+
+**Objects.** Every suite generates Services (ClusterIP, namespace `bench`) and one
+EndpointSlice each, in memory. lb programs them through `translate::desired_state` and
+`Reconciler::apply` over real private BPF maps (`Datapath::load` without a pin dir). The
+kube-proxy rule sets are rendered from the same objects, laid out as kube-proxy does it:
+iptables mode (`KUBE-SERVICES` → `KUBE-SVC-<hash>` with `-m statistic --mode random
+--probability` → `KUBE-SEP-<hash>` with DNAT, `KUBE-MARK-MASQ`, `KUBE-POSTROUTING`, the filter
+chains, jumps from `PREROUTING`/`OUTPUT`/`POSTROUTING`/`INPUT`/`FORWARD`; comments dropped above
+1,000 endpoints as kube-proxy does) and nftables mode (table `ip kube-proxy`, `service-ips`
+verdict map, per-service chains with `numgen random mod N vmap`, endpoint chains with `dnat`).
+Chain names use kube-proxy's SHA-256/base32 hashes (checked against kube-proxy's own test data).
+The pod CIDR is 198.18.0.0/16, so the client is in-cluster and nothing is masqueraded.
+
+**datapath.** BPF_PROG_TEST_RUN runs a program `repeat` times on the *same* skb, and lb's DNAT
+rewrites that skb, so one service packet would hit a service once and then miss. The traced
+services therefore form a ring: A:80 and B:80 have the backends C:81 and D:81, which are
+services whose backends are A:80 and B:80; every repetition is a service hit with a full DNAT
+(address and port) of the previous repetition's output. The smallest case is this ring alone
+(4 services; the target's "1 service"). *New flow* is a TCP SYN+FIN: lb treats a SYN on a
+closing conntrack entry as a new connection, so every repetition takes the whole new-flow path
+(backend selection, two conntrack writes that replace the entries, DNAT). *Established* is an
+ACK whose conntrack entries exist. *Miss* is an ACK to an address that is no service. The
+`lb_metrics` counters are checked after every run: each repetition must have taken the intended
+path. Baselines: a 2-instruction SCHED_CLS program (`r0 = 0; exit`, loaded with raw `bpf(2)`)
+for the harness cost, and `lb_tc_egress` on the miss packet (parse + one conntrack lookup).
+All sizes are loaded at once and every (size, case) cell is measured in a shuffled order in
+each repetition, on one pinned CPU. The kernel reports whole nanoseconds per run.
+
+**newflows.** Each implementation gets its own testbed (client netns → node netns → 2 backend
+netns), built from the same objects: lb socket LB (cgroup hooks; the client runs in the
+testbed's cgroup), lb tc only (`lb_tc_pod` on every node interface, as `lb run --tc-pod`),
+kube-proxy iptables with iptables-legacy and with the nf_tables backend (`iptables-restore
+--noflush --counters` inside the node netns), kube-proxy nftables (`nft -f` inside the node
+netns), and the direct floor (the client connects to the backends' own addresses, in lb socket
+LB's testbed but outside its cgroup, so no hook runs). lb is driven by `lb-bench` itself as the
+control plane: it loads the datapath from a thread inside the node netns and programs it with
+translate + Reconciler, as `lb run` does. The backends are a single-threaded `lb-bench serve`.
+A TCP flow is connect + one request line + reply + close (the server closes first); a UDP flow
+is one datagram from a fresh socket and its reply. The client and the backends are pinned to
+one CPU, where the kernel then also does the packets' forwarding and NAT work (veth delivers on
+the sending CPU): new flows/s is the inverse of a flow's CPU time, free of cross-CPU wake-ups,
+which are slow and erratic in a VM. Source ports are assigned sequentially and never reused
+within a testbed, so every flow is new to conntrack and to lb's conntrack. The
+traced service is the last one in rule order (iptables' worst case) or one at a random position.
+
+**controlplane.** Cold: a fresh private datapath per repetition (the load is not timed), then
+translate + `Reconciler::new` + `apply`; kube-proxy's loads go into a fresh netns each (jump
+rules installed first, untimed). Change: at 10,000 services × 10 endpoints, each change replaces
+one endpoint of a random service's EndpointSlice; lb does what the daemon's sync does (translate
+of all objects, apply of the full desired state). Peak RSS: `lb-bench rss` in a fresh process
+reads its VmHWM after programming; the maps' kernel memory is the memlock of its map fds.
+"#;
+
+const REPRODUCE: &str = r#"
+```sh
+cargo xtask bench                       # every suite, writes docs/benchmarks.md and target/bench/
+cargo xtask bench --quick               # seconds; writes target/bench/benchmarks.md
+cargo xtask bench --suite newflows      # one suite (report in target/bench/benchmarks.md)
+target/release/lb-bench rules --services 10000 --endpoints 10 --out /tmp/rules
+                                        # kube-proxy's rule sets, for a look or a manual load
+```
+
+Needs root, cgroup v2 and bpffs; `cargo xtask bench` installs iptables and nftables when
+missing. Raw results: `target/bench/results.json` (records `{suite, case, impl, services,
+metric, median, p99, unit}`) and `target/bench/notes.json`.
+"#;
