@@ -294,7 +294,7 @@ fn inspection_commands_show_the_live_maps() {
     }
     assert!(entries(map_names::CT4) > 0, "conntrack after IPv4 traffic");
     assert!(entries(map_names::CT6) > 0, "conntrack after IPv6 traffic");
-    // Programs: all ten loaded; tc ingress linked to every node interface, the socket
+    // Programs: all eleven loaded; tc ingress linked to every node interface, the socket
     // programs to the testbed cgroup.
     let programs: BTreeMap<String, &Value> = status["programs"]
         .as_array()

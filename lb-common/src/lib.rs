@@ -51,6 +51,21 @@ pub mod prog_names {
     pub const SENDMSG6: &str = "lb_sendmsg6";
     pub const RECVMSG6: &str = "lb_recvmsg6";
     pub const GETPEERNAME6: &str = "lb_getpeername6";
+
+    /// Every program lb loads, in a stable order.
+    pub const ALL: [&str; 11] = [
+        TC_INGRESS,
+        TC_POD,
+        TC_EGRESS,
+        CONNECT4,
+        SENDMSG4,
+        RECVMSG4,
+        GETPEERNAME4,
+        CONNECT6,
+        SENDMSG6,
+        RECVMSG6,
+        GETPEERNAME6,
+    ];
 }
 
 /// Default map sizes; userspace may override them at load time.
@@ -426,19 +441,7 @@ mod tests {
         for name in map_names::ALL {
             assert!(name.len() <= 15, "{name}");
         }
-        for name in [
-            prog_names::TC_INGRESS,
-            prog_names::TC_POD,
-            prog_names::TC_EGRESS,
-            prog_names::CONNECT4,
-            prog_names::SENDMSG4,
-            prog_names::RECVMSG4,
-            prog_names::GETPEERNAME4,
-            prog_names::CONNECT6,
-            prog_names::SENDMSG6,
-            prog_names::RECVMSG6,
-            prog_names::GETPEERNAME6,
-        ] {
+        for name in prog_names::ALL {
             assert!(name.len() <= 15, "{name}");
         }
     }

@@ -37,18 +37,7 @@ use crate::{
 };
 
 /// Every program lb loads (as the kernel names them).
-pub const PROGRAM_NAMES: [&str; 10] = [
-    prog_names::TC_INGRESS,
-    prog_names::TC_EGRESS,
-    prog_names::CONNECT4,
-    prog_names::SENDMSG4,
-    prog_names::RECVMSG4,
-    prog_names::GETPEERNAME4,
-    prog_names::CONNECT6,
-    prog_names::SENDMSG6,
-    prog_names::RECVMSG6,
-    prog_names::GETPEERNAME6,
-];
+pub const PROGRAM_NAMES: [&str; 11] = prog_names::ALL;
 
 /// `lb services`.
 #[derive(Clone, Debug, clap::Args)]
