@@ -427,7 +427,7 @@ fn ip_binary() -> &'static str {
 }
 
 /// Runs `ip ARGS…`; a non-zero exit is an error carrying stderr.
-fn ip(args: &[&str]) -> anyhow::Result<()> {
+pub fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new(ip_binary())
         .args(args)
         .stdin(Stdio::null())

@@ -15,6 +15,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use lb::testbed::ip;
 
 fn ns_path(ns: &str) -> PathBuf {
     Path::new("/run/netns").join(ns)
@@ -121,22 +122,6 @@ pub fn with<T: Send>(ns: &str, f: impl FnOnce() -> anyhow::Result<T> + Send) -> 
         .join()
         .unwrap_or_else(|_| Err(anyhow::anyhow!("thread in netns {ns} panicked")))
     })
-}
-
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .context("run ip")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
 }
 
 /// An empty network namespace (loopback up) for rule-loading measurements; deleted on drop.
