@@ -1,5 +1,5 @@
-//! `cargo xtask bench [--quick] [--suite datapath|newflows|controlplane]…`: sets up (the usual
-//! setup plus iptables and nftables), builds `lb-bench` in release mode, runs it, and writes
+//! `cargo xtask bench [--quick] [--suite datapath|newflows|controlplane]…`: sets up (setup
+//! installs iptables and nftables too), builds `lb-bench` in release mode, runs it, and writes
 //! the report.
 //!
 //! The measuring happens in `lb-bench` (lb-userspace/src/bin/lb-bench.rs); it writes
@@ -10,7 +10,7 @@ mod report;
 
 use std::{
     fs,
-    process::{Command, Stdio},
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -18,9 +18,7 @@ use anyhow::{Context as _, Result, bail, ensure};
 
 use crate::process::{cargo, probe, run, workspace_root};
 
-/// The Debian packages the kube-proxy comparisons need.
-const RULE_PACKAGES: [&str; 2] = ["iptables", "nftables"];
-/// Commands those packages must provide.
+/// Commands the kube-proxy comparisons run (from the iptables and nftables packages).
 const RULE_COMMANDS: [&str; 3] = ["iptables-legacy-restore", "iptables-nft-restore", "nft"];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -110,44 +108,16 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Installs iptables and nftables from Debian when missing.
+/// Checks the kube-proxy tools are there (`setup` installs the iptables and nftables packages).
 fn rule_tools() -> Result<()> {
-    let output = Command::new("dpkg-query")
-        .args(["-W", "-f=${Package} ${Status}\\n"])
-        .args(RULE_PACKAGES)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .context("could not run dpkg-query (is this Debian?)")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let missing: Vec<&str> = RULE_PACKAGES
-        .into_iter()
-        .filter(|p| {
-            !stdout
-                .lines()
-                .any(|l| l == format!("{p} install ok installed"))
-        })
-        .collect();
-    if missing.is_empty() {
-        println!("ok: Debian packages installed: {}", RULE_PACKAGES.join(" "));
-    } else {
-        println!("installing: Debian packages {}", missing.join(" "));
-        run(Command::new("apt-get")
-            .arg("update")
-            .env("DEBIAN_FRONTEND", "noninteractive"))?;
-        run(Command::new("apt-get")
-            .args(["install", "-y", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"))?;
-    }
     for command in RULE_COMMANDS {
         let found = ["/usr/sbin", "/sbin", "/usr/bin"]
             .iter()
             .any(|dir| std::path::Path::new(dir).join(command).exists());
         ensure!(
             found,
-            "{command} not found although {} are installed",
-            RULE_PACKAGES.join(" ")
+            "{command} not found: the Debian packages iptables and nftables provide it \
+             (`cargo xtask setup` installs them)"
         );
     }
     Ok(())

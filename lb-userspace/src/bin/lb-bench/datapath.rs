@@ -115,11 +115,8 @@ struct Fixture {
 
 impl Fixture {
     fn new(n: usize) -> anyhow::Result<Self> {
-        let mut opts = LoadOptions::default();
-        opts.max_entries.insert("lb4_services".into(), 1 << 22);
-        opts.max_entries.insert("lb4_backends".into(), 1 << 21);
         let mut datapath =
-            Datapath::load(&opts).context("loading lb's datapath (root?)")?;
+            Datapath::load(&LoadOptions::default()).context("loading lb's datapath (root?)")?;
         let maps = datapath.take_lb_maps()?;
         let mut reconciler = Reconciler::new(maps)?;
         let objects = workload::objects(&services(n));
