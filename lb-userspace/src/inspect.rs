@@ -26,7 +26,7 @@ use aya::{
 use lb_common::{
     Backend4, Backend6, Ct4Key, Ct6Key, CtValue, DEFAULT_PIN_DIR, MetricValue, RevNat4, RevNat6,
     SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
-    backend_state, map_names, metrics, prog_names, scope, svc_flags,
+    map_names, metrics, prog_names, scope, svc_flags,
 };
 use serde::{Deserialize, Serialize};
 
@@ -303,16 +303,7 @@ fn scope_name(s: u8) -> &'static str {
     }
 }
 
-/// Name of a `backend_state` value.
-pub fn state_name(state: u8) -> &'static str {
-    match state {
-        backend_state::ACTIVE => "active",
-        backend_state::TERMINATING => "terminating",
-        backend_state::QUARANTINED => "quarantined",
-        backend_state::MAINTENANCE => "maintenance",
-        _ => "unknown",
-    }
-}
+pub use crate::maps::state_name;
 
 /// The service type the flags stand for (the same precedence as `ServiceEntry::kind`).
 fn kind_of(flags: u16) -> &'static str {

@@ -434,7 +434,8 @@ impl LbMaps for MemMaps {
     }
 }
 
-fn state_name(state: u8) -> &'static str {
+/// Name of a `backend_state` value.
+pub fn state_name(state: u8) -> &'static str {
     match state {
         backend_state::ACTIVE => "active",
         backend_state::TERMINATING => "terminating",
