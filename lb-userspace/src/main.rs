@@ -155,8 +155,14 @@ async fn main() -> anyhow::Result<()> {
                 }
                 (None, None) => SourceConfig::Manifests(DEFAULT_MANIFESTS.into()),
             };
-            let metrics_addr = parse_addr(&args.metrics_bind_address)?;
-            let healthz_addr = parse_addr(&args.healthz_bind_address)?;
+            // One server task serves both; "off" for either turns both off.
+            let (metrics_addr, healthz_addr) = match (
+                parse_addr(&args.metrics_bind_address)?,
+                parse_addr(&args.healthz_bind_address)?,
+            ) {
+                (Some(m), Some(h)) => (Some(m), Some(h)),
+                _ => (None, None),
+            };
             daemon::run(RunOptions {
                 source,
                 node_name: node_name(args.hostname_override)?,
@@ -165,8 +171,8 @@ async fn main() -> anyhow::Result<()> {
                 tc_ingress: args.tc_ingress,
                 tc_pod: args.tc_pod,
                 tc_egress: args.tc_egress,
-                metrics_addr: metrics_addr.and(healthz_addr).and(metrics_addr),
-                healthz_addr: metrics_addr.and(healthz_addr),
+                metrics_addr,
+                healthz_addr,
                 state_dir: args.state_dir,
                 map_max: args.bpf_map_max.into_iter().collect(),
             })
