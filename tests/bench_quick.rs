@@ -22,7 +22,8 @@ impl Drop for OutDir {
     }
 }
 
-fn tools_present() -> Vec<&'static str> {
+/// The tools the kube-proxy baselines need that are not installed.
+fn missing_tools() -> Vec<&'static str> {
     ["iptables-legacy-restore", "iptables-nft-restore", "nft"]
         .into_iter()
         .filter(|c| {
@@ -35,7 +36,7 @@ fn tools_present() -> Vec<&'static str> {
 
 #[test]
 fn quick_run_writes_every_result() {
-    let missing = tools_present();
+    let missing = missing_tools();
     assert!(
         missing.is_empty(),
         "missing {missing:?}: install the Debian packages iptables and nftables \

@@ -1660,19 +1660,77 @@ fn failed_slot_write_of_a_new_service_leaves_no_orphans() {
     assert_eq!(render(dump), "", "not half-written");
 }
 
+/// The backend ids in `fe`'s slots `1..=count+qcount`, and its master's `(count, qcount)`.
+fn slots_of(dump: &Dump, fe: &Frontend) -> (Vec<u32>, (u16, u16)) {
+    let master = dump
+        .services
+        .get(&(*fe, 0))
+        .unwrap_or_else(|| panic!("no master for {fe}"));
+    let ids = (1..=master.slots())
+        .map(|s| {
+            dump.services
+                .get(&(*fe, s))
+                .unwrap_or_else(|| panic!("{fe} slot {s} missing"))
+                .backend_id
+        })
+        .collect();
+    (ids, (master.count, master.qcount))
+}
+
+fn backend_id_of(dump: &Dump, b: &Backend) -> u32 {
+    dump.backends
+        .iter()
+        .find(|(_, v)| v.l4 == b.l4)
+        .map(|(id, _)| *id)
+        .unwrap_or_else(|| panic!("no backend {}", b.l4))
+}
+
 #[test]
-fn shared_backend_in_different_states_is_idempotent() {
-    // The model lets each frontend give a backend its own state; the backends map holds one
-    // state per address. The two frontends overwrite each other's state on every apply, and one
-    // of them counts as active a slot whose backend says terminating.
+fn shared_backend_in_different_states_gets_one_state_and_per_frontend_slots() {
+    // Each frontend places a backend by its own state (active in 1..=count, terminating after),
+    // while the backends map holds one state per address: the most usable one. Neither frontend
+    // overwrites the other's view, so a second apply writes nothing.
     let mut rec = fresh();
     let d = desired(&[
         (fe4(1), &[be4(1), be4(2)]),
         (fe4(2), &[be4(2), terminating(be4(1))]),
     ]);
-    rec.apply(&d);
+    let report = rec.apply(&d);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let dump = dump_of(&rec).clone();
+    let (id1, id2) = (backend_id_of(&dump, &be4(1)), backend_id_of(&dump, &be4(2)));
+    assert_eq!(slots_of(&dump, &fe4(1)), (vec![id1, id2], (2, 0)));
+    assert_eq!(slots_of(&dump, &fe4(2)), (vec![id2, id1], (1, 1)));
+    assert_eq!(dump.backends.len(), 2, "{}", render(&dump));
+    assert_eq!(
+        dump.backends[&id1].state,
+        backend_state::ACTIVE,
+        "the most usable state wins"
+    );
     let (report, ops) = apply_logged(&mut rec, &d);
     assert_eq!((report.writes, report.deletes), (0, 0), "{ops:#?}");
+}
+
+#[test]
+fn active_backends_take_the_first_slots_whatever_the_input_order() {
+    let mut rec = fresh();
+    let d = desired(&[(
+        fe4(1),
+        &[terminating(be4(1)), be4(2), terminating(be4(3)), be4(4)],
+    )]);
+    let report = rec.apply(&d);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let dump = dump_of(&rec);
+    let id = |n| backend_id_of(dump, &be4(n));
+    // New flows pick from slots 1..=count: only the active backends may be there.
+    assert_eq!(
+        slots_of(dump, &fe4(1)),
+        (vec![id(2), id(4), id(1), id(3)], (2, 2)),
+        "{}",
+        render(dump)
+    );
+    let (again, ops) = apply_logged(&mut rec, &d);
+    assert_eq!((again.writes, again.deletes), (0, 0), "{ops:#?}");
 }
 
 #[test]

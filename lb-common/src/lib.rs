@@ -202,6 +202,15 @@ pub struct SvcValue {
     pub affinity_timeout: u32,
 }
 
+impl SvcValue {
+    /// Slots a master entry covers, `1..=slots()`: active then terminating backends. Saturates,
+    /// since a value read from a pinned map may hold anything.
+    #[inline(always)]
+    pub const fn slots(&self) -> u16 {
+        self.count.saturating_add(self.qcount)
+    }
+}
+
 /// Map value of `lb4_backends` (key: backend id, `u32`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]

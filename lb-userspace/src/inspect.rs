@@ -346,7 +346,7 @@ fn service_view(
     let frontend = fe.l4.to_string();
     let scope = scope_name(fe.scope).to_string();
     let name = names.get(&(frontend.clone(), scope.clone()));
-    let backends = (1..=master.count.saturating_add(master.qcount))
+    let backends = (1..=master.slots())
         .map(|slot| match dump.services.get(&(*fe, slot)) {
             None => SlotView {
                 slot,
@@ -401,7 +401,7 @@ pub fn backend_views(dump: &Dump) -> Vec<BackendView> {
         if *slot != 0 {
             continue;
         }
-        for s in 1..=master.count.saturating_add(master.qcount) {
+        for s in 1..=master.slots() {
             if let Some(sv) = dump.services.get(&(*fe, s)) {
                 refs.entry(sv.backend_id).or_default().insert(*fe);
             }

@@ -501,7 +501,7 @@ pub fn render(dump: &Dump) -> String {
             v.qcount,
             v.rev_nat_id
         );
-        for s in 1..=(v.count + v.qcount) {
+        for s in 1..=v.slots() {
             match dump.services.get(&(*fe, s)) {
                 Some(sv) => {
                     referenced_backends.insert(sv.backend_id);
@@ -524,7 +524,7 @@ pub fn render(dump: &Dump) -> String {
         let covered = dump
             .services
             .get(&(*fe, 0))
-            .is_some_and(|m| *slot <= m.count + m.qcount);
+            .is_some_and(|m| *slot <= m.slots());
         if *slot != 0 && !covered {
             let _ = writeln!(out, "orphan slot {} slot {slot} -> {}", fe.l4, v.backend_id);
         }

@@ -29,8 +29,9 @@
 //! `{"lastUpdated": "<RFC 3339 UTC>", "currentTime": "<RFC 3339 UTC>", "nodeEligible": true}`;
 //! `lastUpdated` is the time of the last applied sync (Go's zero time,
 //! `0001-01-01T00:00:00Z`, before the first one, as kube-proxy prints), and `nodeEligible` is
-//! always `true` because lb does not watch its Node object. `/livez` answers 200 while the
-//! process serves.
+//! always `true`: lb watches its Node (for topology) but does not yet act on its deletion or
+//! the cluster autoscaler's `ToBeDeletedByClusterAutoscaler` taint, as kube-proxy does.
+//! `/livez` answers 200 while the process serves.
 use std::{
     fmt::Write as _,
     net::SocketAddr,

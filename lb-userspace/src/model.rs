@@ -137,7 +137,8 @@ pub struct ServiceEntry {
     pub name: ServicePortName,
     /// `lb_common::svc_flags` bits.
     pub flags: u16,
-    /// Backends in slot order; the first `active` ones take new flows.
+    /// The frontend's backends. The reconciler puts the active ones in slots `1..=count`
+    /// (new flows) and the others after them (established flows only), each group in this order.
     pub backends: Vec<Backend>,
 }
 

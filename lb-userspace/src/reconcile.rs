@@ -1,10 +1,14 @@
 //! Makes the maps hold a `DesiredState`, writing only the difference, in an order that never
 //! shows a packet a half-updated service:
 //!
-//! 1. per service: its new backends, then its rev-NAT entry, then its slots, then the master
-//!    entry whose count makes new slots visible; slots beyond a reduced count go last;
-//! 2. services that are gone: master first (no new lookups find them), then slots, then rev-NAT;
-//! 3. backends and rev-NAT entries nothing refers to any more.
+//! 1. services that are gone: master first (no new lookups find them), then their slots; then
+//!    stray slots, and backends and rev-NAT entries nothing refers to any more (backends some
+//!    wanted service still names are kept, with their ids). Going first frees room for what
+//!    comes, and what goes was out of use already;
+//! 2. per wanted service: its new or changed backends, then its rev-NAT entry, then its slots,
+//!    then the master entry whose count makes new slots visible; slots beyond a reduced count
+//!    go last;
+//! 3. slots and backends that shrinking left unreferenced.
 //!
 //! Before writing a service it checks the maps have room for it; a service that does not fit, or
 //! whose write fails, is reported and keeps its previous state. The reconciler starts from a
@@ -77,8 +81,7 @@ impl<M: LbMaps> Reconciler<M> {
             if *slot != 0 {
                 continue;
             }
-            let total = v.count + v.qcount;
-            let slots = (1..=total)
+            let slots = (1..=v.slots())
                 .map(|s| dump.services.get(&(*fe, s)).map_or(0, |sv| sv.backend_id))
                 .collect();
             if dump.revnat.get(&v.rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port)) {
@@ -271,12 +274,15 @@ impl<M: LbMaps> Reconciler<M> {
         {
             return Err("backend address family differs from the frontend's".into());
         }
-        let active = entry
+        // Slots 1..=count take new flows, so the active backends go first, the others after
+        // them (kept for established flows), each group in the entry's order.
+        let (mut backends, rest): (Vec<Backend>, Vec<Backend>) = entry
             .backends
             .iter()
-            .filter(|b| b.state == backend_state::ACTIVE)
-            .count();
-        let total = entry.backends.len();
+            .partition(|b| b.state == backend_state::ACTIVE);
+        let active = backends.len();
+        backends.extend(rest);
+        let total = backends.len();
         if total > u16::MAX as usize {
             return Err(format!(
                 "{total} backends exceed the {} slots of a service",
@@ -288,7 +294,7 @@ impl<M: LbMaps> Reconciler<M> {
         let mut new_backends = Vec::new();
         let mut planned_ids = Vec::with_capacity(total);
         let mut seen_new: HashMap<L4Addr, u32> = HashMap::new();
-        for b in &entry.backends {
+        for b in &backends {
             let id = match self.backend_ids.get(&b.l4).copied() {
                 Some(id) => id,
                 None => *seen_new.entry(b.l4).or_insert_with(|| {
@@ -344,8 +350,7 @@ impl<M: LbMaps> Reconciler<M> {
             .as_ref()
             .is_some_and(|i| i.master == master && i.slots == planned_ids)
             && self.revnat.get(&rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
-            && entry
-                .backends
+            && backends
                 .iter()
                 .zip(&planned_ids)
                 .all(|(b, id)| self.backends.get(id) == Some(&global(b)));
@@ -361,7 +366,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
 
         // 1. Backends (new ones, and known ones whose state changed).
-        for (b, id) in entry.backends.iter().zip(&planned_ids) {
+        for (b, id) in backends.iter().zip(&planned_ids) {
             let b = global(b);
             if self.backends.get(id) != Some(&b) {
                 self.maps.put_backend(*id, &b).map_err(|e| e.to_string())?;
