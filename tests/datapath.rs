@@ -6,7 +6,7 @@ use std::{
 };
 
 use aya::{
-    maps::HashMap,
+    maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray},
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use etherparse::PacketBuilder;
@@ -16,7 +16,10 @@ use lb::{
     model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
     reconcile::Reconciler,
 };
-use lb_common::{Ct4Key, CtValue, ct_dir, ct_flags, prog_names, svc_flags};
+use lb_common::{
+    Ct4Key, CtValue, MetricValue, Svc4Key, SvcValue, TraceRecord, ct_dir, ct_flags, map_names,
+    metrics, prog_names, scope, svc_flags, trace_ct, trace_verdict,
+};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -71,7 +74,19 @@ fn service(vip: IpAddr, proto: Proto, backends: &[IpAddr]) -> (Frontend, Service
 /// Private maps holding VIP4 and VIP6 for TCP and UDP with three backends each, and an IPv4
 /// service without backends.
 fn fixture() -> Fixture {
-    let mut datapath = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
+    fixture_with(&LoadOptions::default())
+}
+
+/// `fixture()` with the tc programs writing their decision into `lb_trace`.
+fn traced_fixture() -> Fixture {
+    fixture_with(&LoadOptions {
+        trace: true,
+        ..LoadOptions::default()
+    })
+}
+
+fn fixture_with(opts: &LoadOptions) -> Fixture {
+    let mut datapath = Datapath::load(opts).expect("load datapath (root?)");
     let maps = datapath.take_lb_maps().expect("maps");
     let mut reconciler = Reconciler::new(maps).expect("reconciler");
     let b4: Vec<IpAddr> = BACKENDS4.iter().map(|a| (*a).into()).collect();
@@ -124,9 +139,56 @@ impl Fixture {
         self.run(prog_names::TC_INGRESS, pkt)
     }
 
-    fn ct4(&mut self) -> HashMap<&mut aya::maps::MapData, Ct4Key, CtValue> {
+    fn ct4(&mut self) -> HashMap<&mut MapData, Ct4Key, CtValue> {
         HashMap::try_from(self.datapath.ebpf_mut().map_mut("lb4_ct").expect("lb4_ct"))
             .expect("ct map")
+    }
+
+    /// The decision the last tc run wrote (all zero unless loaded with `trace`).
+    fn trace_record(&mut self) -> TraceRecord {
+        let map = self
+            .datapath
+            .ebpf_mut()
+            .map(map_names::TRACE)
+            .expect("lb_trace");
+        Array::<_, TraceRecord>::try_from(map)
+            .expect("lb_trace is an array")
+            .get(&0, 0)
+            .expect("lb_trace[0]")
+    }
+
+    /// Packets counted under `index`, summed over CPUs.
+    fn counter(&mut self, index: u32) -> u64 {
+        let map = self
+            .datapath
+            .ebpf_mut()
+            .map(map_names::METRICS)
+            .expect("lb_metrics");
+        PerCpuArray::<_, MetricValue>::try_from(map)
+            .expect("lb_metrics is a per-CPU array")
+            .get(&index, 0)
+            .expect("counter")
+            .iter()
+            .map(|v| v.packets)
+            .sum()
+    }
+
+    /// A second, writable handle on the reconciler's `lb4_services` map, to break its state.
+    fn services4(&self) -> HashMap<MapData, Svc4Key, SvcValue> {
+        let id = self._reconciler.maps().services4.map().info().unwrap().id();
+        HashMap::try_from(Map::HashMap(MapData::from_id(id).unwrap())).unwrap()
+    }
+}
+
+/// Key of VIP4's TCP frontend (external scope) at `slot`.
+fn vip4_tcp(slot: u16) -> Svc4Key {
+    Svc4Key {
+        addr: VIP4.octets(),
+        port: VPORT,
+        slot,
+        proto: 6,
+        scope: scope::EXTERNAL,
+        pad: [0; 2],
     }
 }
 
@@ -600,7 +662,7 @@ fn pod_hook_uses_internal_scope_of_two_scope_frontends() {
     internal.flags = external.flags;
     let mut desired = DesiredState::default();
     desired.services.insert(fe, external);
-    fe.scope = lb_common::scope::INTERNAL;
+    fe.scope = scope::INTERNAL;
     desired.services.insert(fe, internal);
     let report = fx._reconciler.apply(&desired);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
@@ -706,4 +768,282 @@ fn pinned_map_of_another_size_is_refused() {
         .expect("resized load must fail");
     let _ = std::fs::remove_dir_all(&dir);
     assert!(format!("{err:#}").contains("incompatible"), "{err:#}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The trace record, and the one selection's answer for broken service state.
+
+/// A traced load reports the decision the packet itself shows: the new flow's slot names the
+/// backend the packet was sent to, later packets are established on it, the reply is
+/// reverse-NATed, and misses, drops and unparsed packets say so.
+#[test]
+fn trace_record_matches_what_the_packet_shows() {
+    let mut fx = traced_fixture();
+    let (client, sport) = (CLIENT4, 6000u16);
+    let master = fx
+        ._reconciler
+        .maps()
+        .services4
+        .get(&vip4_tcp(0), 0)
+        .expect("master entry");
+
+    let (verdict, out) = fx.ingress(&packet(
+        client.into(),
+        sport,
+        VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
+    ));
+    assert_eq!(verdict, TC_ACT_OK);
+    let IpAddr::V4(backend) = parse_and_verify(&out).dst else {
+        panic!("v4")
+    };
+    let r = fx.trace_record();
+    assert_eq!(r.verdict, trace_verdict::FORWARD, "{r:?}");
+    assert_eq!(u32::from(r.reason), metrics::TC_FWD_NEW, "{r:?}");
+    assert_eq!(r.ct_state, trace_ct::NEW, "{r:?}");
+    assert_eq!(r.scope, scope::EXTERNAL, "{r:?}");
+    assert_eq!(r.svc_flags, svc_flags::CLUSTER_IP, "{r:?}");
+    assert_eq!(r.rev_nat_id, master.rev_nat_id, "{r:?}");
+    assert!((1..=master.count).contains(&r.slot), "{r:?}");
+    // The slot names the backend, and the backend is where the packet went.
+    let maps = fx._reconciler.maps();
+    let slot = maps
+        .services4
+        .get(&vip4_tcp(r.slot), 0)
+        .expect("slot entry");
+    assert_eq!(slot.backend_id, r.backend_id, "{r:?}");
+    let b = maps.backends4.get(&r.backend_id, 0).expect("backend");
+    assert_eq!((Ipv4Addr::from(b.addr), b.port), (backend, BPORT), "{r:?}");
+    let new_flow = r;
+
+    fx.ingress(&packet(
+        client.into(),
+        sport,
+        VIP4.into(),
+        VPORT,
+        L4::TcpAck,
+    ));
+    let r = fx.trace_record();
+    assert_eq!(
+        (r.verdict, u32::from(r.reason), r.ct_state),
+        (
+            trace_verdict::FORWARD,
+            metrics::TC_FWD_ESTABLISHED,
+            trace_ct::ESTABLISHED
+        ),
+        "{r:?}"
+    );
+    assert_eq!(
+        r.slot, 0,
+        "no slot is chosen for an established flow: {r:?}"
+    );
+    assert_eq!(
+        (r.backend_id, r.rev_nat_id, r.scope),
+        (new_flow.backend_id, new_flow.rev_nat_id, scope::EXTERNAL),
+        "{r:?}"
+    );
+
+    let (_, out) = fx.ingress(&packet(
+        backend.into(),
+        BPORT,
+        client.into(),
+        sport,
+        L4::TcpAck,
+    ));
+    assert_eq!(parse_and_verify(&out).src, IpAddr::from(VIP4));
+    let r = fx.trace_record();
+    assert_eq!(
+        (r.verdict, u32::from(r.reason), r.ct_state),
+        (
+            trace_verdict::REVERSE_NAT,
+            metrics::TC_REVNAT,
+            trace_ct::REPLY
+        ),
+        "{r:?}"
+    );
+    assert_eq!(
+        (r.backend_id, r.rev_nat_id),
+        (new_flow.backend_id, new_flow.rev_nat_id),
+        "{r:?}"
+    );
+
+    let (verdict, _) = fx.ingress(&packet(
+        client.into(),
+        1,
+        EMPTY_VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
+    ));
+    assert_eq!(verdict, TC_ACT_SHOT);
+    let r = fx.trace_record();
+    assert_eq!(
+        (r.verdict, u32::from(r.reason), r.slot, r.backend_id),
+        (trace_verdict::DROP, metrics::TC_DROP_NO_BACKEND, 0, 0),
+        "{r:?}"
+    );
+    assert_ne!(r.rev_nat_id, 0, "a frontend's drop names it: {r:?}");
+
+    let stranger = Ipv4Addr::new(198, 19, 9, 9);
+    fx.ingress(&packet(
+        client.into(),
+        1,
+        stranger.into(),
+        VPORT,
+        L4::TcpSyn,
+    ));
+    let r = fx.trace_record();
+    assert_eq!(
+        r,
+        TraceRecord {
+            verdict: trace_verdict::PASS,
+            reason: metrics::TC_PASS_NO_SERVICE as u8,
+            ..TraceRecord::default()
+        }
+    );
+    let garbage: Vec<u8> = (0..60u8).map(|i| i.wrapping_mul(37)).collect();
+    fx.ingress(&garbage);
+    let r = fx.trace_record();
+    assert_eq!(
+        (r.verdict, u32::from(r.reason)),
+        (trace_verdict::PASS, metrics::TC_PASS_UNPARSED),
+        "{r:?}"
+    );
+}
+
+/// The pod hook's record names the internal scope it balanced with.
+#[test]
+fn trace_record_shows_the_pod_hooks_internal_scope() {
+    let mut fx = traced_fixture();
+    let ext: IpAddr = Ipv4Addr::new(198, 18, 200, 1).into();
+    let all: Vec<IpAddr> = BACKENDS4.iter().map(|a| (*a).into()).collect();
+    let (mut fe, mut external) = service(ext, Proto::Tcp, &all[..1]);
+    external.flags = svc_flags::EXTERNAL_IP | svc_flags::EXT_LOCAL | svc_flags::TWO_SCOPES;
+    let mut internal = service(ext, Proto::Tcp, &all).1;
+    internal.flags = external.flags;
+    let mut desired = DesiredState::default();
+    desired.services.insert(fe, external.clone());
+    fe.scope = scope::INTERNAL;
+    desired.services.insert(fe, internal);
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+
+    fx.ingress(&packet(CLIENT4.into(), 7000, ext, VPORT, L4::TcpSyn));
+    let r = fx.trace_record();
+    assert_eq!((r.scope, r.slot), (scope::EXTERNAL, 1), "{r:?}");
+    assert_eq!(r.svc_flags, external.flags, "{r:?}");
+
+    let (_, out) = fx.run(
+        prog_names::TC_POD,
+        &packet(CLIENT4.into(), 7001, ext, VPORT, L4::TcpSyn),
+    );
+    let r = fx.trace_record();
+    assert_eq!(
+        (r.verdict, r.scope),
+        (trace_verdict::FORWARD, scope::INTERNAL),
+        "{r:?}"
+    );
+    assert!((1..=3).contains(&r.slot), "{r:?}");
+    let b = fx
+        ._reconciler
+        .maps()
+        .backends4
+        .get(&r.backend_id, 0)
+        .expect("backend");
+    assert_eq!(IpAddr::from(b.addr), parse_and_verify(&out).dst, "{r:?}");
+}
+
+/// Without `trace` the programs never write the record.
+#[test]
+fn untraced_load_leaves_the_record_zero() {
+    let mut fx = fixture();
+    let (verdict, out) = fx.ingress(&packet(
+        CLIENT4.into(),
+        6100,
+        VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
+    ));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert!(backends_of(VIP4.into()).contains(&parse_and_verify(&out).dst));
+    fx.ingress(&packet(
+        CLIENT4.into(),
+        1,
+        EMPTY_VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
+    ));
+    assert_eq!(fx.trace_record(), TraceRecord::default());
+}
+
+/// Sends new TCP flows to VIP4 and checks each is dropped as having no backend, counted once;
+/// returns the trace records.
+fn new_flows_dropped_as_no_backend(fx: &mut Fixture) -> Vec<TraceRecord> {
+    let before = fx.counter(metrics::TC_DROP_NO_BACKEND);
+    let fwd_before = fx.counter(metrics::TC_FWD_NEW);
+    let mut records = Vec::new();
+    for sport in 31_000..31_020u16 {
+        let pkt = packet(CLIENT4.into(), sport, VIP4.into(), VPORT, L4::TcpSyn);
+        let (verdict, _) = fx.ingress(&pkt);
+        assert_eq!(verdict, TC_ACT_SHOT, "sport {sport}");
+        records.push(fx.trace_record());
+    }
+    assert_eq!(fx.counter(metrics::TC_DROP_NO_BACKEND) - before, 20);
+    assert_eq!(fx.counter(metrics::TC_FWD_NEW), fwd_before);
+    for r in &records {
+        assert_eq!(
+            (r.verdict, u32::from(r.reason), r.ct_state),
+            (
+                trace_verdict::DROP,
+                metrics::TC_DROP_NO_BACKEND,
+                trace_ct::NONE
+            ),
+            "{r:?}"
+        );
+        assert!((1..=3).contains(&r.slot), "a slot was chosen: {r:?}");
+    }
+    records
+}
+
+#[test]
+fn master_entry_with_missing_slots_drops_and_counts_no_backend() {
+    let mut fx = traced_fixture();
+    let mut services = fx.services4();
+    let master = services.get(&vip4_tcp(0), 0).expect("master");
+    assert_eq!(master.count, 3);
+    for slot in 1..=master.count {
+        services.remove(&vip4_tcp(slot)).expect("remove slot");
+    }
+    for r in new_flows_dropped_as_no_backend(&mut fx) {
+        assert_eq!(r.backend_id, 0, "no slot entry, no backend id: {r:?}");
+    }
+    assert!(
+        fx.ct4().keys().next().is_none(),
+        "a dropped flow leaves no conntrack entry"
+    );
+}
+
+#[test]
+fn slot_naming_a_missing_backend_drops_and_counts_no_backend() {
+    const GONE: u32 = 0x00ab_cdef;
+    let mut fx = traced_fixture();
+    assert!(fx._reconciler.maps().backends4.get(&GONE, 0).is_err());
+    let mut services = fx.services4();
+    let master = services.get(&vip4_tcp(0), 0).expect("master");
+    for slot in 1..=master.count {
+        let entry = SvcValue {
+            backend_id: GONE,
+            rev_nat_id: master.rev_nat_id,
+            ..SvcValue::default()
+        };
+        services
+            .insert(vip4_tcp(slot), entry, 0)
+            .expect("rewrite slot");
+    }
+    for r in new_flows_dropped_as_no_backend(&mut fx) {
+        assert_eq!(
+            r.backend_id, GONE,
+            "the record names the missing backend: {r:?}"
+        );
+    }
 }

@@ -10,7 +10,9 @@ use std::{
     process::Command,
 };
 
+use aya::maps::{HashMap, Map, MapData, PerCpuArray};
 use lb::testbed::{LbDaemon, Testbed};
+use lb_common::{MetricValue, Svc4Key, SvcValue, map_names, metrics, scope, svc_flags};
 
 const LB: &str = env!("CARGO_BIN_EXE_lb");
 const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
@@ -382,4 +384,64 @@ fn restart_reuses_pinned_maps_without_flushing() {
     use std::os::unix::fs::MetadataExt as _;
     assert_eq!(before.ino(), after.ino(), "same pinned map");
     reload(&mut lb2, 2);
+}
+
+/// Packets or calls counted under `index` in the pinned `lb_metrics` of `pin_dir`.
+fn pinned_counter(pin_dir: &Path, index: u32) -> u64 {
+    let map = MapData::from_pin(pin_dir.join(map_names::METRICS)).unwrap();
+    PerCpuArray::<_, MetricValue>::try_from(Map::PerCpuArray(map))
+        .unwrap()
+        .get(&index, 0)
+        .unwrap()
+        .iter()
+        .map(|v| v.packets)
+        .sum()
+}
+
+/// A master entry whose slots are gone has no backend for socket LB either: connect() fails
+/// with EPERM and counts sock_drop_no_backend, as the tc path drops and counts, instead of
+/// going out untranslated to the VIP.
+#[test]
+fn socket_lb_denies_a_frontend_whose_slots_are_gone() {
+    let mut tb = Testbed::create(1).expect("testbed");
+    let manifests = Manifests::new(&tb.id);
+    let lb = start_lb(&mut tb, &manifests.0, true);
+    let pinned = MapData::from_pin(lb.pin_dir.join(map_names::SERVICES4)).unwrap();
+    let mut services: HashMap<_, Svc4Key, SvcValue> =
+        HashMap::try_from(Map::HashMap(pinned)).unwrap();
+    let key = |slot| Svc4Key {
+        addr: [198, 19, 0, 10],
+        port: 80,
+        slot,
+        proto: 6,
+        scope: scope::EXTERNAL,
+        pad: [0; 2],
+    };
+    let master = services
+        .get(&key(0), 0)
+        .expect("master of 198.19.0.10:80/TCP");
+    assert!(master.count > 0);
+    assert_eq!(
+        master.flags & svc_flags::TWO_SCOPES,
+        0,
+        "one scope: sockets use these slots"
+    );
+    for slot in 1..=master.count {
+        services.remove(&key(slot)).unwrap();
+    }
+
+    let before = pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND);
+    let o = client(&mut tb, true, "198.19.0.10:80", "tcp", &[]);
+    assert_eq!(o.errors.len(), REQUESTS, "every connect() fails: {o:?}");
+    for e in &o.errors {
+        assert!(
+            e.contains("os error 1)"),
+            "EPERM from the connect4 hook: {e}"
+        );
+    }
+    assert_eq!(
+        pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND) - before,
+        REQUESTS as u64
+    );
+    drop(lb);
 }

@@ -30,6 +30,9 @@ pub mod map_names {
     pub const CT6: &str = "lb6_ct";
     pub const SK_REVNAT6: &str = "lb6_sk_revnat";
     pub const METRICS: &str = "lb_metrics";
+    /// The decision record of traced loads (`TraceRecord`). Never pinned, so not in `ALL`: each
+    /// load owns its own, and a trace load cannot touch a running lb's.
+    pub const TRACE: &str = "lb_trace";
 
     /// Every map lb pins, in a stable order.
     pub const ALL: [&str; 11] = [
@@ -77,6 +80,13 @@ pub mod map_sizes {
     pub const CT: u32 = 1 << 17;
     pub const SK_REVNAT: u32 = 1 << 17;
     pub const METRICS: u32 = crate::metrics::MAX as u32;
+}
+
+/// Names of the read-only globals userspace may set at load time.
+pub mod globals {
+    /// `u8`, non-zero: the tc programs write a `TraceRecord` into `lb_trace` for every packet.
+    /// Zero (the default) leaves the branch dead, and the verifier prunes it.
+    pub const TRACE: &str = "LB_TRACE";
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -346,6 +356,59 @@ pub struct SkRevNat6Value {
     pub rev_nat_id: u32,
 }
 
+/// `TraceRecord::verdict` values: what a tc program did with the packet.
+pub mod trace_verdict {
+    /// No record written (tracing off, or no packet run yet).
+    pub const NONE: u8 = 0;
+    /// DNAT to a backend (new or established flow).
+    pub const FORWARD: u8 = 1;
+    /// A backend's reply, source rewritten back to the frontend.
+    pub const REVERSE_NAT: u8 = 2;
+    /// Passed untouched (not a service, not a reply, or not parsed).
+    pub const PASS: u8 = 3;
+    /// Dropped (no backend, or a rewrite helper failed).
+    pub const DROP: u8 = 4;
+    /// Reserved for an ICMP/RST reject answering a service without backends.
+    pub const REJECT: u8 = 5;
+}
+
+/// `TraceRecord::ct_state` values: what conntrack said about the packet.
+pub mod trace_ct {
+    /// Conntrack not consulted, or no entry matched.
+    pub const NONE: u8 = 0;
+    /// A new flow: a backend was chosen (entries inserted unless the insert failed).
+    pub const NEW: u8 = 1;
+    /// The flow's service entry matched: its backend was reused.
+    pub const ESTABLISHED: u8 = 2;
+    /// A reply entry matched.
+    pub const REPLY: u8 = 3;
+}
+
+/// Value of the one-entry array `lb_trace`: the decision of the last packet a tc program
+/// handled, written only when the program was loaded with `globals::TRACE` set. `lb trace`
+/// reads it after a test run instead of recomputing the datapath's choice.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct TraceRecord {
+    /// `trace_verdict` value.
+    pub verdict: u8,
+    /// The `metrics` index counted for the packet: the precise reason for the verdict.
+    pub reason: u8,
+    /// `scope` of the master entry used (services only).
+    pub scope: u8,
+    /// `trace_ct` value.
+    pub ct_state: u8,
+    /// Backend slot chosen for a new flow (`1..=count`), 0 otherwise.
+    pub slot: u16,
+    /// `svc_flags` of the master entry (services only).
+    pub svc_flags: u16,
+    /// Backend of the flow (forward, reverse NAT, or the missing one a slot named).
+    pub backend_id: u32,
+    /// Rev-NAT id of the frontend (services and replies).
+    pub rev_nat_id: u32,
+}
+
 /// Per-CPU value of `lb_metrics` (key: a `metrics` index, `u32`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -391,6 +454,7 @@ mod user {
     unsafe impl aya::Pod for super::SkRevNat6Key {}
     unsafe impl aya::Pod for super::SkRevNat6Value {}
     unsafe impl aya::Pod for super::MetricValue {}
+    unsafe impl aya::Pod for super::TraceRecord {}
 }
 
 // The sizes are part of the ABI with pinned maps: a change here needs a map migration.
@@ -410,6 +474,9 @@ const _: () = {
     assert!(size_of::<SkRevNat6Key>() == 32);
     assert!(size_of::<SkRevNat6Value>() == 24);
     assert!(size_of::<MetricValue>() == 16);
+    assert!(size_of::<TraceRecord>() == 16);
+    // `TraceRecord::reason` holds a metrics index in a u8.
+    assert!(metrics::MAX <= 256);
 };
 
 #[cfg(test)]
@@ -446,7 +513,22 @@ mod tests {
     }
 
     #[test]
+    fn trace_record_layout_is_packed_by_hand() {
+        // Field offsets as userspace and bpftool read them; no implicit padding anywhere.
+        assert_eq!(core::mem::offset_of!(TraceRecord, verdict), 0);
+        assert_eq!(core::mem::offset_of!(TraceRecord, reason), 1);
+        assert_eq!(core::mem::offset_of!(TraceRecord, scope), 2);
+        assert_eq!(core::mem::offset_of!(TraceRecord, ct_state), 3);
+        assert_eq!(core::mem::offset_of!(TraceRecord, slot), 4);
+        assert_eq!(core::mem::offset_of!(TraceRecord, svc_flags), 6);
+        assert_eq!(core::mem::offset_of!(TraceRecord, backend_id), 8);
+        assert_eq!(core::mem::offset_of!(TraceRecord, rev_nat_id), 12);
+        assert_eq!(size_of::<TraceRecord>(), 16);
+    }
+
+    #[test]
     fn map_names_fit_the_kernel_limit() {
+        assert!(map_names::TRACE.len() <= 15);
         for name in map_names::ALL {
             assert!(name.len() <= 15, "{name}");
         }

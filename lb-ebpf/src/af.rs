@@ -1,5 +1,10 @@
-//! One set of NAT and conntrack logic serves IPv4 and IPv6: `Af` hides the per-family key
-//! types and maps.
+//! One set of NAT, conntrack and selection logic serves IPv4 and IPv6: `Af` hides the
+//! per-family key types and maps.
+//!
+//! Map value pointers: a successful lookup returns a live, aligned value that stays valid for
+//! the program's run (hash map elements are freed only after an RCU grace period). The maps
+//! read here are only written by whole-element updates, which swap in a new element, so a
+//! value copied out is never half-written.
 use lb_common::{
     Backend4, Backend6, Ct4Key, Ct6Key, CtValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value,
     SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
@@ -63,12 +68,14 @@ impl Af for V4 {
             scope,
             pad: [0; 2],
         };
+        // SAFETY: see the module docs (map value pointers).
         SERVICES4.get_ptr(&key).map(|v| unsafe { *v })
     }
 
     #[inline(always)]
     fn backend(id: u32) -> Option<Endpoint<[u8; 4]>> {
         BACKENDS4.get_ptr(&id).map(|b| {
+            // SAFETY: see the module docs (map value pointers).
             let b: Backend4 = unsafe { *b };
             Endpoint {
                 addr: b.addr,
@@ -80,6 +87,7 @@ impl Af for V4 {
     #[inline(always)]
     fn revnat(id: u32) -> Option<Endpoint<[u8; 4]>> {
         REVNAT4.get_ptr(&id).map(|r| {
+            // SAFETY: see the module docs (map value pointers).
             let r: RevNat4 = unsafe { *r };
             Endpoint {
                 addr: r.addr,
@@ -149,6 +157,7 @@ impl Af for V4 {
             pad: 0,
         };
         SK_REVNAT4.get_ptr(&key).map(|v| {
+            // SAFETY: see the module docs (map value pointers).
             let v = unsafe { *v };
             Endpoint {
                 addr: v.addr,
@@ -172,12 +181,14 @@ impl Af for V6 {
             scope,
             pad: [0; 2],
         };
+        // SAFETY: see the module docs (map value pointers).
         SERVICES6.get_ptr(&key).map(|v| unsafe { *v })
     }
 
     #[inline(always)]
     fn backend(id: u32) -> Option<Endpoint<[u8; 16]>> {
         BACKENDS6.get_ptr(&id).map(|b| {
+            // SAFETY: see the module docs (map value pointers).
             let b: Backend6 = unsafe { *b };
             Endpoint {
                 addr: b.addr,
@@ -189,6 +200,7 @@ impl Af for V6 {
     #[inline(always)]
     fn revnat(id: u32) -> Option<Endpoint<[u8; 16]>> {
         REVNAT6.get_ptr(&id).map(|r| {
+            // SAFETY: see the module docs (map value pointers).
             let r: RevNat6 = unsafe { *r };
             Endpoint {
                 addr: r.addr,
@@ -258,6 +270,7 @@ impl Af for V6 {
             pad: [0; 6],
         };
         SK_REVNAT6.get_ptr(&key).map(|v| {
+            // SAFETY: see the module docs (map value pointers).
             let v = unsafe { *v };
             Endpoint {
                 addr: v.addr,

@@ -1,18 +1,34 @@
 //! lb's kernel programs.
 //!
-//! - `lb_tc_ingress`: per-packet service load balancing on tc ingress: DNAT of new and
-//!   established flows to a backend, reverse NAT of backend replies.
+//! - `lb_tc_ingress`, `lb_tc_pod`: per-packet service load balancing on tc ingress: DNAT of new
+//!   and established flows to a backend, reverse NAT of backend replies.
 //! - `lb_tc_egress`: reverse NAT only, for devices where replies leave towards clients.
 //! - `lb_connect4/6`, `lb_sendmsg4/6`, `lb_recvmsg4/6`, `lb_getpeername4/6`: socket-level load
 //!   balancing on a cgroup v2 directory; the application sees the VIP, the wire sees the
 //!   backend, and no per-packet work is done.
+//!
+//! Program entry points (`tc`, `sock`) stay thin; each concern lives in one file they share:
+//! `ctx` (what packet code needs from a program context), `parse`, `rewrite` (NAT with
+//! incremental checksums), `conntrack`, `select` (the one backend choice of every hook), `af`
+//! (per-family map access), `maps`, `trace` (the decision record of traced loads).
+//!
+//! Where what comes next goes: SNAT/masquerade in `nat.rs` beside `conntrack`; REJECT
+//! generation (ICMP unreachable / TCP RST for frontends without backends) in `reject.rs`; an
+//! XDP entry in `xdp.rs`, implementing `ctx::PacketCtx` for `XdpContext`; session affinity
+//! and Maglev in `select`; socket destroy of flows to removed backends as its own program.
 #![no_std]
 #![no_main]
 
 mod af;
+mod conntrack;
+mod ctx;
 mod maps;
+mod parse;
+mod rewrite;
+mod select;
 mod sock;
 mod tc;
+mod trace;
 
 #[cfg(not(test))]
 #[panic_handler]

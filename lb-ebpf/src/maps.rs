@@ -1,13 +1,14 @@
 //! The maps, BTF-defined so `bpftool map dump` prints their fields. Userspace pins them by
-//! name under the pin directory and reuses them across restarts.
+//! name under the pin directory and reuses them across restarts (all but `lb_trace`).
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use lb_common::{
     Backend4, Backend6, Ct4Key, Ct6Key, CtValue, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_sizes,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, TraceRecord,
+    map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -46,6 +47,10 @@ pub static SK_REVNAT6: LruHashMap<SkRevNat6Key, SkRevNat6Value, { map_sizes::SK_
 
 #[btf_map(name = "lb_metrics")]
 pub static METRICS: PerCpuArray<MetricValue, { map_sizes::METRICS as usize }> = PerCpuArray::new();
+
+/// The last tc decision, written only by traced loads (see `trace.rs`).
+#[btf_map(name = "lb_trace")]
+pub static TRACE: Array<TraceRecord, 1> = Array::new();
 
 /// Counts one event of kind `index` (a `lb_common::metrics` constant) carrying `bytes`.
 #[inline(always)]

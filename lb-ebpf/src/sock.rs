@@ -10,11 +10,12 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64, scope, select_slot, svc_flags};
+use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64};
 
 use crate::{
     af::{Af, Endpoint, V4, V6},
     maps::count,
+    select::{Origin, Selected, select},
 };
 
 /// Verdicts of cgroup sock_addr programs.
@@ -95,40 +96,52 @@ fn port_to_ctx(port: u16) -> u32 {
     port.to_be() as u32
 }
 
-/// Chooses a backend for `frontend`. `Err` means the service exists but has no backend.
+/// Chooses a backend for `frontend` (the shared `select`, for an in-cluster client) and
+/// remembers it for the socket's reverse hooks.
 #[inline(always)]
-fn select<A: Af>(
+fn balance<A: Af>(
     ctx: &SockAddrContext,
     frontend: Endpoint<A::Addr>,
     proto: u8,
     pick: Pick,
-) -> Option<Result<Endpoint<A::Addr>, ()>> {
-    let mut svc = A::service(frontend.addr, frontend.port, proto, 0, scope::EXTERNAL)?;
-    // Sockets in the cgroup are in-cluster clients: a frontend whose external traffic policy
-    // is Local still sends them to cluster-wide backends (its internal scope).
-    let mut svc_scope = scope::EXTERNAL;
-    if svc.flags & svc_flags::TWO_SCOPES != 0
-        && let Some(internal) = A::service(frontend.addr, frontend.port, proto, 0, scope::INTERNAL)
+) -> Selected<A::Addr> {
+    // Fetched only once there is a slot to pick: a cookie is allocated on first use, and most
+    // connect() calls are not to a frontend.
+    let mut cookie = 0;
+    let selected = select::<A>(frontend, proto, Origin::Cluster, || {
+        // SAFETY: the helpers accept any sock_addr context.
+        cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+        match pick {
+            // SAFETY: helper without arguments.
+            Pick::Random => unsafe { bpf_get_prandom_u32() },
+            Pick::SocketHash => mix64(cookie),
+        }
+    });
+    // `Backend` implies the closure ran, so `cookie` is set.
+    if let Selected::Backend(c) = &selected
+        && A::sk_revnat_put(cookie, c.backend, frontend, c.rev_nat_id).is_err()
     {
-        svc = internal;
-        svc_scope = scope::INTERNAL;
-    }
-    if svc.count == 0 {
-        return Some(Err(()));
-    }
-    // SAFETY: the helpers accept any sock_addr context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-    let rand = match pick {
-        Pick::Random => unsafe { bpf_get_prandom_u32() },
-        Pick::SocketHash => mix64(cookie),
-    };
-    let slot = select_slot(rand, svc.count);
-    let id = A::service(frontend.addr, frontend.port, proto, slot, svc_scope)?.backend_id;
-    let backend = A::backend(id)?;
-    if A::sk_revnat_put(cookie, backend, frontend, svc.rev_nat_id).is_err() {
         count(metrics::SOCK_REVNAT_INSERT_FAILED, 0);
     }
-    Some(Ok(backend))
+    selected
+}
+
+/// The sock_addr verdict of a selection; counts it. `rewrite` puts the backend in the context.
+#[inline(always)]
+fn verdict<A>(selected: Selected<A>, rewrite: impl FnOnce(Endpoint<A>)) -> i32 {
+    match selected {
+        Selected::NotAService => ALLOW,
+        // connect()/sendmsg() fail with EPERM rather than reach a VIP nothing answers on.
+        Selected::NoBackend => {
+            count(metrics::SOCK_DROP_NO_BACKEND, 0);
+            DENY
+        }
+        Selected::Backend(c) => {
+            rewrite(c.backend);
+            count(metrics::SOCK_FWD, 0);
+            ALLOW
+        }
+    }
 }
 
 #[inline(always)]
@@ -144,19 +157,10 @@ fn forward4(ctx: &SockAddrContext, pick: Pick) -> i32 {
             addr: (*sa).user_ip4.to_ne_bytes(),
             port: port_from_ctx((*sa).user_port),
         };
-        match select::<V4>(ctx, frontend, proto, pick) {
-            None => ALLOW,
-            Some(Err(())) => {
-                count(metrics::SOCK_DROP_NO_BACKEND, 0);
-                DENY
-            }
-            Some(Ok(backend)) => {
-                (*sa).user_ip4 = u32::from_ne_bytes(backend.addr);
-                (*sa).user_port = port_to_ctx(backend.port);
-                count(metrics::SOCK_FWD, 0);
-                ALLOW
-            }
-        }
+        verdict(balance::<V4>(ctx, frontend, proto, pick), |backend| {
+            (*sa).user_ip4 = u32::from_ne_bytes(backend.addr);
+            (*sa).user_port = port_to_ctx(backend.port);
+        })
     }
 }
 
@@ -249,24 +253,21 @@ fn forward6(ctx: &SockAddrContext, pick: Pick) -> i32 {
         ];
         let addr = read_ip6(&words);
         let port = port_from_ctx((*sa).user_port);
-        let chosen = match v4_mapped(&addr) {
-            Some(v4) => select::<V4>(ctx, Endpoint { addr: v4, port }, proto, pick)
-                .map(|r| r.map(|b| (mapped(b.addr), b.port))),
-            None => select::<V6>(ctx, Endpoint { addr, port }, proto, pick)
-                .map(|r| r.map(|b| (b.addr, b.port))),
-        };
-        match chosen {
-            None => ALLOW,
-            Some(Err(())) => {
-                count(metrics::SOCK_DROP_NO_BACKEND, 0);
-                DENY
-            }
-            Some(Ok((baddr, bport))) => {
-                write_ip6(ctx, baddr);
-                (*sa).user_port = port_to_ctx(bport);
-                count(metrics::SOCK_FWD, 0);
-                ALLOW
-            }
+        match v4_mapped(&addr) {
+            Some(v4) => verdict(
+                balance::<V4>(ctx, Endpoint { addr: v4, port }, proto, pick),
+                |b| {
+                    write_ip6(ctx, mapped(b.addr));
+                    (*sa).user_port = port_to_ctx(b.port);
+                },
+            ),
+            None => verdict(
+                balance::<V6>(ctx, Endpoint { addr, port }, proto, pick),
+                |b| {
+                    write_ip6(ctx, b.addr);
+                    (*sa).user_port = port_to_ctx(b.port);
+                },
+            ),
         }
     }
 }

@@ -15,8 +15,8 @@ use aya::{
 };
 use lb_common::{
     Backend4, Backend6, Ct4Key, Ct6Key, CtValue, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_names, map_sizes,
-    prog_names,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, globals, map_names,
+    map_sizes, prog_names,
 };
 
 use crate::maps::{BpfMaps, Family, Table};
@@ -101,6 +101,9 @@ pub struct LoadOptions {
     pub only_pinned: Option<Vec<&'static str>>,
     /// max_entries per map name, overriding lb-common's defaults (`--bpf-map-max`).
     pub max_entries: BTreeMap<String, u32>,
+    /// The tc programs write each packet's decision into `lb_trace` (a `TraceRecord`), for
+    /// `lb trace` and tests. `lb_trace` is never pinned, so each load reads only its own.
+    pub trace: bool,
 }
 
 impl LoadOptions {
@@ -175,6 +178,11 @@ impl Datapath {
         let mut loader = EbpfLoader::new();
         for (name, n) in &opts.max_entries {
             loader.map_max_entries(name, *n);
+        }
+        if opts.trace {
+            // A .rodata global: the kernel freezes it, so with the default 0 the verifier
+            // prunes the tracing code from production loads.
+            loader.override_global(globals::TRACE, &1u8, true);
         }
         let pins: Vec<(&str, PathBuf)> = match &opts.pin_dir {
             Some(dir) => pinned.iter().map(|n| (*n, dir.join(n))).collect(),

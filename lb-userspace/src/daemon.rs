@@ -109,6 +109,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         pin_dir: Some(opts.pin_dir.clone()),
         only_pinned: None,
         max_entries: opts.map_max.clone(),
+        trace: false,
     })?;
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;

@@ -1,0 +1,142 @@
+//! Ethernet / IPv4 / IPv6 / TCP / UDP parsing over any `PacketCtx`. Every read is checked
+//! against `data_end` first, which is also what the verifier needs to see.
+//!
+//! Only packets lb can translate completely parse: IPv4 fragments (later ones carry no ports),
+//! IPv6 extension headers (not walked), other L4 protocols, bad IHL or TCP data offset, and
+//! truncated headers are `Error::Unparsed`, which the caller passes untouched.
+use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::ctx::{Error, PacketCtx};
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+/// Ethernet + IPv4 with the largest options + TCP: what must be linear to parse any packet.
+const MAX_HDR_LEN: u32 = 14 + 60 + 20;
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// The parsed headers of a TCP or UDP packet; addresses in network order, ports host order.
+pub struct Packet<A> {
+    pub saddr: A,
+    pub daddr: A,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    /// Offset of the IP header.
+    pub l3_off: usize,
+    pub l4_off: usize,
+    /// Offset of the L4 checksum field.
+    pub csum_off: usize,
+}
+
+pub enum Parsed {
+    V4(Packet<[u8; 4]>),
+    V6(Packet<[u8; 16]>),
+}
+
+/// Parses the packet in `ctx`, first making its headers linear where the skb is not.
+#[inline(always)]
+pub fn parse<C: PacketCtx>(ctx: &C) -> Result<Parsed, Error> {
+    let linear = ctx.data_end() - ctx.data();
+    if linear < MAX_HDR_LEN as usize && (linear as u32) < ctx.len() {
+        ctx.pull_data(ctx.len().min(MAX_HDR_LEN))?;
+    }
+    match u16::from_be_bytes(read::<C, [u8; 2]>(ctx, 12)?) {
+        ETH_P_IP => parse_ipv4(ctx, ETH_HLEN).map(Parsed::V4),
+        ETH_P_IPV6 => parse_ipv6(ctx, ETH_HLEN).map(Parsed::V6),
+        _ => Err(Error::Unparsed),
+    }
+}
+
+/// Reads a `T` at `off`, bounds-checked against `data_end`.
+#[inline(always)]
+fn read<C: PacketCtx, T: Copy>(ctx: &C, off: usize) -> Result<T, Error> {
+    let start = ctx.data();
+    if start + off + size_of::<T>() > ctx.data_end() {
+        return Err(Error::Unparsed);
+    }
+    // SAFETY: in bounds per the check above; T is plain bytes with alignment 1.
+    Ok(unsafe { core::ptr::read_unaligned((start + off) as *const T) })
+}
+
+#[inline(always)]
+fn parse_ipv4<C: PacketCtx>(ctx: &C, l3_off: usize) -> Result<Packet<[u8; 4]>, Error> {
+    let ip = read::<C, [u8; 20]>(ctx, l3_off)?;
+    let ihl = ((ip[0] & 0x0f) as usize) * 4;
+    if ip[0] >> 4 != 4 || ihl < 20 {
+        return Err(Error::Unparsed);
+    }
+    if u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0 {
+        return Err(Error::Unparsed);
+    }
+    let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+    if tot_len < ihl {
+        return Err(Error::Unparsed);
+    }
+    let saddr = [ip[12], ip[13], ip[14], ip[15]];
+    let daddr = [ip[16], ip[17], ip[18], ip[19]];
+    parse_l4(ctx, saddr, daddr, ip[9], l3_off, ihl, tot_len - ihl)
+}
+
+#[inline(always)]
+fn parse_ipv6<C: PacketCtx>(ctx: &C, l3_off: usize) -> Result<Packet<[u8; 16]>, Error> {
+    let ip = read::<C, [u8; 40]>(ctx, l3_off)?;
+    if ip[0] >> 4 != 6 {
+        return Err(Error::Unparsed);
+    }
+    let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+    let mut saddr = [0u8; 16];
+    saddr.copy_from_slice(&ip[8..24]);
+    let mut daddr = [0u8; 16];
+    daddr.copy_from_slice(&ip[24..40]);
+    // A next header other than TCP/UDP (extension headers included) fails in parse_l4.
+    parse_l4(ctx, saddr, daddr, ip[6], l3_off, 40, payload_len)
+}
+
+/// Parses the TCP or UDP header after an IP header of `l3_len` bytes at `l3_off`, of a packet
+/// whose IP payload is `l4_len` bytes.
+#[inline(always)]
+fn parse_l4<C: PacketCtx, A>(
+    ctx: &C,
+    saddr: A,
+    daddr: A,
+    proto: u8,
+    l3_off: usize,
+    l3_len: usize,
+    l4_len: usize,
+) -> Result<Packet<A>, Error> {
+    let l4_off = l3_off + l3_len;
+    let (tcp_flags, csum_off) = match proto {
+        IPPROTO_TCP => {
+            let th = read::<C, [u8; 20]>(ctx, l4_off)?;
+            if th[12] >> 4 < 5 || l4_len < 20 {
+                return Err(Error::Unparsed);
+            }
+            (th[13], l4_off + 16)
+        }
+        IPPROTO_UDP => {
+            if l4_len < 8 {
+                return Err(Error::Unparsed);
+            }
+            (0, l4_off + 6)
+        }
+        _ => return Err(Error::Unparsed),
+    };
+    let ports = read::<C, [u8; 4]>(ctx, l4_off)?;
+    Ok(Packet {
+        saddr,
+        daddr,
+        sport: u16::from_be_bytes([ports[0], ports[1]]),
+        dport: u16::from_be_bytes([ports[2], ports[3]]),
+        proto,
+        tcp_flags,
+        l3_off,
+        l4_off,
+        csum_off,
+    })
+}

@@ -1,0 +1,151 @@
+//! Address and port rewriting with incremental checksum updates.
+//!
+//! The kernel's csum helpers also handle CHECKSUM_PARTIAL skbs from local sockets: with
+//! `BPF_F_PSEUDO_HDR` only the pseudo-header part of the L4 checksum changes there.
+use aya_ebpf::helpers::bpf_csum_diff;
+use lb_common::IPPROTO_UDP;
+
+use crate::{
+    af::{Af, Endpoint, V4, V6},
+    ctx::{Error, PacketCtx},
+    parse::Packet,
+};
+
+const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
+
+/// Which end of the packet a rewrite changes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Source,
+    Destination,
+}
+
+/// Per-family address rewriting.
+pub trait RewriteAf: Af {
+    /// Replaces the `side` address `old` with `new`, fixing the checksums.
+    fn set_addr<C: PacketCtx>(
+        ctx: &C,
+        p: &Packet<Self::Addr>,
+        side: Side,
+        old: Self::Addr,
+        new: Self::Addr,
+    ) -> Result<(), Error>;
+}
+
+impl RewriteAf for V4 {
+    #[inline(always)]
+    fn set_addr<C: PacketCtx>(
+        ctx: &C,
+        p: &Packet<[u8; 4]>,
+        side: Side,
+        old: [u8; 4],
+        new: [u8; 4],
+    ) -> Result<(), Error> {
+        let (old_v, new_v) = (
+            u32::from_ne_bytes(old) as u64,
+            u32::from_ne_bytes(new) as u64,
+        );
+        ctx.l4_csum_replace(
+            p.csum_off,
+            old_v,
+            new_v,
+            BPF_F_PSEUDO_HDR | 4 | mangled0(p.proto),
+        )?;
+        ctx.l3_csum_replace(p.l3_off + 10, old_v, new_v, 4)?;
+        let field = match side {
+            Side::Source => 12,
+            Side::Destination => 16,
+        };
+        ctx.store(p.l3_off + field, &new)
+    }
+}
+
+impl RewriteAf for V6 {
+    #[inline(always)]
+    fn set_addr<C: PacketCtx>(
+        ctx: &C,
+        p: &Packet<[u8; 16]>,
+        side: Side,
+        old: [u8; 16],
+        new: [u8; 16],
+    ) -> Result<(), Error> {
+        let mut old = old;
+        let mut new = new;
+        // SAFETY: both buffers are 16 bytes on this program's stack.
+        let diff =
+            unsafe { bpf_csum_diff(old.as_mut_ptr().cast(), 16, new.as_mut_ptr().cast(), 16, 0) };
+        if diff < 0 {
+            return Err(Error::Rewrite);
+        }
+        // IPv6 has no header checksum; only the L4 pseudo-header changes.
+        ctx.l4_csum_replace(
+            p.csum_off,
+            0,
+            diff as u64,
+            BPF_F_PSEUDO_HDR | mangled0(p.proto),
+        )?;
+        let field = match side {
+            Side::Source => 8,
+            Side::Destination => 24,
+        };
+        ctx.store(p.l3_off + field, &new)
+    }
+}
+
+/// A zero UDP checksum means "none" (IPv4) and must stay zero.
+#[inline(always)]
+fn mangled0(proto: u8) -> u64 {
+    if proto == IPPROTO_UDP {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    }
+}
+
+#[inline(always)]
+fn set_port<C: PacketCtx, A>(
+    ctx: &C,
+    p: &Packet<A>,
+    side: Side,
+    old: u16,
+    new: u16,
+) -> Result<(), Error> {
+    if old == new {
+        return Ok(());
+    }
+    let (old_be, new_be) = (old.to_be(), new.to_be());
+    ctx.l4_csum_replace(
+        p.csum_off,
+        old_be as u64,
+        new_be as u64,
+        2 | mangled0(p.proto),
+    )?;
+    let field = match side {
+        Side::Source => 0,
+        Side::Destination => 2,
+    };
+    ctx.store(p.l4_off + field, &new_be)
+}
+
+/// Sends the packet to `backend` instead of the frontend it was addressed to.
+#[inline(always)]
+pub fn dnat<C: PacketCtx, A: RewriteAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    backend: Endpoint<A::Addr>,
+) -> Result<(), Error> {
+    A::set_addr(ctx, p, Side::Destination, p.daddr, backend.addr)?;
+    set_port(ctx, p, Side::Destination, p.dport, backend.port)
+}
+
+/// Makes a backend's reply come from `frontend`.
+#[inline(always)]
+pub fn reverse_nat<C: PacketCtx, A: RewriteAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    frontend: Endpoint<A::Addr>,
+) -> Result<(), Error> {
+    A::set_addr(ctx, p, Side::Source, p.saddr, frontend.addr)?;
+    set_port(ctx, p, Side::Source, p.sport, frontend.port)
+}
