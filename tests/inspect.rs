@@ -15,13 +15,15 @@ use lb::{
     inspect::{self, ServiceView},
     maps::{LbMaps as _, MemMaps},
     model::{Backend, Frontend, L4Addr, Proto},
-    testbed::{LbDaemon, Testbed},
 };
 use lb_common::{SvcValue, map_names, metrics, prog_names, svc_flags};
+use lb_tests::{
+    bins::{LB, LB_ECHO},
+    daemon::LbDaemon,
+    testbed::Testbed,
+};
 use serde_json::{Value, json};
 
-const LB: &str = env!("CARGO_BIN_EXE_lb");
-const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
 const ECHO_PORT: u16 = 8080;
 
 /// `lb run` in the node netns, until ready. Socket LB goes on the testbed's own (empty)

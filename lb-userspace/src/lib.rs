@@ -13,6 +13,5 @@ pub mod metrics;
 pub mod model;
 pub mod reconcile;
 pub mod source;
-pub mod testbed;
 pub mod trace;
 pub mod translate;
