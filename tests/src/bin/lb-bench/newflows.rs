@@ -26,10 +26,10 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
-    bpf::{Datapath, LoadOptions, TcHook},
-    maps::BpfMaps,
-    reconcile::Reconciler,
-    translate::{NodeInfo, desired_state},
+    controller::reconcile::Reconciler,
+    controller::translate::{NodeInfo, desired_state},
+    datapath::load::{Datapath, LoadOptions, TcHook},
+    datapath::maps::BpfMaps,
 };
 use lb_tests::testbed::Testbed;
 
