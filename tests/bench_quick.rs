@@ -9,9 +9,8 @@ use std::{
     process::Command,
 };
 
+use lb_tests::bins::LB_BENCH;
 use serde_json::Value;
-
-const LB_BENCH: &str = env!("CARGO_BIN_EXE_lb-bench");
 
 /// A scratch output directory, removed on drop.
 struct OutDir(PathBuf);

@@ -11,10 +11,10 @@ use aya::{
 };
 use etherparse::PacketBuilder;
 use lb::{
-    bpf::{Datapath, LoadOptions},
-    maps::BpfMaps,
+    controller::reconcile::Reconciler,
+    datapath::load::{Datapath, LoadOptions},
+    datapath::maps::BpfMaps,
     model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
-    reconcile::Reconciler,
 };
 use lb_common::{
     Ct4Key, CtValue, MetricValue, Svc4Key, SvcValue, TraceRecord, ct_dir, ct_flags, map_names,

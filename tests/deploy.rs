@@ -17,9 +17,9 @@ use k8s_openapi::{
     },
     apimachinery::pkg::util::intstr::IntOrString,
 };
+use lb_tests::bins::LB;
 use serde::{Deserialize as _, Serialize, de::DeserializeOwned};
 
-const LB: &str = env!("CARGO_BIN_EXE_lb");
 const BPFFS: &str = "/sys/fs/bpf";
 const HEALTHZ_PORT: i32 = 10256;
 

@@ -12,10 +12,10 @@ use std::{
 };
 
 use lb::{
-    manifests::{self, Objects},
-    maps::{MemMaps, flag_names, render},
-    reconcile::Reconciler,
-    translate::{NodeInfo, desired_state},
+    controller::manifests::{self, Objects},
+    controller::reconcile::Reconciler,
+    controller::translate::{NodeInfo, desired_state},
+    datapath::maps::{MemMaps, flag_names, render},
 };
 
 const NODE: &str = "node-a";

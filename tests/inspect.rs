@@ -11,17 +11,19 @@ use std::{
 };
 
 use lb::{
-    daemon::FrontendName,
-    inspect::{self, ServiceView},
-    maps::{LbMaps as _, MemMaps},
+    cli::inspect::{self, ServiceView},
+    controller::daemon::FrontendName,
+    datapath::maps::{LbMaps as _, MemMaps},
     model::{Backend, Frontend, L4Addr, Proto},
-    testbed::{LbDaemon, Testbed},
 };
 use lb_common::{SvcValue, map_names, metrics, prog_names, svc_flags};
+use lb_tests::{
+    bins::{LB, LB_ECHO},
+    daemon::LbDaemon,
+    testbed::Testbed,
+};
 use serde_json::{Value, json};
 
-const LB: &str = env!("CARGO_BIN_EXE_lb");
-const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
 const ECHO_PORT: u16 = 8080;
 
 /// `lb run` in the node netns, until ready. Socket LB goes on the testbed's own (empty)
@@ -327,7 +329,7 @@ fn inspection_commands_show_the_live_maps() {
         "no --tc-egress"
     );
     if status["features"]["cgroup_link"] == true {
-        for name in lb::bpf::SOCK_PROGRAMS {
+        for name in lb::datapath::load::SOCK_PROGRAMS {
             let p = programs[name];
             assert_eq!(p["type"], "cgroup_sock_addr");
             let att = p["attachments"].as_array().unwrap();

@@ -18,15 +18,17 @@ use std::{
     process::Command,
 };
 
-use lb::testbed::{LbDaemon, Testbed};
+use lb_tests::{
+    bins::{LB, LB_ECHO},
+    daemon::LbDaemon,
+    testbed::Testbed,
+};
 use support::{
     Ep,
     apiserver::{ApiServer, Kind},
     service, slice,
 };
 
-const LB: &str = env!("CARGO_BIN_EXE_lb");
-const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
 const ECHO_PORT: u16 = 8080;
 const REQUESTS: usize = 30;
 const NODE: &str = "node-a";

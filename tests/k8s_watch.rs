@@ -1,4 +1,4 @@
-//! The Kubernetes API source (`lb::k8s::watch`) against a fake API server that speaks the real
+//! The Kubernetes API source (`k8s::watch`) against a fake API server that speaks the real
 //! list/watch protocol (tests/support/apiserver.rs): every published snapshot is translated and
 //! applied to in-memory maps, and each test waits for the maps to reach the state the API
 //! objects call for — through the initial list, watch events, bookmarks, 410 Gone, dropped
@@ -14,10 +14,10 @@ use std::{
 use k8s_openapi::api::core::v1::Service;
 use kube::{Api, api::ListParams};
 use lb::{
-    maps::{MemMaps, render},
-    reconcile::Reconciler,
-    source::{self, Snapshot, SnapshotReceiver},
-    translate::{self, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, NodeInfo},
+    controller::reconcile::Reconciler,
+    controller::source::{self, Snapshot, SnapshotReceiver},
+    controller::translate::{self, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, NodeInfo},
+    datapath::maps::{MemMaps, render},
 };
 use support::{
     Ep,
@@ -103,7 +103,7 @@ impl Maps {
     }
 }
 
-/// `lb::k8s::watch` against a fake API server, with the daemon's translate + reconcile steps
+/// `k8s::watch` against a fake API server, with the daemon's translate + reconcile steps
 /// on in-memory maps.
 struct Harness {
     server: ApiServer,
@@ -145,11 +145,11 @@ impl Harness {
         let server = ApiServer::start().await.expect("fake API server");
         setup(&server);
         let kubeconfig = server.kubeconfig_file().expect("kubeconfig");
-        let client = lb::k8s::client(Some(kubeconfig.path()))
+        let client = lb::controller::k8s::client(Some(kubeconfig.path()))
             .await
             .expect("kube client");
         let (tx, rx) = source::channel();
-        let task = tokio::spawn(lb::k8s::watch(client, NODE.into(), tx));
+        let task = tokio::spawn(lb::controller::k8s::watch(client, NODE.into(), tx));
         Harness {
             server,
             _kubeconfig: kubeconfig,
@@ -660,7 +660,9 @@ async fn fake_server_paginates_and_selects() {
         }
     }
     let kubeconfig = server.kubeconfig_file().unwrap();
-    let client = lb::k8s::client(Some(kubeconfig.path())).await.unwrap();
+    let client = lb::controller::k8s::client(Some(kubeconfig.path()))
+        .await
+        .unwrap();
     let api: Api<Service> = Api::all(client);
 
     let first = api.list(&ListParams::default().limit(2)).await.unwrap();
@@ -734,7 +736,9 @@ async fn fake_server_on_its_own_thread() {
     assert_eq!(server.resource_version(), rv0 + 2);
 
     let kubeconfig = server.kubeconfig_file().unwrap();
-    let client = lb::k8s::client(Some(kubeconfig.path())).await.unwrap();
+    let client = lb::controller::k8s::client(Some(kubeconfig.path()))
+        .await
+        .unwrap();
     let api: Api<Service> = Api::all(client);
     let list = api.list(&ListParams::default()).await.unwrap();
     assert_eq!(list.items.len(), 1);

@@ -11,7 +11,7 @@ use std::{
 
 use aya::maps::{HashMap, PerCpuArray, PerCpuValues};
 use lb::{
-    bpf::{Datapath, LoadOptions},
+    datapath::load::{Datapath, LoadOptions},
     metrics::{HEALTH_TIMEOUT, Metrics, serve},
 };
 use lb_common::{Ct4Key, Ct6Key, CtValue, MetricValue, ct_dir, map_names, metrics};

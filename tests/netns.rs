@@ -11,11 +11,13 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData, PerCpuArray};
-use lb::testbed::{LbDaemon, Testbed};
 use lb_common::{MetricValue, Svc4Key, SvcValue, map_names, metrics, scope, svc_flags};
+use lb_tests::{
+    bins::{LB, LB_ECHO},
+    daemon::LbDaemon,
+    testbed::Testbed,
+};
 
-const LB: &str = env!("CARGO_BIN_EXE_lb");
-const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
 const ECHO_PORT: u16 = 8080;
 const REQUESTS: usize = 30;
 

@@ -1,5 +1,5 @@
-//! Tests of the reconciler (`lb::reconcile::Reconciler`) against the in-memory maps
-//! (`lb::maps::MemMaps`): what it writes, in which order, and what it leaves behind.
+//! Tests of the reconciler (`lb::controller::reconcile::Reconciler`) against the in-memory maps
+//! (`lb::datapath::maps::MemMaps`): what it writes, in which order, and what it leaves behind.
 //!
 //! Every expectation is derived from the desired state (which frontends, which backends in which
 //! slots) or from the datapath's lookup rules (master entry at slot 0 with a count, slots
@@ -12,9 +12,9 @@ use std::{
 };
 
 use lb::{
-    maps::{Dump, Family, LbMaps, MapOpError, MemMaps, Table, render},
+    controller::reconcile::{ApplyReport, Reconciler},
+    datapath::maps::{Dump, Family, LbMaps, MapOpError, MemMaps, Table, render},
     model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
-    reconcile::{ApplyReport, Reconciler},
 };
 use lb_common::{SvcValue, backend_state, scope, svc_flags};
 

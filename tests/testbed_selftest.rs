@@ -1,5 +1,5 @@
-//! Self-test of `lb::testbed` and `lb-echo`: no load balancer involved, the client talks to the
-//! backends' own addresses through the forwarding node netns. Needs root.
+//! Self-test of `lb_tests::testbed` and `lb-echo`: no load balancer involved, the client talks
+//! to the backends' own addresses through the forwarding node netns. Needs root.
 use std::{
     collections::HashSet,
     net::{IpAddr, SocketAddr},
@@ -10,10 +10,9 @@ use std::{
     time::Instant,
 };
 
-use lb::testbed::Testbed;
+use lb_tests::{bins::LB_ECHO, testbed::Testbed};
 use serde_json::Value;
 
-const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
 const PORT: u16 = 8080;
 
 /// Runs `lb-echo client` in the client netns; returns its exit success and the parsed lines.

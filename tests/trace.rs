@@ -10,11 +10,12 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData};
-use lb::testbed::{LbDaemon, Testbed};
 use lb_common::{Ct4Key, CtValue};
-
-const LB: &str = env!("CARGO_BIN_EXE_lb");
-const LB_ECHO: &str = env!("CARGO_BIN_EXE_lb-echo");
+use lb_tests::{
+    bins::{LB, LB_ECHO},
+    daemon::LbDaemon,
+    testbed::Testbed,
+};
 
 fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")

@@ -1,5 +1,5 @@
 //! Tests of the pure translation from Services and EndpointSlices to the desired datapath state
-//! (`lb::translate::desired_state`). Objects are written as YAML, as a user or the API server
+//! (`translate::desired_state`). Objects are written as YAML, as a user or the API server
 //! would, and parsed with the manifest reader.
 use std::{
     collections::BTreeSet,
@@ -9,9 +9,11 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use lb::{
-    manifests::{Objects, parse_into},
+    controller::manifests::{Objects, parse_into},
+    controller::translate::{
+        Ignored, NodeInfo, SkipReason, Skipped, Translation, desired_state, ignored,
+    },
     model::{Frontend, Proto, ServiceEntry},
-    translate::{Ignored, NodeInfo, SkipReason, Skipped, Translation, desired_state, ignored},
 };
 use lb_common::{backend_state, scope, svc_flags};
 
@@ -1364,7 +1366,8 @@ fn empty_input_gives_empty_state() {
 #[test]
 fn the_example_manifests_translate_to_the_demo_state() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
-    let (o, problems) = lb::manifests::load_dir(&dir).expect("deploy/examples is readable");
+    let (o, problems) =
+        lb::controller::manifests::load_dir(&dir).expect("deploy/examples is readable");
     assert!(problems.is_empty(), "{problems:?}");
     let t = anywhere(&o);
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);

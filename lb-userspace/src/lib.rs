@@ -1,18 +1,13 @@
 //! lb: an eBPF service load balancer that replaces kube-proxy.
 //!
-//! Sources (manifest files, later the Kubernetes API) are translated by a pure function
-//! (`translate`) into a `model::DesiredState`; the `reconcile::Reconciler` makes the pinned BPF
-//! maps (`maps`, `bpf`) hold it; the kernel programs in lb-ebpf do the balancing.
-pub mod bpf;
-pub mod daemon;
-pub mod inspect;
-pub mod k8s;
-pub mod manifests;
-pub mod maps;
+//! The flow: a source (`controller::source`: manifest files, or the Kubernetes API) publishes
+//! objects; `controller::translate`, a pure function, turns them into a `model::DesiredState`;
+//! `controller::reconcile` makes the pinned BPF maps (`datapath::maps`, loaded by
+//! `datapath::load`) hold it; the kernel programs in lb-ebpf do the balancing. `cli` reads the
+//! live maps back (`lb services`, `lb status`, `lb trace`); `metrics` serves Prometheus and
+//! health.
+pub mod cli;
+pub mod controller;
+pub mod datapath;
 pub mod metrics;
 pub mod model;
-pub mod reconcile;
-pub mod source;
-pub mod testbed;
-pub mod trace;
-pub mod translate;

@@ -1,5 +1,5 @@
 //! A local fake Kubernetes API server that speaks the real list/watch protocol for Services,
-//! EndpointSlices and Nodes, so the kube-rs reflectors in `lb::k8s` can be tested without a
+//! EndpointSlices and Nodes, so the kube-rs reflectors in `controller::k8s` can be tested without a
 //! cluster.
 //!
 //! * Plain HTTP on `127.0.0.1:<ephemeral>`, no authentication; [`ApiServer::kubeconfig_file`]

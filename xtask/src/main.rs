@@ -34,7 +34,7 @@ enum Task {
     },
     /// Set up, build the binaries and run every test; needs root.
     Test {
-        /// Extra arguments for `cargo test`, e.g. `-- -p lb-userspace -- --nocapture`.
+        /// Extra arguments for `cargo test`, e.g. `-- -p lb-tests --test netns -- --nocapture`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },

@@ -2,7 +2,7 @@
 //! installs iptables and nftables too), builds `lb-bench` in release mode, runs it, and writes
 //! the report.
 //!
-//! The measuring happens in `lb-bench` (lb-userspace/src/bin/lb-bench.rs); it writes
+//! The measuring happens in `lb-bench` (tests/src/bin/lb-bench/); it writes
 //! `target/bench/results.json` and `target/bench/notes.json`. A full run (every suite, not
 //! quick) writes `docs/benchmarks.md`; a quick or partial run writes
 //! `target/bench/benchmarks.md`, so it never replaces the published numbers.

@@ -753,7 +753,7 @@ fn method(w: &mut String, r: &Results) {
 
 const METHOD: &str = r#"
 Everything runs on one machine, as root, in network namespaces with addresses from
-198.18.0.0/15 and no default route. `lb-bench` (lb-userspace/src/bin/lb-bench.rs) measures;
+198.18.0.0/15 and no default route. `lb-bench` (tests/src/bin/lb-bench/) measures;
 `cargo xtask bench` sets up, builds it in release mode, runs it and writes this file.
 
 **Objects.** Every suite generates Services (ClusterIP, namespace `bench`) and one

@@ -31,8 +31,8 @@ use lb_common::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    daemon::{DEFAULT_STATE_DIR, FRONTENDS_FILE, FrontendName},
-    maps::{BpfMaps, Dump, Family, LbMaps as _, Table, flag_names},
+    controller::daemon::{DEFAULT_STATE_DIR, FRONTENDS_FILE, FrontendName},
+    datapath::maps::{BpfMaps, Dump, Family, LbMaps as _, Table, flag_names},
     model::Frontend,
 };
 
@@ -303,7 +303,7 @@ fn scope_name(s: u8) -> &'static str {
     }
 }
 
-pub use crate::maps::state_name;
+pub use crate::datapath::maps::state_name;
 
 /// The service type the flags stand for (the same precedence as `ServiceEntry::kind`).
 fn kind_of(flags: u16) -> &'static str {

@@ -21,7 +21,7 @@ use std::{
 use lb_common::{SvcValue, backend_state, lb_alg};
 
 use crate::{
-    maps::{Dump, Family, LbMaps, MapOpError, Table},
+    datapath::maps::{Dump, Family, LbMaps, MapOpError, Table},
     model::{Backend, DesiredState, Frontend, L4Addr, ServiceEntry},
 };
 

@@ -13,7 +13,7 @@ use k8s_openapi::api::{
 };
 use tokio::sync::{Notify, watch};
 
-use crate::manifests::{self, Problem};
+use super::manifests::{self, Problem};
 
 /// Everything a source knows at one point in time.
 #[derive(Clone, Debug)]

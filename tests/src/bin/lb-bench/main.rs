@@ -21,17 +21,11 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 
-#[path = "lb-bench/controlplane.rs"]
 mod controlplane;
-#[path = "lb-bench/datapath.rs"]
 mod datapath;
-#[path = "lb-bench/kubeproxy.rs"]
 mod kubeproxy;
-#[path = "lb-bench/netns.rs"]
 mod netns;
-#[path = "lb-bench/newflows.rs"]
 mod newflows;
-#[path = "lb-bench/workload.rs"]
 mod workload;
 
 #[derive(Parser)]

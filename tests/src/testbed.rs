@@ -44,16 +44,13 @@
 //! stderr; `drop` never panics.
 use std::{
     collections::hash_map::DefaultHasher,
-    fs::{self, File, OpenOptions},
+    fs,
     hash::{Hash as _, Hasher as _},
     io::{self, BufRead as _, BufReader},
     net::{Ipv4Addr, Ipv6Addr},
-    os::{
-        fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
-        unix::process::CommandExt as _,
-    },
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd, RawFd},
     path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Output, Stdio},
+    process::{Child, Command, Output, Stdio},
     sync::{
         atomic::{AtomicU64, Ordering},
         mpsc,
@@ -63,6 +60,8 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
+
+use crate::netns::{Enter, in_netns, ip};
 
 /// Where cgroup v2 is mounted on the test machines.
 pub const CGROUP_ROOT: &str = "/sys/fs/cgroup/unified";
@@ -224,8 +223,14 @@ impl Testbed {
             ip(&["netns", "add", ns])?;
             self.created_ns.push(ns.clone());
             let forwarding: &[_] = if *ns == node { &FORWARDING } else { &[] };
-            write_sysctls(&ns_path(ns), NO_DAD.iter().chain(forwarding))
-                .with_context(|| format!("sysctls in {ns}"))?;
+            let writes: Vec<_> = NO_DAD.iter().chain(forwarding).collect();
+            in_netns(ns, || {
+                for (path, value) in writes {
+                    fs::write(path, value).with_context(|| format!("write {path}"))?;
+                }
+                Ok(())
+            })
+            .with_context(|| format!("sysctls in {ns}"))?;
         }
         ip(&["-n", &node, "link", "set", "lo", "up"])?;
         for h in &hosts {
@@ -410,110 +415,6 @@ fn new_id() -> String {
     format!("{:06x}", h.finish() & 0xff_ffff)
 }
 
-fn ns_path(ns: &str) -> PathBuf {
-    if ns.starts_with('/') {
-        PathBuf::from(ns)
-    } else {
-        Path::new("/run/netns").join(ns)
-    }
-}
-
-fn ip_binary() -> &'static str {
-    if Path::new("/usr/sbin/ip").exists() {
-        "/usr/sbin/ip"
-    } else {
-        "ip"
-    }
-}
-
-/// Runs `ip ARGS…`; a non-zero exit is an error carrying stderr.
-pub fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new(ip_binary())
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .context("run ip")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}: {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-/// Writes `(path, value)` pairs from a short-lived thread that entered netns `ns` (network
-/// sysctls resolve against the opening thread's netns).
-fn write_sysctls<'a>(
-    ns: &Path,
-    writes: impl Iterator<Item = &'a (&'a str, &'a str)> + Send,
-) -> anyhow::Result<()> {
-    let f = File::open(ns).with_context(|| format!("open {}", ns.display()))?;
-    thread::scope(|s| {
-        s.spawn(|| -> anyhow::Result<()> {
-            nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
-            for (path, value) in writes {
-                fs::write(path, value).with_context(|| format!("write {path}"))?;
-            }
-            Ok(())
-        })
-        .join()
-        .unwrap_or_else(|_| Err(anyhow::anyhow!("sysctl thread panicked")))
-    })
-}
-
-/// File descriptors a child needs to enter a netns and a cgroup, opened before fork.
-struct Enter {
-    netns: File,
-    cgroup_procs: Option<File>,
-}
-
-impl Enter {
-    fn open(ns: &str, cgroup: Option<&Path>) -> anyhow::Result<Self> {
-        let path = ns_path(ns);
-        let netns = File::open(&path).with_context(|| format!("open netns {}", path.display()))?;
-        let cgroup_procs = cgroup
-            .map(|cg| {
-                let procs = cg.join("cgroup.procs");
-                OpenOptions::new()
-                    .write(true)
-                    .open(&procs)
-                    .with_context(|| format!("open {}", procs.display()))
-            })
-            .transpose()?;
-        Ok(Self {
-            netns,
-            cgroup_procs,
-        })
-    }
-
-    /// Adds the pre_exec hook. `self` must stay alive until the command was spawned.
-    fn install(&self, cmd: &mut Command) {
-        let netns: RawFd = self.netns.as_raw_fd();
-        let procs: Option<RawFd> = self.cgroup_procs.as_ref().map(|f| f.as_raw_fd());
-        let hook = move || -> io::Result<()> {
-            if let Some(fd) = procs {
-                // SAFETY: write(2) is async-signal-safe; fd is open (inherited across fork) and
-                // the buffer is a static byte string.
-                if unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) } != 1 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            // SAFETY: setns(2) is async-signal-safe; fd is an open netns file.
-            if unsafe { libc::setns(netns, libc::CLONE_NEWNET) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        };
-        // SAFETY: the hook only makes async-signal-safe system calls and does not allocate.
-        unsafe {
-            cmd.pre_exec(hook);
-        }
-    }
-}
-
 fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     let pid = libc::pid_t::try_from(pid).map_err(io::Error::other)?;
     // SAFETY: pidfd_open(2) with valid arguments; the result is checked.
@@ -586,161 +487,6 @@ fn remove_cgroup(cg: &Path) -> anyhow::Result<()> {
                 thread::sleep(Duration::from_millis(10));
             }
             Err(err) => return Err(err).context("rmdir"),
-        }
-    }
-}
-
-/// `lb run` inside a testbed's node netns with a pin dir and a state dir of its own, its log
-/// (stderr) collected line by line. Dropping it stops lb (SIGTERM, then SIGKILL) and removes
-/// both directories unless [`LbDaemon::keep_dirs`] was called.
-pub struct LbDaemon {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    /// Every log line received so far.
-    pub log: Vec<String>,
-    pub pin_dir: PathBuf,
-    pub state_dir: PathBuf,
-    keep_dirs: bool,
-}
-
-/// How long [`LbDaemon`] waits for a log line.
-pub const LB_LOG_TIMEOUT: Duration = Duration::from_secs(20);
-
-impl LbDaemon {
-    /// Starts `lb run ARGS --pin-dir … --state-dir …` (`lb` is the binary) in `tb`'s node netns
-    /// with `RUST_LOG=rust_log`, without waiting for it. Proxy variables are removed: lb talks
-    /// to loopback only here.
-    pub fn spawn(
-        tb: &mut Testbed,
-        lb: &Path,
-        args: &[&str],
-        rust_log: &str,
-    ) -> anyhow::Result<Self> {
-        let pin_dir = PathBuf::from(format!("/sys/fs/bpf/lb-test-{}", tb.id));
-        let state_dir = std::env::temp_dir().join(format!("lb-test-state-{}", tb.id));
-        let mut cmd = Command::new(lb);
-        cmd.arg("run")
-            .args(args)
-            .arg("--pin-dir")
-            .arg(&pin_dir)
-            .arg("--state-dir")
-            .arg(&state_dir)
-            .env("RUST_LOG", rust_log)
-            .env_remove("HTTPS_PROXY")
-            .env_remove("https_proxy")
-            .env_remove("KUBECONFIG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let node_ns = tb.node_ns.clone();
-        let mut child = tb.spawn(&node_ns, None, cmd)?;
-        let stderr = child.stderr.take().context("lb's stderr")?;
-        let (tx, lines) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Self {
-            child,
-            lines,
-            log: Vec::new(),
-            pin_dir,
-            state_dir,
-            keep_dirs: false,
-        })
-    }
-
-    /// [`LbDaemon::spawn`] and wait until lb reports `ready` (programmed and attached).
-    pub fn start(
-        tb: &mut Testbed,
-        lb: &Path,
-        args: &[&str],
-        rust_log: &str,
-    ) -> anyhow::Result<Self> {
-        let mut daemon = Self::spawn(tb, lb, args, rust_log)?;
-        daemon.wait_for(|l| l.contains(" ready"), "ready")?;
-        Ok(daemon)
-    }
-
-    /// Waits for a new log line matching `pred` and returns it; the error carries the whole
-    /// log (timeout, or lb exited).
-    pub fn wait_for(&mut self, pred: impl Fn(&str) -> bool, what: &str) -> anyhow::Result<String> {
-        self.wait_for_from(self.log.len(), pred, what)
-    }
-
-    /// Like [`LbDaemon::wait_for`], but lines already received from index `from` on count too.
-    pub fn wait_for_from(
-        &mut self,
-        from: usize,
-        pred: impl Fn(&str) -> bool,
-        what: &str,
-    ) -> anyhow::Result<String> {
-        if let Some(line) = self.log.iter().skip(from).find(|l| pred(l)) {
-            return Ok(line.clone());
-        }
-        let deadline = Instant::now() + LB_LOG_TIMEOUT;
-        while Instant::now() < deadline {
-            match self.lines.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) => {
-                    let hit = pred(&line);
-                    self.log.push(line.clone());
-                    if hit {
-                        return Ok(line);
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if let Ok(Some(status)) = self.child.try_wait() {
-                        bail!(
-                            "lb exited ({status}) before {what}:\n{}",
-                            self.log.join("\n")
-                        );
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            }
-        }
-        bail!("no {what} from lb:\n{}", self.log.join("\n"))
-    }
-
-    /// Sends `signal` to lb.
-    pub fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
-        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id())?);
-        nix::sys::signal::kill(pid, signal).context("kill")
-    }
-
-    /// Stops lb with SIGTERM (SIGKILL after 5 s) and returns how it exited.
-    pub fn stop(&mut self) -> anyhow::Result<ExitStatus> {
-        if let Some(status) = self.child.try_wait()? {
-            return Ok(status);
-        }
-        self.signal(nix::sys::signal::Signal::SIGTERM)?;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait()? {
-                return Ok(status);
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
-        self.child.kill()?;
-        Ok(self.child.wait()?)
-    }
-
-    /// Leaves the pin and state directories behind on drop (a later lb reuses them).
-    pub fn keep_dirs(&mut self) {
-        self.keep_dirs = true;
-    }
-}
-
-impl Drop for LbDaemon {
-    fn drop(&mut self) {
-        if let Err(e) = self.stop() {
-            eprintln!("lb-testbed: stopping lb: {e:#}");
-        }
-        if !self.keep_dirs {
-            let _ = fs::remove_dir_all(&self.pin_dir);
-            let _ = fs::remove_dir_all(&self.state_dir);
         }
     }
 }

@@ -22,10 +22,10 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
-    bpf::{Datapath, LoadOptions},
-    maps::BpfMaps,
-    reconcile::{ApplyReport, Reconciler},
-    translate::{NodeInfo, desired_state},
+    controller::reconcile::{ApplyReport, Reconciler},
+    controller::translate::{NodeInfo, desired_state},
+    datapath::load::{Datapath, LoadOptions},
+    datapath::maps::BpfMaps,
 };
 use lb_common::{map_names, map_sizes};
 

@@ -15,7 +15,7 @@ use kube::{
     runtime::{WatchStreamExt as _, reflector, watcher},
 };
 
-use crate::source::{Snapshot, SnapshotSender};
+use super::source::{Snapshot, SnapshotSender};
 
 /// A client from `kubeconfig`, or else the in-cluster config, or else `$KUBECONFIG` /
 /// `~/.kube/config`.

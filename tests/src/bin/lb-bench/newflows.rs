@@ -26,12 +26,12 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
-    bpf::{Datapath, LoadOptions, TcHook},
-    maps::BpfMaps,
-    reconcile::Reconciler,
-    testbed::Testbed,
-    translate::{NodeInfo, desired_state},
+    controller::reconcile::Reconciler,
+    controller::translate::{NodeInfo, desired_state},
+    datapath::load::{Datapath, LoadOptions, TcHook},
+    datapath::maps::BpfMaps,
 };
+use lb_tests::testbed::Testbed;
 
 use crate::{
     kubeproxy::{self, Config},
@@ -222,7 +222,7 @@ fn run_size(
         "add",
         &format!("{DIRECT_CLIENT}/24"),
         "dev",
-        lb::testbed::HOST_IF,
+        lb_tests::testbed::HOST_IF,
     ]);
     netns::run(&beds[0].tb.client.ns, cmd)?;
     let impls: Vec<Impl> = Impl::ALL
@@ -356,7 +356,7 @@ fn program(
         let ifaces = bed.tb.node_ifaces();
         let cgroup = bed.tb.cgroup.clone();
         let start = Instant::now();
-        let agent = netns::with(&node_ns, || {
+        let agent = lb_tests::netns::in_netns(&node_ns, || {
             let mut datapath = Datapath::load(&LoadOptions::default())?;
             let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
             let report = reconciler.apply(state);

@@ -16,10 +16,10 @@
 use std::{
     collections::BTreeMap,
     fs::{self, File, OpenOptions},
-    io::{self, BufRead as _, BufReader, Write as _},
+    io::{self, Write as _},
     net::SocketAddr,
     path::{Path, PathBuf},
-    process::{Child, ChildStderr, Command, ExitCode, ExitStatus, Stdio},
+    process::{Command, ExitCode, Stdio},
     sync::{
         atomic::{AtomicBool, Ordering},
         mpsc,
@@ -31,22 +31,19 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 use aya::maps::{Map, MapData, PerCpuArray};
 use clap::Parser;
-use lb::testbed::Testbed;
 use lb_common::{MetricValue, map_names, metrics};
-use nix::{
-    sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal},
-    unistd::Pid,
+use lb_tests::{
+    bins,
+    daemon::{LbDaemon, LbOptions},
+    testbed::Testbed,
 };
+use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
 use serde_json::Value;
 
 /// Backends in the testbed; deploy/examples lists exactly their addresses.
 const BACKENDS: usize = 3;
 /// Port the echo servers listen on (the service's target port).
 const ECHO_PORT: u16 = 8080;
-/// How long lb may take to log `ready`.
-const READY_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long lb may take to exit after SIGTERM before it is killed.
-const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often blocking waits look at the interrupt flag.
 const POLL: Duration = Duration::from_millis(100);
 /// Width of a bar for a backend that got every request.
@@ -184,13 +181,8 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
         nix::unistd::geteuid().is_root(),
         "lb-demo needs root (network namespaces, cgroups, BPF); run `cargo xtask demo` or use sudo"
     );
-    let bin_dir = std::env::current_exe()
-        .context("locating lb-demo")?
-        .parent()
-        .context("lb-demo has no parent directory")?
-        .to_path_buf();
-    let lb_bin = sibling(&bin_dir, "lb")?;
-    let echo_bin = sibling(&bin_dir, "lb-echo")?;
+    let lb_bin = bins::LB.path()?;
+    let echo_bin = bins::LB_ECHO.path()?;
     let manifests = match &cli.manifests {
         Some(dir) => dir.clone(),
         None => Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -228,22 +220,29 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
     let ifaces = tb.node_ifaces().join(",");
 
     for mode in [Mode::SocketLb, Mode::TcOnly] {
-        let mut args: Vec<String> = vec![
-            "run".into(),
-            "--manifests".into(),
+        let (manifests, cgroup) = (
             manifests.display().to_string(),
-            "--pin-dir".into(),
-            pin_dir.0.display().to_string(),
-            "--state-dir".into(),
-            state_dir.0.display().to_string(),
-        ];
+            tb.cgroup.display().to_string(),
+        );
+        let mut args = vec!["--manifests", &manifests];
         match mode {
-            Mode::SocketLb => {
-                args.extend(["--cgroup-path".into(), tb.cgroup.display().to_string()]);
-            }
-            Mode::TcOnly => args.push("--socket-lb=false".into()),
+            Mode::SocketLb => args.extend(["--cgroup-path", &cgroup]),
+            Mode::TcOnly => args.push("--socket-lb=false"),
         }
-        args.extend(["--tc-pod".into(), ifaces.clone()]);
+        args.extend(["--tc-pod", &ifaces]);
+        let opts = LbOptions {
+            pin_dir: pin_dir.0.clone(),
+            state_dir: state_dir.0.clone(),
+            rust_log: "info".into(),
+            log_file: log
+                .as_ref()
+                .map(File::try_clone)
+                .transpose()
+                .context("cloning the log file handle")?,
+            on_line: Some(print_lb_line),
+            interrupted: Some(&INTERRUPTED),
+        };
+        let shown = LbDaemon::command_args(&args, &opts).join(" ");
 
         println!();
         match mode {
@@ -274,16 +273,18 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
                 mode.letter(),
                 mode.name(),
                 lb_bin.display(),
-                args.join(" ")
+                shown
             )
             .context("writing the log file")?;
         }
-        println!("  $ {} {}", lb_bin.display(), args.join(" "));
+        println!("  $ {} {shown}", lb_bin.display());
         println!("    (in netns {}; its log follows, indented)", tb.node_ns);
         // The counters live in a pinned map, so they carry over from mode A to mode B.
         let before = read_counters(&pin_dir.0);
-        let mut lb = Lb::start(&mut tb, &lb_bin, &args, log.as_ref())?;
-        lb.wait_ready(READY_TIMEOUT)?;
+        let mut lb = LbDaemon::spawn_with(&mut tb, &lb_bin, &args, opts)?;
+        // Both modes share the pin dir; the guards above remove it (and the state dir) at the end.
+        lb.keep_dirs();
+        lb.wait_ready()?;
         print_inspect_hints(&tb, &pin_dir.0, mode, cli.pause);
 
         let cgroup = match mode {
@@ -353,16 +354,6 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
     );
     println!("  stopped the echo servers, deleted the netns and the cgroup");
     Ok(())
-}
-
-fn sibling(dir: &Path, name: &str) -> anyhow::Result<PathBuf> {
-    let path = dir.join(name);
-    ensure!(
-        path.is_file(),
-        "{} not found; build all binaries first (`cargo build --bins`)",
-        path.display()
-    );
-    Ok(path)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -840,148 +831,6 @@ fn run_client(
 // ---------------------------------------------------------------------------------------------
 // lb
 
-/// A running `lb run`; SIGTERMed (then killed) and reaped on drop.
-struct Lb {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    reader: Option<thread::JoinHandle<()>>,
-}
-
-impl Lb {
-    /// Starts lb in the node netns; its stderr goes to a thread that copies each line to `log`
-    /// and hands it to [`Lb::drain`].
-    fn start(
-        tb: &mut Testbed,
-        bin: &Path,
-        args: &[String],
-        log: Option<&File>,
-    ) -> anyhow::Result<Self> {
-        let mut cmd = Command::new(bin);
-        cmd.args(args)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        let log = log
-            .map(File::try_clone)
-            .transpose()
-            .context("cloning the log file handle")?;
-        let node_ns = tb.node_ns.clone();
-        let mut child = tb
-            .spawn(&node_ns, None, cmd)
-            .context("starting lb in the node netns")?;
-        let stderr = child.stderr.take().context("lb's stderr")?;
-        let (tx, rx) = mpsc::channel();
-        let reader = thread::Builder::new()
-            .name("lb-log".into())
-            .spawn(move || forward_log(stderr, log, &tx));
-        let reader = match reader {
-            Ok(r) => r,
-            Err(err) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(err).context("spawn lb log reader");
-            }
-        };
-        Ok(Self {
-            child,
-            lines: rx,
-            reader: Some(reader),
-        })
-    }
-
-    /// Prints lb's log until it says `ready`; fails if it exits or takes longer than `timeout`.
-    fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            check_interrupted()?;
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                bail!("lb did not log `ready` within {timeout:?}");
-            }
-            match self.lines.recv_timeout(left.min(POLL)) {
-                Ok(line) => {
-                    print_lb_line(&line);
-                    if line.split_whitespace().any(|w| w == "ready") {
-                        return Ok(());
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    let status = self.child.wait().context("waiting for lb")?;
-                    bail!("lb exited with {status} before it was ready (its log is above)");
-                }
-            }
-        }
-    }
-
-    /// Prints the log lines that arrived since the last call.
-    fn drain(&self) {
-        while let Ok(line) = self.lines.try_recv() {
-            print_lb_line(&line);
-        }
-    }
-
-    /// SIGTERM, wait (at most [`STOP_TIMEOUT`], then SIGKILL), print the rest of the log.
-    fn stop(&mut self) -> anyhow::Result<ExitStatus> {
-        let status = self.terminate().context("stopping lb")?;
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
-        self.drain();
-        Ok(status)
-    }
-
-    fn terminate(&mut self) -> io::Result<ExitStatus> {
-        if let Some(status) = self.child.try_wait()? {
-            return Ok(status);
-        }
-        let pid = Pid::from_raw(i32::try_from(self.child.id()).map_err(io::Error::other)?);
-        // Not reaped yet (try_wait said so), so the pid is still this child's.
-        signal::kill(pid, Signal::SIGTERM).map_err(io::Error::from)?;
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait()? {
-                return Ok(status);
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
-        eprintln!("lb-demo: lb did not exit within {STOP_TIMEOUT:?} of SIGTERM; killing it");
-        self.child.kill()?;
-        self.child.wait()
-    }
-}
-
-impl Drop for Lb {
-    fn drop(&mut self) {
-        if let Err(err) = self.terminate() {
-            eprintln!("lb-demo: stopping lb: {err}");
-        }
-    }
-}
-
-/// Copies lb's stderr, line by line, to `log` and `tx` until EOF.
-fn forward_log(stderr: ChildStderr, mut log: Option<File>, tx: &mpsc::Sender<String>) {
-    let mut reader = BufReader::new(stderr);
-    let mut buf = Vec::new();
-    loop {
-        buf.clear();
-        match reader.read_until(b'\n', &mut buf) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        let line = strip_ansi(String::from_utf8_lossy(&buf).trim_end());
-        if let Some(f) = log.as_mut()
-            && writeln!(f, "{line}").is_err()
-        {
-            log = None;
-        }
-        // The receiver may be gone (lb-demo is tearing down); keep draining the pipe.
-        let _ = tx.send(line);
-    }
-}
-
 /// Prints an lb log line indented, without its timestamp.
 fn print_lb_line(line: &str) {
     let trimmed = line.trim_start();
@@ -996,26 +845,6 @@ fn print_lb_line(line: &str) {
         _ => trimmed,
     };
     println!("    lb | {rest}");
-}
-
-/// Removes ANSI escape sequences (`ESC [ … final-byte`), in case lb colours its log anyway.
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            if chars.next() == Some('[') {
-                for c in chars.by_ref() {
-                    if ('\u{40}'..='\u{7e}').contains(&c) {
-                        break;
-                    }
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ pub fn service_ports<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             .metadata
             .labels
             .as_ref()
-            .and_then(|l| l.get(lb::translate::LABEL_SERVICE_NAME))
+            .and_then(|l| l.get(lb::controller::translate::LABEL_SERVICE_NAME))
         else {
             continue;
         };

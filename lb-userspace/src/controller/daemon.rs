@@ -7,14 +7,18 @@ use tokio::{
     sync::Notify,
 };
 
-use crate::{
-    bpf::{Datapath, LoadOptions, TcHook},
+use super::{
     k8s,
-    maps::LbMaps,
-    metrics::{self, Metrics},
     reconcile::Reconciler,
     source::{self, Snapshot},
     translate::{self, NodeInfo},
+};
+use crate::{
+    datapath::{
+        load::{Datapath, LoadOptions, TcHook},
+        maps::LbMaps,
+    },
+    metrics::{self, Metrics},
 };
 
 /// Where the objects come from.

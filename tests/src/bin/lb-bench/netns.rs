@@ -1,25 +1,16 @@
-//! Running things inside network namespaces: commands (setns in the child before exec, so the
-//! mount namespace and /sys/fs/bpf stay the host's), closures on a helper thread, and scratch
-//! namespaces that are deleted on drop.
+//! Running things inside network namespaces for the benchmarks: commands with their wall time
+//! (entered with the testbed's [`Enter`]), scratch namespaces that are deleted on drop, and
+//! temporary rule files.
 use std::{
-    fs::{self, File},
-    io,
-    os::{
-        fd::{AsRawFd as _, RawFd},
-        unix::process::CommandExt as _,
-    },
-    path::{Path, PathBuf},
+    fs,
+    path::PathBuf,
     process::{Child, Command, Output, Stdio},
     thread,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
-use lb::testbed::ip;
-
-fn ns_path(ns: &str) -> PathBuf {
-    Path::new("/run/netns").join(ns)
-}
+use lb_tests::netns::{Enter, ip, ns_path};
 
 /// A command started in a netns by [`spawn`].
 pub struct Running {
@@ -55,19 +46,8 @@ impl Running {
 
 /// Starts `cmd` in netns `ns` (a name under /run/netns), stdout and stderr captured.
 pub fn spawn(ns: &str, mut cmd: Command) -> anyhow::Result<Running> {
-    let file = File::open(ns_path(ns)).with_context(|| format!("open netns {ns}"))?;
-    let fd: RawFd = file.as_raw_fd();
-    let hook = move || -> io::Result<()> {
-        // SAFETY: setns(2) is async-signal-safe; fd is an open netns file inherited over fork.
-        if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    };
-    // SAFETY: the hook only makes an async-signal-safe system call and does not allocate.
-    unsafe {
-        cmd.pre_exec(hook);
-    }
+    let enter = Enter::open(ns, None)?;
+    enter.install(&mut cmd);
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -77,7 +57,7 @@ pub fn spawn(ns: &str, mut cmd: Command) -> anyhow::Result<Running> {
         .spawn()
         .with_context(|| format!("run {shown} in netns {ns}"))?;
     // The child has its own copy of the fd now.
-    drop(file);
+    drop(enter);
     Ok(Running {
         child,
         shown,
@@ -107,21 +87,6 @@ pub fn wait_all(commands: Vec<Running>) -> anyhow::Result<Vec<(Output, Duration)
 /// it exits successfully.
 pub fn run(ns: &str, cmd: Command) -> anyhow::Result<(Output, Duration)> {
     spawn(ns, cmd)?.wait()
-}
-
-/// Runs `f` on a thread that entered netns `ns` first (interface names, netlink and sysctls
-/// then resolve in that namespace); the caller's thread is untouched.
-pub fn with<T: Send>(ns: &str, f: impl FnOnce() -> anyhow::Result<T> + Send) -> anyhow::Result<T> {
-    let file = File::open(ns_path(ns)).with_context(|| format!("open netns {ns}"))?;
-    thread::scope(|s| {
-        s.spawn(|| {
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
-                .with_context(|| format!("setns {ns}"))?;
-            f()
-        })
-        .join()
-        .unwrap_or_else(|_| Err(anyhow::anyhow!("thread in netns {ns} panicked")))
-    })
 }
 
 /// An empty network namespace (loopback up) for rule-loading measurements; deleted on drop.

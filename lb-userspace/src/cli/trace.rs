@@ -25,13 +25,17 @@ use lb_common::{
 use serde::Serialize;
 
 use crate::{
-    bpf::{Datapath, LoadOptions, SERVICE_MAPS},
-    daemon::{FRONTENDS_FILE, FrontendName},
-    manifests,
-    maps::BpfMaps,
+    controller::{
+        daemon::{FRONTENDS_FILE, FrontendName},
+        manifests,
+        reconcile::Reconciler,
+        translate::{self, NodeInfo},
+    },
+    datapath::{
+        load::{Datapath, LoadOptions, SERVICE_MAPS},
+        maps::BpfMaps,
+    },
     model::{Frontend, Proto},
-    reconcile::Reconciler,
-    translate::{self, NodeInfo},
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -594,7 +598,7 @@ pub struct TraceArgs {
     #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
     /// State dir of the running lb, for service names (live mode).
-    #[arg(long, default_value = crate::daemon::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = crate::controller::daemon::DEFAULT_STATE_DIR)]
     pub state_dir: std::path::PathBuf,
 }
 

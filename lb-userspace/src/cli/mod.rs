@@ -1,0 +1,186 @@
+//! The `lb` command line: the clap definitions and what each command runs. `lb run` is the
+//! daemon (`controller::daemon`); the other commands only read a running lb's pinned maps
+//! (`inspect`, `trace`).
+pub mod inspect;
+pub mod trace;
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use lb_common::DEFAULT_PIN_DIR;
+
+use crate::controller::{
+    daemon::{self, RunOptions, SourceConfig},
+    k8s,
+};
+
+#[derive(Parser)]
+#[command(
+    name = "lb",
+    version,
+    about = "eBPF service load balancer replacing kube-proxy"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load the datapath, program it from a source and keep it in sync.
+    Run(RunArgs),
+    /// List the service frontends programmed in the pinned maps, with their backends.
+    Services(inspect::ServicesArgs),
+    /// List every backend in the pinned maps and how many frontends use it.
+    Backends(inspect::PinDirArgs),
+    /// Show the kernel, lb's loaded programs and attachments, map fill levels and counters.
+    Status(inspect::PinDirArgs),
+    /// Run a synthetic packet through the real datapath (BPF_PROG_TEST_RUN) and show where it
+    /// goes and why; never changes live conntrack.
+    Trace(trace::TraceArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Directory of Service, EndpointSlice (and Node) manifests, watched for changes; SIGHUP
+    /// re-reads it. The default source when no cluster is configured.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    manifests: Option<PathBuf>,
+    /// Kubeconfig for the Kubernetes API source (in a pod the in-cluster config is used).
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name, compared with endpoints' nodeName [default: $NODE_NAME or the hostname].
+    #[arg(long)]
+    hostname_override: Option<String>,
+    /// bpffs directory where the maps are pinned and reused across restarts.
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    pin_dir: PathBuf,
+    /// Socket-level load balancing (connect/sendmsg/recvmsg/getpeername hooks).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    socket_lb: bool,
+    /// cgroup v2 directory the socket-LB programs attach to [default: the cgroup v2 root].
+    #[arg(long)]
+    cgroup_path: Option<PathBuf>,
+    /// External-facing interfaces whose tc ingress gets per-packet service NAT, with the
+    /// frontends' external scope (comma-separated or repeated).
+    #[arg(long, value_delimiter = ',')]
+    tc_ingress: Vec<String>,
+    /// Pod-facing interfaces (host side of pod veths) whose tc ingress gets per-packet service
+    /// NAT for in-cluster traffic (the frontends' internal scope, like socket LB).
+    #[arg(long, value_delimiter = ',')]
+    tc_pod: Vec<String>,
+    /// Interfaces whose tc egress gets reverse NAT of replies.
+    #[arg(long, value_delimiter = ',')]
+    tc_egress: Vec<String>,
+    /// Prometheus metrics address (kube-proxy's default); "off" disables metrics and health.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_bind_address: String,
+    /// /healthz and /livez address (kube-proxy's default).
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    healthz_bind_address: String,
+    /// Directory for runtime state shared with `lb services` (frontend names).
+    #[arg(long, default_value = daemon::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// Map size override, `NAME=ENTRIES` (repeatable), e.g. `lb4_services=1048576`. A pinned map
+    /// of another size is refused: resizing needs a fresh pin directory.
+    #[arg(long, value_parser = parse_map_max)]
+    bpf_map_max: Vec<(String, u32)>,
+}
+
+fn parse_map_max(s: &str) -> Result<(String, u32), String> {
+    let (name, n) = s.split_once('=').ok_or("want NAME=ENTRIES")?;
+    let n = n.parse().map_err(|e| format!("{n:?}: {e}"))?;
+    Ok((name.to_string(), n))
+}
+
+/// Manifests used when neither --manifests nor a cluster is configured.
+const DEFAULT_MANIFESTS: &str = "/etc/lb/manifests";
+
+fn node_name(arg: Option<String>) -> anyhow::Result<String> {
+    if let Some(n) = arg.or_else(|| std::env::var("NODE_NAME").ok()) {
+        return Ok(n);
+    }
+    let host =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").context("reading the hostname")?;
+    Ok(host.trim().to_lowercase())
+}
+
+fn parse_addr(s: &str) -> anyhow::Result<Option<SocketAddr>> {
+    if s == "off" {
+        return Ok(None);
+    }
+    s.parse()
+        .map(Some)
+        .with_context(|| format!("bad address {s:?} (want IP:PORT or off)"))
+}
+
+/// Where the unified (v2) cgroup hierarchy is mounted.
+fn cgroup2_root() -> anyhow::Result<PathBuf> {
+    let mounts =
+        std::fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, path, fs) = (f.next()?, f.next()?, f.next()?);
+            (fs == "cgroup2").then(|| PathBuf::from(path))
+        })
+        .min_by_key(|p| p.components().count())
+        .context("no cgroup2 mount found; pass --cgroup-path or --socket-lb=false")
+}
+
+/// Runs the command `cli` names.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Trace(args) => {
+            let name = args.hostname_override.clone();
+            trace::run(&args, || node_name(name))
+        }
+        Command::Run(args) => {
+            let cgroup = if args.socket_lb {
+                Some(match args.cgroup_path {
+                    Some(p) => p,
+                    None => cgroup2_root()?,
+                })
+            } else {
+                None
+            };
+            let source = match (args.manifests, args.kubeconfig) {
+                (Some(dir), _) => SourceConfig::Manifests(dir),
+                (None, Some(kc)) => SourceConfig::Kubernetes {
+                    kubeconfig: Some(kc),
+                },
+                (None, None) if k8s::cluster_configured() => {
+                    SourceConfig::Kubernetes { kubeconfig: None }
+                }
+                (None, None) => SourceConfig::Manifests(DEFAULT_MANIFESTS.into()),
+            };
+            // One server task serves both; "off" for either turns both off.
+            let (metrics_addr, healthz_addr) = match (
+                parse_addr(&args.metrics_bind_address)?,
+                parse_addr(&args.healthz_bind_address)?,
+            ) {
+                (Some(m), Some(h)) => (Some(m), Some(h)),
+                _ => (None, None),
+            };
+            daemon::run(RunOptions {
+                source,
+                node_name: node_name(args.hostname_override)?,
+                pin_dir: args.pin_dir,
+                cgroup,
+                tc_ingress: args.tc_ingress,
+                tc_pod: args.tc_pod,
+                tc_egress: args.tc_egress,
+                metrics_addr,
+                healthz_addr,
+                state_dir: args.state_dir,
+                map_max: args.bpf_map_max.into_iter().collect(),
+            })
+            .await
+        }
+        Command::Services(args) => inspect::services_cmd(&args),
+        Command::Backends(args) => inspect::backends_cmd(&args),
+        Command::Status(args) => inspect::status_cmd(&args),
+    }
+}

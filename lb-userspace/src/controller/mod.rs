@@ -1,0 +1,13 @@
+//! The control plane: where objects come from (a watched manifest directory or the Kubernetes
+//! API), how they become a desired state, and how the maps are made to hold it.
+//!
+//! `source`/`manifests`/`k8s` produce snapshots of Services, EndpointSlices and this node's
+//! Node; `translate` turns a snapshot into a `model::DesiredState` (pure, kube-proxy's rules);
+//! `reconcile` writes the difference into the maps in an order no packet can see half-done;
+//! `daemon` is `lb run`, which wires them together.
+pub mod daemon;
+pub mod k8s;
+pub mod manifests;
+pub mod reconcile;
+pub mod source;
+pub mod translate;

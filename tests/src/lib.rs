@@ -1,0 +1,11 @@
+//! lb's test tooling, shared by the integration tests (`tests/*.rs`) and the tool binaries
+//! (`lb-echo`, `lb-demo`, `lb-bench` in `src/bin/`); none of it ships in `lb`.
+//!
+//! * [`testbed`]: a throw-away network-namespace topology (node, client, backends, cgroup);
+//! * [`daemon`]: [`daemon::LbDaemon`], `lb run` in a testbed's node netns;
+//! * [`netns`]: the `ip` runner and entering a netns from a child or a thread;
+//! * [`bins`]: where the workspace's binaries are.
+pub mod bins;
+pub mod daemon;
+pub mod netns;
+pub mod testbed;
