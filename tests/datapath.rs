@@ -17,7 +17,7 @@ use lb::{
     model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
 };
 use lb_common::{
-    Ct4Key, CtValue, MetricValue, Svc4Key, SvcValue, TraceRecord, ct_dir, ct_flags, map_names,
+    Ct4Key, Ct4Value, MetricValue, Svc4Key, SvcValue, TraceRecord, ct_dir, ct_flags, map_names,
     metrics, prog_names, scope, svc_flags, trace_ct, trace_verdict,
 };
 
@@ -139,7 +139,7 @@ impl Fixture {
         self.run(prog_names::TC_INGRESS, pkt)
     }
 
-    fn ct4(&mut self) -> HashMap<&mut MapData, Ct4Key, CtValue> {
+    fn ct4(&mut self) -> HashMap<&mut MapData, Ct4Key, Ct4Value> {
         HashMap::try_from(self.datapath.ebpf_mut().map_mut("lb4_ct").expect("lb4_ct"))
             .expect("ct map")
     }

@@ -14,7 +14,7 @@ use lb::{
     datapath::load::{Datapath, LoadOptions},
     metrics::{HEALTH_TIMEOUT, Metrics, serve},
 };
-use lb_common::{Ct4Key, Ct6Key, CtValue, MetricValue, ct_dir, map_names, metrics};
+use lb_common::{Ct4Key, Ct4Value, Ct6Key, Ct6Value, MetricValue, ct_dir, map_names, metrics};
 
 const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
 
@@ -454,9 +454,9 @@ async fn datapath_maps_are_read_at_scrape_time() {
     let mut counters: PerCpuArray<_, MetricValue> =
         PerCpuArray::try_from(ebpf.take_map(map_names::METRICS).expect("lb_metrics"))
             .expect("per-CPU array");
-    let mut ct4: HashMap<_, Ct4Key, CtValue> =
+    let mut ct4: HashMap<_, Ct4Key, Ct4Value> =
         HashMap::try_from(ebpf.take_map(map_names::CT4).expect("lb4_ct")).expect("ct4");
-    let ct6: HashMap<_, Ct6Key, CtValue> =
+    let ct6: HashMap<_, Ct6Key, Ct6Value> =
         HashMap::try_from(ebpf.take_map(map_names::CT6).expect("lb6_ct")).expect("ct6");
 
     let cpus = aya::util::nr_cpus().expect("nr_cpus");
@@ -479,7 +479,7 @@ async fn datapath_maps_are_read_at_scrape_time() {
         let values = PerCpuValues::try_from(values.clone()).expect("per-CPU values");
         counters.set(*index, values, 0).expect("write lb_metrics");
     }
-    let ct_value = CtValue {
+    let ct_value = Ct4Value {
         backend_id: 1,
         rev_nat_id: 1,
         expires: u32::MAX,

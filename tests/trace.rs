@@ -10,7 +10,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData};
-use lb_common::{Ct4Key, CtValue};
+use lb_common::{Ct4Key, Ct4Value};
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
@@ -142,7 +142,7 @@ fn check_agreement(
 
 fn ct_entries(pin_dir: &Path) -> usize {
     let map = MapData::from_pin(pin_dir.join("lb4_ct")).unwrap();
-    let ct: HashMap<MapData, Ct4Key, CtValue> = HashMap::try_from(Map::LruHashMap(map)).unwrap();
+    let ct: HashMap<MapData, Ct4Key, Ct4Value> = HashMap::try_from(Map::LruHashMap(map)).unwrap();
     ct.keys().count()
 }
 

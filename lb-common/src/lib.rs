@@ -30,14 +30,31 @@ pub mod map_names {
     pub const CT6: &str = "lb6_ct";
     pub const SK_REVNAT6: &str = "lb6_sk_revnat";
     pub const METRICS: &str = "lb_metrics";
+    /// This node's facts for the datapath (`LbConfig`, one entry), written at start-up.
+    pub const CONFIG: &str = "lb_config";
+    /// Cluster CIDRs (`--cluster-cidr`), LPM tries: sources inside are pods.
+    pub const CLUSTER_CIDR4: &str = "lb4_clustercidr";
+    pub const CLUSTER_CIDR6: &str = "lb6_clustercidr";
     /// The decision record of traced loads (`TraceRecord`). Never pinned, so not in `ALL`: each
     /// load owns its own, and a trace load cannot touch a running lb's.
     pub const TRACE: &str = "lb_trace";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 11] = [
-        SERVICES4, BACKENDS4, REVNAT4, CT4, SK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, CT6,
-        SK_REVNAT6, METRICS,
+    pub const ALL: [&str; 14] = [
+        SERVICES4,
+        BACKENDS4,
+        REVNAT4,
+        CT4,
+        SK_REVNAT4,
+        SERVICES6,
+        BACKENDS6,
+        REVNAT6,
+        CT6,
+        SK_REVNAT6,
+        METRICS,
+        CONFIG,
+        CLUSTER_CIDR4,
+        CLUSTER_CIDR6,
     ];
 }
 
@@ -80,6 +97,8 @@ pub mod map_sizes {
     pub const CT: u32 = 1 << 17;
     pub const SK_REVNAT: u32 = 1 << 17;
     pub const METRICS: u32 = crate::metrics::MAX as u32;
+    /// Cluster CIDRs per family (kube-proxy takes a handful; this is generous).
+    pub const CLUSTER_CIDR: u32 = 64;
 }
 
 /// Names of the read-only globals userspace may set at load time.
@@ -150,7 +169,54 @@ pub mod ct_flags {
     pub const TX_CLOSING: u16 = 1 << 1;
     /// FIN or RST seen from the backend.
     pub const RX_CLOSING: u16 = 1 << 2;
+    /// The flow is masqueraded: `nat_addr`/`nat_port` hold the node-side source (service entry)
+    /// or the client to send replies back to (reply entry).
+    pub const SNAT: u16 = 1 << 3;
 }
+
+/// Masquerade (SNAT) of tc-balanced flows.
+pub mod nat {
+    /// The source ports masquerade allocates, inclusive: above Linux's default ephemeral range
+    /// (`ip_local_port_range` 32768–60999) and the NodePort range (30000–32767), so neither a
+    /// node socket's own port nor a NodePort is ever handed out.
+    pub const PORT_MIN: u16 = 61_000;
+    pub const PORT_MAX: u16 = 65_535;
+    /// Random ports tried per new flow before it is dropped as `tc_snat_port_exhausted`.
+    pub const PORT_TRIES: u32 = 16;
+}
+
+/// `LbConfig::flags` bits.
+pub mod config_flags {
+    /// `--masquerade-all`: masquerade all traffic to ClusterIPs.
+    pub const MASQUERADE_ALL: u32 = 1 << 0;
+    /// `--cluster-cidr` has IPv4 ranges: the IPv4 local-traffic detector is on.
+    pub const CLUSTER_CIDR4: u32 = 1 << 1;
+    /// `--cluster-cidr` has IPv6 ranges.
+    pub const CLUSTER_CIDR6: u32 = 1 << 2;
+}
+
+/// Value of the one-entry array `lb_config`: this node's facts, written by userspace before
+/// the programs are attached. All zero (no node IP, no detector, no masquerade-all) turns
+/// masquerading off except hairpin, which then has no address to use either.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct LbConfig {
+    /// The IPv4 source masqueraded flows get; all zero: none.
+    pub node_ip4: [u8; 4],
+    /// The IPv6 source masqueraded flows get; all zero: none.
+    pub node_ip6: [u8; 16],
+    /// `config_flags` bits.
+    pub flags: u32,
+    /// The masquerade port range, inclusive (`nat::PORT_MIN`..=`nat::PORT_MAX` by default).
+    pub nat_port_min: u16,
+    pub nat_port_max: u16,
+}
+
+/// Data of an `lb4_clustercidr` key (the LPM trie key is `{prefixlen: u32, addr}`).
+pub type ClusterCidr4 = [u8; 4];
+/// Data of an `lb6_clustercidr` key.
+pub type ClusterCidr6 = [u8; 16];
 
 /// Conntrack lifetimes in seconds (Cilium's defaults; kube-proxy relies on nf_conntrack's).
 pub mod ct_timeouts {
@@ -295,12 +361,13 @@ pub struct Ct6Key {
     pub pad: [u8; 2],
 }
 
-/// Map value of `lb4_ct` and `lb6_ct`.
+/// Map value of `lb4_ct`. Both entries of a flow carry the same ids, flags and expiry; the NAT
+/// endpoint differs (see `ct_flags::SNAT`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
-pub struct CtValue {
-    /// Backend chosen for the flow (service entries).
+pub struct Ct4Value {
+    /// Backend chosen for the flow.
     pub backend_id: u32,
     /// Frontend to restore on replies.
     pub rev_nat_id: u32,
@@ -308,7 +375,25 @@ pub struct CtValue {
     pub expires: u32,
     /// `ct_flags` bits.
     pub flags: u16,
-    pub pad: u16,
+    /// With `ct_flags::SNAT`: the service entry's masquerade source port, or the reply entry's
+    /// client port; 0 otherwise.
+    pub nat_port: u16,
+    /// With `ct_flags::SNAT`: the service entry's masquerade source (the node IP), or the reply
+    /// entry's client address; zero otherwise.
+    pub nat_addr: [u8; 4],
+}
+
+/// Map value of `lb6_ct`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Ct6Value {
+    pub backend_id: u32,
+    pub rev_nat_id: u32,
+    pub expires: u32,
+    pub flags: u16,
+    pub nat_port: u16,
+    pub nat_addr: [u8; 16],
 }
 
 /// Map key of `lb4_sk_revnat`: which frontend a socket's peer address stands for, so
@@ -407,6 +492,11 @@ pub struct TraceRecord {
     pub backend_id: u32,
     /// Rev-NAT id of the frontend (services and replies).
     pub rev_nat_id: u32,
+    /// 1 if the packet's source was masqueraded (to the node IP and `nat_port`).
+    pub masquerade: u8,
+    pub pad: u8,
+    /// The masquerade source port (the address is the family's node IP in `lb_config`).
+    pub nat_port: u16,
 }
 
 /// Per-CPU value of `lb_metrics` (key: a `metrics` index, `u32`).
@@ -448,7 +538,9 @@ mod user {
     unsafe impl aya::Pod for super::RevNat6 {}
     unsafe impl aya::Pod for super::Ct4Key {}
     unsafe impl aya::Pod for super::Ct6Key {}
-    unsafe impl aya::Pod for super::CtValue {}
+    unsafe impl aya::Pod for super::Ct4Value {}
+    unsafe impl aya::Pod for super::Ct6Value {}
+    unsafe impl aya::Pod for super::LbConfig {}
     unsafe impl aya::Pod for super::SkRevNat4Key {}
     unsafe impl aya::Pod for super::SkRevNat4Value {}
     unsafe impl aya::Pod for super::SkRevNat6Key {}
@@ -468,13 +560,15 @@ const _: () = {
     assert!(size_of::<RevNat6>() == 20);
     assert!(size_of::<Ct4Key>() == 16);
     assert!(size_of::<Ct6Key>() == 40);
-    assert!(size_of::<CtValue>() == 16);
+    assert!(size_of::<Ct4Value>() == 20);
+    assert!(size_of::<Ct6Value>() == 32);
+    assert!(size_of::<LbConfig>() == 28);
     assert!(size_of::<SkRevNat4Key>() == 16);
     assert!(size_of::<SkRevNat4Value>() == 12);
     assert!(size_of::<SkRevNat6Key>() == 32);
     assert!(size_of::<SkRevNat6Value>() == 24);
     assert!(size_of::<MetricValue>() == 16);
-    assert!(size_of::<TraceRecord>() == 16);
+    assert!(size_of::<TraceRecord>() == 20);
     // `TraceRecord::reason` holds a metrics index in a u8.
     assert!(metrics::MAX <= 256);
 };
@@ -523,7 +617,25 @@ mod tests {
         assert_eq!(core::mem::offset_of!(TraceRecord, svc_flags), 6);
         assert_eq!(core::mem::offset_of!(TraceRecord, backend_id), 8);
         assert_eq!(core::mem::offset_of!(TraceRecord, rev_nat_id), 12);
-        assert_eq!(size_of::<TraceRecord>(), 16);
+        assert_eq!(core::mem::offset_of!(TraceRecord, masquerade), 16);
+        assert_eq!(core::mem::offset_of!(TraceRecord, pad), 17);
+        assert_eq!(core::mem::offset_of!(TraceRecord, nat_port), 18);
+        assert_eq!(size_of::<TraceRecord>(), 20);
+    }
+
+    #[test]
+    fn ct_and_config_layouts_are_packed_by_hand() {
+        use core::mem::offset_of;
+        assert_eq!(offset_of!(Ct4Value, flags), 12);
+        assert_eq!(offset_of!(Ct4Value, nat_port), 14);
+        assert_eq!(offset_of!(Ct4Value, nat_addr), 16);
+        assert_eq!(offset_of!(Ct6Value, nat_port), 14);
+        assert_eq!(offset_of!(Ct6Value, nat_addr), 16);
+        assert_eq!(offset_of!(LbConfig, node_ip6), 4);
+        assert_eq!(offset_of!(LbConfig, flags), 20);
+        assert_eq!(offset_of!(LbConfig, nat_port_min), 24);
+        assert_eq!(offset_of!(LbConfig, nat_port_max), 26);
+        assert!(nat::PORT_MIN <= nat::PORT_MAX);
     }
 
     #[test]

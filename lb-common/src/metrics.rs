@@ -25,12 +25,21 @@ pub const SOCK_REVNAT: u32 = 9;
 pub const SOCK_DROP_NO_BACKEND: u32 = 10;
 /// Socket LB: reverse entry insert failed; replies will show the backend address.
 pub const SOCK_REVNAT_INSERT_FAILED: u32 = 11;
+/// tc: packet to a backend whose source was masqueraded to the node IP (new and established).
+pub const TC_SNAT: u32 = 12;
+/// tc: new flow that needed masquerading dropped: no free NAT port after `nat::PORT_TRIES`.
+pub const TC_SNAT_PORT_EXHAUSTED: u32 = 13;
+/// tc: masquerade applied but no node IP of the family is configured; sent unmasqueraded.
+pub const TC_SNAT_NO_NODE_IP: u32 = 14;
+/// tc: no FIB route to forward a masqueraded packet past the stack; left to the stack, which
+/// drops IPv4 packets carrying a local source address.
+pub const TC_SNAT_NO_ROUTE: u32 = 15;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 12] = [
+pub const NAMES: [&str; 16] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -43,4 +52,8 @@ pub const NAMES: [&str; 12] = [
     "sock_reverse_nat",
     "sock_drop_no_backend",
     "sock_revnat_insert_failed",
+    "tc_snat",
+    "tc_snat_port_exhausted",
+    "tc_snat_no_node_ip",
+    "tc_snat_no_route",
 ];

@@ -5,13 +5,29 @@
 //! the program's run (hash map elements are freed only after an RCU grace period). The maps
 //! read here are only written by whole-element updates, which swap in a new element, so a
 //! value copied out is never half-written.
+use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value,
-    SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
+    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, RevNat4, RevNat6,
+    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
+    config_flags,
 };
 
 use crate::maps::{
-    BACKENDS4, BACKENDS6, CT4, CT6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6,
+    BACKENDS4, BACKENDS6, CLUSTER_CIDR4, CLUSTER_CIDR6, CT4, CT6, REVNAT4, REVNAT6, SERVICES4,
+    SERVICES6, SK_REVNAT4, SK_REVNAT6, scratch,
+};
+
+/// Which scratch slot (`maps::Scratch::keys`) a conntrack key is built in: the two keys a step
+/// holds at once (a flow's service and reply entries) use different slots.
+#[derive(Clone, Copy)]
+pub enum KeySlot {
+    Service = 0,
+    Reply = 1,
+}
+
+const _: () = {
+    assert!(size_of::<Ct6Key>() <= 40 && size_of::<Ct4Key>() <= 40);
+    assert!(size_of::<Ct6Value>() <= 32 && size_of::<Ct4Value>() <= 32);
 };
 
 /// A frontend or backend address with its port (host order).
@@ -21,25 +37,76 @@ pub struct Endpoint<A> {
     pub port: u16,
 }
 
+/// The fields both families' conntrack values start with: `Ct4Value` and `Ct6Value` are a
+/// `CtHead` followed by `nat_addr`, so a value pointer of either is also one to its head and
+/// conntrack updates it in place instead of copying whole values around the stack.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CtHead {
+    pub backend_id: u32,
+    pub rev_nat_id: u32,
+    pub expires: u32,
+    pub flags: u16,
+    pub nat_port: u16,
+}
+
+const _: () = {
+    use core::mem::offset_of;
+    assert!(offset_of!(Ct4Value, nat_addr) == size_of::<CtHead>());
+    assert!(offset_of!(Ct6Value, nat_addr) == size_of::<CtHead>());
+    assert!(offset_of!(Ct4Value, flags) == offset_of!(CtHead, flags));
+    assert!(offset_of!(Ct6Value, nat_port) == offset_of!(CtHead, nat_port));
+    assert!(offset_of!(Ct6Value, expires) == offset_of!(CtHead, expires));
+};
+
 pub trait Af {
     /// Address bytes in network order.
     type Addr: Copy;
-    type CtKey;
+    type CtKey: 'static;
+    /// The all-zero address: "none" in `LbConfig` and in unused NAT fields.
+    const ZERO: Self::Addr;
+    /// The `config_flags` bit saying this family's local-traffic detector is on.
+    const CLUSTER_CIDR_FLAG: u32;
+
+    /// Address equality as integer compares (a byte-array `==` may become a `bcmp` call, which
+    /// BPF has not got).
+    fn same(a: Self::Addr, b: Self::Addr) -> bool;
+    /// This family's node IP in `cfg`, if one is configured.
+    fn node_ip(cfg: &LbConfig) -> Option<Self::Addr>;
+    /// Whether `addr` lies in one of this family's cluster CIDRs.
+    fn in_cluster_cidr(addr: Self::Addr) -> bool;
 
     fn service(addr: Self::Addr, port: u16, proto: u8, slot: u16, scope: u8) -> Option<SvcValue>;
     fn backend(id: u32) -> Option<Endpoint<Self::Addr>>;
     fn revnat(id: u32) -> Option<Endpoint<Self::Addr>>;
 
+    /// Builds a conntrack key in this CPU's scratch `slot` (`None` only if the scratch map
+    /// lookup failed, which it cannot for index 0). The key stays valid until the slot is
+    /// built again.
     fn ct_key(
+        slot: KeySlot,
         saddr: Self::Addr,
         daddr: Self::Addr,
         sport: u16,
         dport: u16,
         proto: u8,
         dir: u8,
-    ) -> Self::CtKey;
-    fn ct_get(key: &Self::CtKey) -> Option<*mut CtValue>;
-    fn ct_put(key: &Self::CtKey, value: &CtValue) -> Result<(), i32>;
+    ) -> Option<&'static Self::CtKey>;
+    /// The value under `key`, as a pointer to its head (see `CtHead`).
+    fn ct_get(key: &Self::CtKey) -> Option<*mut CtHead>;
+    /// Writes `head` and `nat_addr` under `key`; `flags` as for `bpf_map_update_elem`
+    /// (`BPF_NOEXIST`…).
+    fn ct_put(
+        key: &Self::CtKey,
+        head: &CtHead,
+        nat_addr: &Self::Addr,
+        flags: u64,
+    ) -> Result<(), i32>;
+    /// The `nat_addr` of the value whose head `ct_get` returned.
+    ///
+    /// # Safety
+    /// `h` must come from a successful `ct_get` of this family in this program run.
+    unsafe fn ct_nat_addr(h: *mut CtHead) -> Self::Addr;
 
     /// Remembers that socket `cookie` talks to `backend` on behalf of the frontend.
     fn sk_revnat_put(
@@ -57,6 +124,23 @@ pub enum V6 {}
 impl Af for V4 {
     type Addr = [u8; 4];
     type CtKey = Ct4Key;
+    const ZERO: [u8; 4] = [0; 4];
+    const CLUSTER_CIDR_FLAG: u32 = config_flags::CLUSTER_CIDR4;
+
+    #[inline(always)]
+    fn same(a: [u8; 4], b: [u8; 4]) -> bool {
+        u32::from_ne_bytes(a) == u32::from_ne_bytes(b)
+    }
+
+    #[inline(always)]
+    fn node_ip(cfg: &LbConfig) -> Option<[u8; 4]> {
+        (!Self::same(cfg.node_ip4, Self::ZERO)).then_some(cfg.node_ip4)
+    }
+
+    #[inline(always)]
+    fn in_cluster_cidr(addr: [u8; 4]) -> bool {
+        CLUSTER_CIDR4.get(&Key::new(32, addr)).is_some()
+    }
 
     #[inline(always)]
     fn service(addr: [u8; 4], port: u16, proto: u8, slot: u16, scope: u8) -> Option<SvcValue> {
@@ -98,32 +182,60 @@ impl Af for V4 {
 
     #[inline(always)]
     fn ct_key(
+        slot: KeySlot,
         saddr: [u8; 4],
         daddr: [u8; 4],
         sport: u16,
         dport: u16,
         proto: u8,
         dir: u8,
-    ) -> Ct4Key {
-        Ct4Key {
-            saddr,
-            daddr,
-            sport,
-            dport,
-            proto,
-            dir,
-            pad: [0; 2],
+    ) -> Option<&'static Ct4Key> {
+        let s = scratch()?;
+        // SAFETY: this CPU's scratch entry; the slot is 40 bytes, 8-aligned, and holds nothing
+        // else (see `KeySlot`).
+        unsafe {
+            let k = (*s).keys[slot as usize].as_mut_ptr().cast::<Ct4Key>();
+            *k = Ct4Key {
+                saddr,
+                daddr,
+                sport,
+                dport,
+                proto,
+                dir,
+                pad: [0; 2],
+            };
+            Some(&*k)
         }
     }
 
     #[inline(always)]
-    fn ct_get(key: &Ct4Key) -> Option<*mut CtValue> {
-        CT4.get_ptr_mut(key)
+    fn ct_get(key: &Ct4Key) -> Option<*mut CtHead> {
+        CT4.get_ptr_mut(key).map(|v| v.cast::<CtHead>())
     }
 
     #[inline(always)]
-    fn ct_put(key: &Ct4Key, value: &CtValue) -> Result<(), i32> {
-        CT4.insert(key, value, 0)
+    fn ct_put(key: &Ct4Key, h: &CtHead, nat_addr: &Self::Addr, flags: u64) -> Result<(), i32> {
+        let s = scratch().ok_or(-1)?;
+        // SAFETY: this CPU's scratch value slot (32 bytes, 8-aligned), used only here.
+        let value = unsafe {
+            let v = (*s).value.as_mut_ptr().cast::<Ct4Value>();
+            *v = Ct4Value {
+                backend_id: h.backend_id,
+                rev_nat_id: h.rev_nat_id,
+                expires: h.expires,
+                flags: h.flags,
+                nat_port: h.nat_port,
+                nat_addr: *nat_addr,
+            };
+            &*v
+        };
+        CT4.insert(key, value, flags)
+    }
+
+    #[inline(always)]
+    unsafe fn ct_nat_addr(h: *mut CtHead) -> Self::Addr {
+        // SAFETY: per the caller's contract `h` heads a live `Ct4Value`.
+        unsafe { (*h.cast::<Ct4Value>()).nat_addr }
     }
 
     #[inline(always)]
@@ -170,6 +282,28 @@ impl Af for V4 {
 impl Af for V6 {
     type Addr = [u8; 16];
     type CtKey = Ct6Key;
+    const ZERO: [u8; 16] = [0; 16];
+    const CLUSTER_CIDR_FLAG: u32 = config_flags::CLUSTER_CIDR6;
+
+    #[inline(always)]
+    fn same(a: [u8; 16], b: [u8; 16]) -> bool {
+        let half = |x: &[u8; 16], i: usize| {
+            let mut h = [0u8; 8];
+            h.copy_from_slice(&x[i * 8..i * 8 + 8]);
+            u64::from_ne_bytes(h)
+        };
+        half(&a, 0) == half(&b, 0) && half(&a, 1) == half(&b, 1)
+    }
+
+    #[inline(always)]
+    fn node_ip(cfg: &LbConfig) -> Option<[u8; 16]> {
+        (!Self::same(cfg.node_ip6, Self::ZERO)).then_some(cfg.node_ip6)
+    }
+
+    #[inline(always)]
+    fn in_cluster_cidr(addr: [u8; 16]) -> bool {
+        CLUSTER_CIDR6.get(&Key::new(128, addr)).is_some()
+    }
 
     #[inline(always)]
     fn service(addr: [u8; 16], port: u16, proto: u8, slot: u16, scope: u8) -> Option<SvcValue> {
@@ -211,32 +345,60 @@ impl Af for V6 {
 
     #[inline(always)]
     fn ct_key(
+        slot: KeySlot,
         saddr: [u8; 16],
         daddr: [u8; 16],
         sport: u16,
         dport: u16,
         proto: u8,
         dir: u8,
-    ) -> Ct6Key {
-        Ct6Key {
-            saddr,
-            daddr,
-            sport,
-            dport,
-            proto,
-            dir,
-            pad: [0; 2],
+    ) -> Option<&'static Ct6Key> {
+        let s = scratch()?;
+        // SAFETY: this CPU's scratch entry; the slot is 40 bytes, 8-aligned, and holds nothing
+        // else (see `KeySlot`).
+        unsafe {
+            let k = (*s).keys[slot as usize].as_mut_ptr().cast::<Ct6Key>();
+            *k = Ct6Key {
+                saddr,
+                daddr,
+                sport,
+                dport,
+                proto,
+                dir,
+                pad: [0; 2],
+            };
+            Some(&*k)
         }
     }
 
     #[inline(always)]
-    fn ct_get(key: &Ct6Key) -> Option<*mut CtValue> {
-        CT6.get_ptr_mut(key)
+    fn ct_get(key: &Ct6Key) -> Option<*mut CtHead> {
+        CT6.get_ptr_mut(key).map(|v| v.cast::<CtHead>())
     }
 
     #[inline(always)]
-    fn ct_put(key: &Ct6Key, value: &CtValue) -> Result<(), i32> {
-        CT6.insert(key, value, 0)
+    fn ct_put(key: &Ct6Key, h: &CtHead, nat_addr: &Self::Addr, flags: u64) -> Result<(), i32> {
+        let s = scratch().ok_or(-1)?;
+        // SAFETY: this CPU's scratch value slot (32 bytes, 8-aligned), used only here.
+        let value = unsafe {
+            let v = (*s).value.as_mut_ptr().cast::<Ct6Value>();
+            *v = Ct6Value {
+                backend_id: h.backend_id,
+                rev_nat_id: h.rev_nat_id,
+                expires: h.expires,
+                flags: h.flags,
+                nat_port: h.nat_port,
+                nat_addr: *nat_addr,
+            };
+            &*v
+        };
+        CT6.insert(key, value, flags)
+    }
+
+    #[inline(always)]
+    unsafe fn ct_nat_addr(h: *mut CtHead) -> Self::Addr {
+        // SAFETY: per the caller's contract `h` heads a live `Ct6Value`.
+        unsafe { (*h.cast::<Ct6Value>()).nat_addr }
     }
 
     #[inline(always)]

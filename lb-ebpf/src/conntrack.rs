@@ -1,12 +1,20 @@
 //! Conntrack of tc-balanced flows: a service entry keyed as the client sent the packet (so
 //! later packets keep their backend) and a reply entry keyed as the backend answers (so its
-//! source can be turned back into the frontend). Both carry the same value; lifetimes follow
-//! the TCP state seen in either direction.
-use aya_ebpf::helpers::bpf_ktime_get_ns;
-use lb_common::{CtValue, IPPROTO_TCP, ct_dir, ct_flags, ct_timeouts};
+//! source can be turned back into the frontend). Both carry the same ids, flags and expiry;
+//! lifetimes follow the TCP state seen in either direction.
+//!
+//! A masqueraded flow (`ct_flags::SNAT`, see `nat`) is keyed the same way: its reply entry is
+//! what the backend sends back, to the node IP and NAT port, and its NAT fields hold the
+//! client to restore; the service entry's NAT fields hold that node IP and port.
+//!
+//! Entries are read and refreshed in place through their `CtHead`; the steps are BPF
+//! subprograms of their own (`inline(never)`) so their keys and values do not add to the
+//! frames of the tc path, which share one 512-byte stack.
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
+use lb_common::{IPPROTO_TCP, ct_dir, ct_flags, ct_timeouts};
 
 use crate::{
-    af::{Af, Endpoint},
+    af::{Af, CtHead, Endpoint, KeySlot},
     parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
 };
 
@@ -16,6 +24,8 @@ pub struct Flow<A> {
     pub endpoint: Endpoint<A>,
     pub backend_id: u32,
     pub rev_nat_id: u32,
+    /// Masqueraded flows: the node-side source (established) or the client (replies).
+    pub nat: Option<Endpoint<A>>,
 }
 
 #[inline(always)]
@@ -47,29 +57,98 @@ fn lifetime(proto: u8, flags: u16) -> u32 {
     }
 }
 
-/// The entry with `flags` and a fresh expiry, if it differs enough from `v` to be written.
+/// The new expiry for an entry going from `(flags, expires)` to `new_flags`, if the entry
+/// differs enough to be written.
 #[inline(always)]
-fn refreshed(v: &CtValue, flags: u16, now: u32, proto: u8) -> Option<CtValue> {
-    let expires = now + lifetime(proto, flags);
-    if flags == v.flags && expires.abs_diff(v.expires) < ct_timeouts::REFRESH_GRANULARITY {
+fn refreshed(flags: u16, expires: u32, new_flags: u16, now: u32, proto: u8) -> Option<u32> {
+    let new = now + lifetime(proto, new_flags);
+    if new_flags == flags && new.abs_diff(expires) < ct_timeouts::REFRESH_GRANULARITY {
         return None;
     }
-    Some(CtValue {
-        expires,
-        flags,
-        ..*v
-    })
+    Some(new)
+}
+
+/// The service entry's key of `p` (scratch slot `KeySlot::Service`), keyed as the client sent it.
+#[inline(always)]
+fn service_key<A: Af>(p: &Packet<A::Addr>) -> Option<&'static A::CtKey> {
+    A::ct_key(
+        KeySlot::Service,
+        p.saddr,
+        p.daddr,
+        p.sport,
+        p.dport,
+        p.proto,
+        ct_dir::SERVICE,
+    )
+}
+
+/// The reply entry's key (scratch slot `KeySlot::Reply`): what `backend` sends back to the
+/// client, or to the node IP and NAT port of a masqueraded flow.
+#[inline(always)]
+pub fn reply_key<A: Af>(
+    backend: &Endpoint<A::Addr>,
+    to_addr: &A::Addr,
+    to_port: u16,
+    proto: u8,
+) -> Option<&'static A::CtKey> {
+    A::ct_key(
+        KeySlot::Reply,
+        backend.addr,
+        *to_addr,
+        backend.port,
+        to_port,
+        proto,
+        ct_dir::REPLY,
+    )
+}
+
+/// Rewrites the reply entry of a flow of `p` to `backend` with `head` (its NAT fields naming
+/// the client for a masqueraded flow whose node side is `snat`), recreating it if LRU pressure
+/// evicted it; never takes over another flow's entry, since a masqueraded flow's reply key is
+/// only ever claimed with `BPF_NOEXIST` (`nat::allocate`).
+#[inline(always)]
+fn refresh_reply<A: Af>(
+    p: &Packet<A::Addr>,
+    backend: &Endpoint<A::Addr>,
+    snat: &Option<Endpoint<A::Addr>>,
+    head: &CtHead,
+) {
+    let (to_addr, to_port, nat_addr) = match snat {
+        Some(n) => (n.addr, n.port, p.saddr),
+        None => (p.saddr, p.sport, A::ZERO),
+    };
+    let Some(key) = reply_key::<A>(backend, &to_addr, to_port, p.proto) else {
+        return;
+    };
+    match A::ct_get(key) {
+        Some(r) => {
+            // SAFETY: pointer from a successful lookup in this run.
+            unsafe {
+                let snat_bit = head.flags & ct_flags::SNAT;
+                let ours = (*r).flags & ct_flags::SNAT == snat_bit
+                    && (snat_bit == 0
+                        || ((*r).nat_port == head.nat_port
+                            && A::same(A::ct_nat_addr(r), nat_addr)));
+                if ours {
+                    (*r).flags = head.flags;
+                    (*r).expires = head.expires;
+                }
+            }
+        }
+        None => {
+            let _ = A::ct_put(key, head, &nat_addr, BPF_NOEXIST as u64);
+        }
+    }
 }
 
 /// The live flow of a client → frontend packet whose backend still exists, its entries
 /// refreshed. `None` for a new flow, an expired one, a SYN reusing a closed flow's 5-tuple
 /// (balanced afresh), or one whose backend is gone (re-balanced rather than blackholed).
-#[inline(always)]
+#[inline(never)]
 pub fn established<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr>> {
-    let fkey = A::ct_key(p.saddr, p.daddr, p.sport, p.dport, p.proto, ct_dir::SERVICE);
-    let ct = A::ct_get(&fkey)?;
-    // SAFETY: map value pointer from a successful lookup, valid for the program's run.
-    let v = unsafe { *ct };
+    let h = A::ct_get(service_key::<A>(p)?)?;
+    // SAFETY: pointer from a successful lookup, valid for this run (see `af`).
+    let v = unsafe { *h };
     let reopened = p.proto == IPPROTO_TCP
         && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
         && v.flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0;
@@ -77,88 +156,136 @@ pub fn established<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr>
         return None;
     }
     let backend = A::backend(v.backend_id)?;
+    let nat = if v.flags & ct_flags::SNAT != 0 {
+        Some(Endpoint {
+            // SAFETY: as above.
+            addr: unsafe { A::ct_nat_addr(h) },
+            port: v.nat_port,
+        })
+    } else {
+        None
+    };
     let flags = v.flags | closing(p, ct_flags::TX_CLOSING);
-    if let Some(nv) = refreshed(&v, flags, now, p.proto) {
+    if let Some(expires) = refreshed(v.flags, v.expires, flags, now, p.proto) {
         // SAFETY: as above.
-        unsafe { *ct = nv };
-        // Recreates the reply entry if LRU pressure evicted it.
-        let rkey = A::ct_key(
-            backend.addr,
-            p.saddr,
-            backend.port,
-            p.sport,
-            p.proto,
-            ct_dir::REPLY,
-        );
-        let _ = A::ct_put(&rkey, &nv);
+        unsafe {
+            (*h).flags = flags;
+            (*h).expires = expires;
+        }
+        let head = CtHead {
+            flags,
+            expires,
+            nat_port: if nat.is_some() { p.sport } else { 0 },
+            ..v
+        };
+        refresh_reply::<A>(p, &backend, &nat, &head);
     }
     Some(Flow {
         endpoint: backend,
         backend_id: v.backend_id,
         rev_nat_id: v.rev_nat_id,
+        nat,
     })
 }
 
-/// Records a new flow of `p` to `backend` (both entries).
+/// The head a new flow of `p` starts with (no NAT yet).
 #[inline(always)]
-pub fn create<A: Af>(
-    p: &Packet<A::Addr>,
-    backend: Endpoint<A::Addr>,
-    backend_id: u32,
-    rev_nat_id: u32,
-    now: u32,
-) -> Result<(), i32> {
+pub fn new_head<A>(p: &Packet<A>, backend_id: u32, rev_nat_id: u32, now: u32) -> CtHead {
     let flags = closing(p, ct_flags::TX_CLOSING);
-    let v = CtValue {
+    CtHead {
         backend_id,
         rev_nat_id,
         expires: now + lifetime(p.proto, flags),
         flags,
-        pad: 0,
-    };
-    let fkey = A::ct_key(p.saddr, p.daddr, p.sport, p.dport, p.proto, ct_dir::SERVICE);
-    let rkey = A::ct_key(
-        backend.addr,
-        p.saddr,
-        backend.port,
-        p.sport,
-        p.proto,
-        ct_dir::REPLY,
-    );
-    A::ct_put(&fkey, &v)?;
-    A::ct_put(&rkey, &v)
+        nat_port: 0,
+    }
+}
+
+/// Records a new flow of `p` to `backend` starting as `head`. A masqueraded flow (`snat`: its
+/// node-side source) already holds its reply entry (`nat::allocate`), so only the service
+/// entry is written, with `ct_flags::SNAT` and the node side.
+#[inline(never)]
+pub fn create<A: Af>(
+    p: &Packet<A::Addr>,
+    backend: &Endpoint<A::Addr>,
+    head: &CtHead,
+    snat: &Option<Endpoint<A::Addr>>,
+) -> Result<(), i32> {
+    let fkey = service_key::<A>(p).ok_or(-1)?;
+    match snat {
+        Some(n) => {
+            let h = CtHead {
+                flags: head.flags | ct_flags::SNAT,
+                nat_port: n.port,
+                ..*head
+            };
+            A::ct_put(fkey, &h, &n.addr, 0)
+        }
+        None => {
+            A::ct_put(fkey, head, &A::ZERO, 0)?;
+            let rkey = reply_key::<A>(backend, &p.saddr, p.sport, p.proto).ok_or(-1)?;
+            A::ct_put(rkey, head, &A::ZERO, 0)
+        }
+    }
 }
 
 /// The frontend a backend's reply must come from, its entries refreshed (marked as having
 /// seen a reply). `None` if `p` is not a live reply.
-#[inline(always)]
+#[inline(never)]
 pub fn reply<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
-    let rkey = A::ct_key(p.saddr, p.daddr, p.sport, p.dport, p.proto, ct_dir::REPLY);
-    let ct = A::ct_get(&rkey)?;
-    // SAFETY: map value pointer from a successful lookup, valid for the program's run.
-    let v = unsafe { *ct };
+    let rkey = A::ct_key(
+        KeySlot::Reply,
+        p.saddr,
+        p.daddr,
+        p.sport,
+        p.dport,
+        p.proto,
+        ct_dir::REPLY,
+    )?;
+    let h = A::ct_get(rkey)?;
+    // SAFETY: pointer from a successful lookup, valid for this run (see `af`).
+    let v = unsafe { *h };
     let now = now_secs();
     if v.expires <= now {
         return None;
     }
     let frontend = A::revnat(v.rev_nat_id)?;
+    // The client the service entry is keyed on: the reply's destination, or the client a
+    // masqueraded flow's reply entry remembers.
+    let nat = if v.flags & ct_flags::SNAT != 0 {
+        Some(Endpoint {
+            // SAFETY: as above.
+            addr: unsafe { A::ct_nat_addr(h) },
+            port: v.nat_port,
+        })
+    } else {
+        None
+    };
     let flags = v.flags | ct_flags::SEEN_REPLY | closing(p, ct_flags::RX_CLOSING);
-    if let Some(nv) = refreshed(&v, flags, now, p.proto) {
+    if let Some(expires) = refreshed(v.flags, v.expires, flags, now, p.proto) {
         // SAFETY: as above.
-        unsafe { *ct = nv };
+        unsafe {
+            (*h).flags = flags;
+            (*h).expires = expires;
+        }
+        let (caddr, cport) = match &nat {
+            Some(c) => (c.addr, c.port),
+            None => (p.daddr, p.dport),
+        };
         let fkey = A::ct_key(
-            p.daddr,
+            KeySlot::Service,
+            caddr,
             frontend.addr,
-            p.dport,
+            cport,
             frontend.port,
             p.proto,
             ct_dir::SERVICE,
         );
-        if let Some(f) = A::ct_get(&fkey) {
+        if let Some(f) = fkey.and_then(A::ct_get) {
             // SAFETY: as above.
             unsafe {
                 (*f).flags |= flags;
-                (*f).expires = nv.expires;
+                (*f).expires = expires;
             }
         }
     }
@@ -166,5 +293,6 @@ pub fn reply<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
         endpoint: frontend,
         backend_id: v.backend_id,
         rev_nat_id: v.rev_nat_id,
+        nat,
     })
 }

@@ -2,7 +2,12 @@
 //! helpers a rewrite uses. Parsing and rewriting are written against `PacketCtx`, never against
 //! `TcContext`, so an XDP entry can reuse them: `XdpContext` frames are always linear
 //! (`pull_data` is a no-op there), and `store`/csum become direct writes plus `bpf_csum_diff`.
-use aya_ebpf::{EbpfContext, programs::TcContext};
+use aya_ebpf::{
+    EbpfContext,
+    bindings::bpf_fib_lookup,
+    helpers::{bpf_fib_lookup as fib_lookup_helper, bpf_redirect, bpf_redirect_neigh},
+    programs::TcContext,
+};
 
 /// Why packet handling stopped early.
 pub enum Error {
@@ -21,12 +26,23 @@ pub trait PacketCtx: EbpfContext {
     fn len(&self) -> u32;
     /// Makes the first `len` bytes linear, so direct access can reach them.
     fn pull_data(&self, len: u32) -> Result<(), Error>;
+    /// Reads a `T` at `off` through a helper: no packet pointer, so an offset whose bounds the
+    /// verifier lost on the way (a subprogram argument) still works.
+    fn load<T>(&self, off: usize) -> Result<T, Error>;
     /// Writes `v` at `off`.
     fn store<T>(&self, off: usize, v: &T) -> Result<(), Error>;
     /// Updates the L3 checksum at `off` for a `from` → `to` change (`flags`: its size).
     fn l3_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), Error>;
     /// Updates the L4 checksum at `off` (`flags`: size, `BPF_F_PSEUDO_HDR`, `MARK_MANGLED_0`).
     fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), Error>;
+    /// The device the packet arrived on.
+    fn ifindex(&self) -> u32;
+    /// `bpf_fib_lookup` for forwarding (`BPF_FIB_LKUP_RET_*`; fills `params` out).
+    fn fib_lookup(&self, params: &mut bpf_fib_lookup) -> i64;
+    /// Sends the packet out of `ifindex` as it is (the returned verdict).
+    fn redirect(&self, ifindex: u32) -> i32;
+    /// Sends the packet out of `ifindex`, resolving the next hop's MAC on the way.
+    fn redirect_neigh(&self, ifindex: u32) -> i32;
 }
 
 impl PacketCtx for TcContext {
@@ -51,6 +67,11 @@ impl PacketCtx for TcContext {
     }
 
     #[inline(always)]
+    fn load<T>(&self, off: usize) -> Result<T, Error> {
+        TcContext::load(self, off).map_err(|_| Error::Unparsed)
+    }
+
+    #[inline(always)]
     fn store<T>(&self, off: usize, v: &T) -> Result<(), Error> {
         TcContext::store(self, off, v, 0).map_err(|_| Error::Rewrite)
     }
@@ -63,5 +84,37 @@ impl PacketCtx for TcContext {
     #[inline(always)]
     fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> Result<(), Error> {
         TcContext::l4_csum_replace(self, off, from, to, flags).map_err(|_| Error::Rewrite)
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        // SAFETY: the context's __sk_buff, valid for the program's run.
+        unsafe { (*self.skb.skb).ifindex }
+    }
+
+    #[inline(always)]
+    fn fib_lookup(&self, params: &mut bpf_fib_lookup) -> i64 {
+        // SAFETY: params is a whole bpf_fib_lookup on this program's stack.
+        unsafe {
+            fib_lookup_helper(
+                self.as_ptr(),
+                params,
+                size_of::<bpf_fib_lookup>() as i32,
+                0,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn redirect(&self, ifindex: u32) -> i32 {
+        // SAFETY: plain helper call.
+        unsafe { bpf_redirect(ifindex, 0) as i32 }
+    }
+
+    #[inline(always)]
+    fn redirect_neigh(&self, ifindex: u32) -> i32 {
+        // SAFETY: no params (the FIB picks the next hop). 5.10's helper takes (ifindex, flags);
+        // the NULL lands in flags as 0 and the rest is ignored there.
+        unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 }
     }
 }

@@ -12,7 +12,10 @@
 //! incremental checksums), `conntrack`, `select` (the one backend choice of every hook), `af`
 //! (per-family map access), `maps`, `trace` (the decision record of traced loads).
 //!
-//! Where what comes next goes: SNAT/masquerade in `nat.rs` beside `conntrack`; REJECT
+//! `nat` (masquerade: when, and which port) and `fwd` (forwarding masqueraded packets past
+//! the stack's routing) serve the tc hooks beside `conntrack`.
+//!
+//! Where what comes next goes: REJECT
 //! generation (ICMP unreachable / TCP RST for frontends without backends) in `reject.rs`; an
 //! XDP entry in `xdp.rs`, implementing `ctx::PacketCtx` for `XdpContext`; session affinity
 //! and Maglev in `select`; socket destroy of flows to removed backends as its own program.
@@ -22,7 +25,9 @@
 mod af;
 mod conntrack;
 mod ctx;
+mod fwd;
 mod maps;
+mod nat;
 mod parse;
 mod rewrite;
 mod select;

@@ -2,13 +2,13 @@
 //! name under the pin directory and reuses them across restarts (all but `lb_trace`).
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, TraceRecord,
-    map_sizes,
+    Backend4, Backend6, ClusterCidr4, ClusterCidr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
+    MetricValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value,
+    Svc4Key, Svc6Key, SvcValue, TraceRecord, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -25,7 +25,7 @@ pub static BACKENDS4: HashMap<u32, Backend4, { map_sizes::BACKENDS as usize }, N
 pub static REVNAT4: HashMap<u32, RevNat4, { map_sizes::REVNAT as usize }, NO_PREALLOC> =
     HashMap::new();
 #[btf_map(name = "lb4_ct")]
-pub static CT4: LruHashMap<Ct4Key, CtValue, { map_sizes::CT as usize }> = LruHashMap::new();
+pub static CT4: LruHashMap<Ct4Key, Ct4Value, { map_sizes::CT as usize }> = LruHashMap::new();
 #[btf_map(name = "lb4_sk_revnat")]
 pub static SK_REVNAT4: LruHashMap<SkRevNat4Key, SkRevNat4Value, { map_sizes::SK_REVNAT as usize }> =
     LruHashMap::new();
@@ -40,13 +40,54 @@ pub static BACKENDS6: HashMap<u32, Backend6, { map_sizes::BACKENDS as usize }, N
 pub static REVNAT6: HashMap<u32, RevNat6, { map_sizes::REVNAT as usize }, NO_PREALLOC> =
     HashMap::new();
 #[btf_map(name = "lb6_ct")]
-pub static CT6: LruHashMap<Ct6Key, CtValue, { map_sizes::CT as usize }> = LruHashMap::new();
+pub static CT6: LruHashMap<Ct6Key, Ct6Value, { map_sizes::CT as usize }> = LruHashMap::new();
 #[btf_map(name = "lb6_sk_revnat")]
 pub static SK_REVNAT6: LruHashMap<SkRevNat6Key, SkRevNat6Value, { map_sizes::SK_REVNAT as usize }> =
     LruHashMap::new();
 
 #[btf_map(name = "lb_metrics")]
 pub static METRICS: PerCpuArray<MetricValue, { map_sizes::METRICS as usize }> = PerCpuArray::new();
+
+/// This node's facts (node IPs, masquerade flags), written by userspace before attaching.
+#[btf_map(name = "lb_config")]
+pub static CONFIG: Array<LbConfig, 1> = Array::new();
+/// Cluster CIDRs (`--cluster-cidr`); the value is unused (1).
+#[btf_map(name = "lb4_clustercidr")]
+pub static CLUSTER_CIDR4: LpmTrie<ClusterCidr4, u8, { map_sizes::CLUSTER_CIDR as usize }> =
+    LpmTrie::new();
+#[btf_map(name = "lb6_clustercidr")]
+pub static CLUSTER_CIDR6: LpmTrie<ClusterCidr6, u8, { map_sizes::CLUSTER_CIDR as usize }> =
+    LpmTrie::new();
+
+/// Per-CPU working memory of the tc programs: conntrack keys and values, which would cost
+/// each frame of a call chain 32–40 bytes of the 512-byte stack all frames share. A program
+/// runs to completion on its CPU, so one entry per CPU is never shared by two packets.
+#[repr(C)]
+pub struct Scratch {
+    /// `Ct4Key` / `Ct6Key` (40 bytes at most) per `af::KeySlot`.
+    pub keys: [[u64; 5]; 2],
+    /// A `Ct4Value` / `Ct6Value` being written (32 bytes at most).
+    pub value: [u64; 4],
+    /// The parsed headers of the packet being handled (`parse::Packet`, 64 bytes at most).
+    pub packet: [u64; 8],
+}
+
+#[btf_map(name = "lb_scratch")]
+pub static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+/// This CPU's scratch memory.
+#[inline(always)]
+pub fn scratch() -> Option<*mut Scratch> {
+    SCRATCH.get_ptr_mut(0)
+}
+
+/// The node's facts (a map value, not a copy on the stack); `None` cannot happen for index 0.
+/// All zero (nothing masqueraded) until userspace wrote them.
+#[inline(always)]
+pub fn config() -> Option<&'static LbConfig> {
+    // SAFETY: array value pointer, valid for the program's run; written only by userspace.
+    CONFIG.get_ptr(0).map(|c| unsafe { &*c })
+}
 
 /// The last tc decision, written only by traced loads (see `trace.rs`).
 #[btf_map(name = "lb_trace")]

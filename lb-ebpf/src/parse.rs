@@ -6,7 +6,10 @@
 //! truncated headers are `Error::Unparsed`, which the caller passes untouched.
 use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
 
-use crate::ctx::{Error, PacketCtx};
+use crate::{
+    af::{Af, V4, V6},
+    ctx::{Error, PacketCtx},
+};
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -34,22 +37,45 @@ pub struct Packet<A> {
     pub csum_off: usize,
 }
 
-pub enum Parsed {
-    V4(Packet<[u8; 4]>),
-    V6(Packet<[u8; 16]>),
+/// The network layer of a frame lb can parse.
+pub enum L3 {
+    V4,
+    V6,
 }
 
-/// Parses the packet in `ctx`, first making its headers linear where the skb is not.
+/// Makes the headers of the packet in `ctx` linear where the skb is not, and returns its
+/// family. The family's `ParseAf::parse` then parses the rest.
 #[inline(always)]
-pub fn parse<C: PacketCtx>(ctx: &C) -> Result<Parsed, Error> {
+pub fn l3<C: PacketCtx>(ctx: &C) -> Result<L3, Error> {
     let linear = ctx.data_end() - ctx.data();
     if linear < MAX_HDR_LEN as usize && (linear as u32) < ctx.len() {
         ctx.pull_data(ctx.len().min(MAX_HDR_LEN))?;
     }
     match u16::from_be_bytes(read::<C, [u8; 2]>(ctx, 12)?) {
-        ETH_P_IP => parse_ipv4(ctx, ETH_HLEN).map(Parsed::V4),
-        ETH_P_IPV6 => parse_ipv6(ctx, ETH_HLEN).map(Parsed::V6),
+        ETH_P_IP => Ok(L3::V4),
+        ETH_P_IPV6 => Ok(L3::V6),
         _ => Err(Error::Unparsed),
+    }
+}
+
+/// Per-family header parsing.
+pub trait ParseAf: Af {
+    /// Parses the IP and L4 headers of an Ethernet frame of this family into `out` (which the
+    /// tc path keeps in scratch memory rather than on its stack).
+    fn parse<C: PacketCtx>(ctx: &C, out: &mut Packet<Self::Addr>) -> Result<(), Error>;
+}
+
+impl ParseAf for V4 {
+    #[inline(always)]
+    fn parse<C: PacketCtx>(ctx: &C, out: &mut Packet<[u8; 4]>) -> Result<(), Error> {
+        parse_ipv4(ctx, ETH_HLEN, out)
+    }
+}
+
+impl ParseAf for V6 {
+    #[inline(always)]
+    fn parse<C: PacketCtx>(ctx: &C, out: &mut Packet<[u8; 16]>) -> Result<(), Error> {
+        parse_ipv6(ctx, ETH_HLEN, out)
     }
 }
 
@@ -65,7 +91,11 @@ fn read<C: PacketCtx, T: Copy>(ctx: &C, off: usize) -> Result<T, Error> {
 }
 
 #[inline(always)]
-fn parse_ipv4<C: PacketCtx>(ctx: &C, l3_off: usize) -> Result<Packet<[u8; 4]>, Error> {
+fn parse_ipv4<C: PacketCtx>(
+    ctx: &C,
+    l3_off: usize,
+    out: &mut Packet<[u8; 4]>,
+) -> Result<(), Error> {
     let ip = read::<C, [u8; 20]>(ctx, l3_off)?;
     let ihl = ((ip[0] & 0x0f) as usize) * 4;
     if ip[0] >> 4 != 4 || ihl < 20 {
@@ -80,36 +110,41 @@ fn parse_ipv4<C: PacketCtx>(ctx: &C, l3_off: usize) -> Result<Packet<[u8; 4]>, E
     }
     let saddr = [ip[12], ip[13], ip[14], ip[15]];
     let daddr = [ip[16], ip[17], ip[18], ip[19]];
-    parse_l4(ctx, saddr, daddr, ip[9], l3_off, ihl, tot_len - ihl)
+    parse_l4(ctx, out, saddr, daddr, ip[9], l3_off, ihl, tot_len - ihl)
 }
 
 #[inline(always)]
-fn parse_ipv6<C: PacketCtx>(ctx: &C, l3_off: usize) -> Result<Packet<[u8; 16]>, Error> {
-    let ip = read::<C, [u8; 40]>(ctx, l3_off)?;
+fn parse_ipv6<C: PacketCtx>(
+    ctx: &C,
+    l3_off: usize,
+    out: &mut Packet<[u8; 16]>,
+) -> Result<(), Error> {
+    // The fixed part and the addresses are read separately: no 40-byte copy on the stack.
+    let ip = read::<C, [u8; 8]>(ctx, l3_off)?;
     if ip[0] >> 4 != 6 {
         return Err(Error::Unparsed);
     }
     let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
-    let mut saddr = [0u8; 16];
-    saddr.copy_from_slice(&ip[8..24]);
-    let mut daddr = [0u8; 16];
-    daddr.copy_from_slice(&ip[24..40]);
+    let saddr = read::<C, [u8; 16]>(ctx, l3_off + 8)?;
+    let daddr = read::<C, [u8; 16]>(ctx, l3_off + 24)?;
     // A next header other than TCP/UDP (extension headers included) fails in parse_l4.
-    parse_l4(ctx, saddr, daddr, ip[6], l3_off, 40, payload_len)
+    parse_l4(ctx, out, saddr, daddr, ip[6], l3_off, 40, payload_len)
 }
 
 /// Parses the TCP or UDP header after an IP header of `l3_len` bytes at `l3_off`, of a packet
 /// whose IP payload is `l4_len` bytes.
 #[inline(always)]
+#[expect(clippy::too_many_arguments, reason = "the parsed fields of the IP header")]
 fn parse_l4<C: PacketCtx, A>(
     ctx: &C,
+    out: &mut Packet<A>,
     saddr: A,
     daddr: A,
     proto: u8,
     l3_off: usize,
     l3_len: usize,
     l4_len: usize,
-) -> Result<Packet<A>, Error> {
+) -> Result<(), Error> {
     let l4_off = l3_off + l3_len;
     let (tcp_flags, csum_off) = match proto {
         IPPROTO_TCP => {
@@ -128,7 +163,7 @@ fn parse_l4<C: PacketCtx, A>(
         _ => return Err(Error::Unparsed),
     };
     let ports = read::<C, [u8; 4]>(ctx, l4_off)?;
-    Ok(Packet {
+    *out = Packet {
         saddr,
         daddr,
         sport: u16::from_be_bytes([ports[0], ports[1]]),
@@ -138,5 +173,6 @@ fn parse_l4<C: PacketCtx, A>(
         l3_off,
         l4_off,
         csum_off,
-    })
+    };
+    Ok(())
 }

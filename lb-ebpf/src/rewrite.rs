@@ -70,11 +70,16 @@ impl RewriteAf for V6 {
         old: [u8; 16],
         new: [u8; 16],
     ) -> Result<(), Error> {
-        let mut old = old;
-        let mut new = new;
-        // SAFETY: both buffers are 16 bytes on this program's stack.
-        let diff =
-            unsafe { bpf_csum_diff(old.as_mut_ptr().cast(), 16, new.as_mut_ptr().cast(), 16, 0) };
+        // SAFETY: both buffers are 16 bytes on this program's stack; the helper only reads them.
+        let diff = unsafe {
+            bpf_csum_diff(
+                old.as_ptr().cast_mut().cast(),
+                16,
+                new.as_ptr().cast_mut().cast(),
+                16,
+                0,
+            )
+        };
         if diff < 0 {
             return Err(Error::Rewrite);
         }
@@ -148,4 +153,28 @@ pub fn reverse_nat<C: PacketCtx, A: RewriteAf>(
 ) -> Result<(), Error> {
     A::set_addr(ctx, p, Side::Source, p.saddr, frontend.addr)?;
     set_port(ctx, p, Side::Source, p.sport, frontend.port)
+}
+
+/// Masquerades the packet: its source becomes `to` (the node IP and NAT port).
+#[inline(always)]
+pub fn snat<C: PacketCtx, A: RewriteAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    to: Endpoint<A::Addr>,
+) -> Result<(), Error> {
+    A::set_addr(ctx, p, Side::Source, p.saddr, to.addr)?;
+    set_port(ctx, p, Side::Source, p.sport, to.port)
+}
+
+/// Makes a backend's reply to a masqueraded flow come from `frontend` and go back to `client`.
+#[inline(always)]
+pub fn reverse_snat<C: PacketCtx, A: RewriteAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    frontend: Endpoint<A::Addr>,
+    client: Endpoint<A::Addr>,
+) -> Result<(), Error> {
+    reverse_nat::<C, A>(ctx, p, frontend)?;
+    A::set_addr(ctx, p, Side::Destination, p.daddr, client.addr)?;
+    set_port(ctx, p, Side::Destination, p.dport, client.port)
 }

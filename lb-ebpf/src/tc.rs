@@ -5,8 +5,13 @@
 //! chosen for the new flow; a backend's reply gets its source turned back into the frontend.
 //! Egress does the reverse NAT only. What does not parse is passed untouched.
 //!
-//! Every packet ends in one `Decision`: the verdict, the counter it bumps (once), and the
-//! trace record traced loads write.
+//! A flow that is masqueraded (`nat`) gets its source rewritten too, right after the DNAT, and
+//! is forwarded by `fwd` rather than the stack; its replies, which come back to the node IP,
+//! are un-SNATed wherever reverse NAT happens.
+//!
+//! Every packet ends in one `Decision`: the verdict and the counter it bumps (once). The trace
+//! record traced loads keep is written where the decision is made (a record travelling back
+//! up through the calls would cost each frame a copy of the 512-byte stack the chain shares).
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT},
     helpers::bpf_get_prandom_u32,
@@ -16,13 +21,15 @@ use aya_ebpf::{
 use lb_common::{TraceRecord, metrics, trace_ct, trace_verdict};
 
 use crate::{
-    af::{Endpoint, V4, V6},
+    af::{Af, CtHead, Endpoint, V4, V6},
     conntrack,
     ctx::{Error, PacketCtx},
-    maps::count,
-    parse::{self, Packet, Parsed},
-    rewrite::{self, RewriteAf},
-    select::{self, Origin, Service},
+    fwd::{self, FwdAf},
+    maps::{config, count, scratch},
+    nat,
+    parse::{self, L3, Packet, ParseAf},
+    rewrite,
+    select::{self, Chosen, Origin, Service, Unserved},
     trace,
 };
 
@@ -52,163 +59,285 @@ pub fn lb_tc_egress(ctx: TcContext) -> i32 {
     finish(&ctx, try_tc(&ctx, Hook::Egress))
 }
 
-/// What happened to a packet: the tc verdict and its trace record, whose `reason` is the
-/// `metrics` index counted for it.
+/// What happened to a packet: the tc verdict and the `metrics` index counted for it.
 struct Decision {
     action: i32,
-    record: TraceRecord,
+    reason: u32,
 }
 
-impl Decision {
-    #[inline(always)]
-    fn untouched(action: i32, verdict: u8, reason: u32) -> Self {
-        Decision {
-            action,
-            record: TraceRecord {
-                verdict,
-                reason: reason as u8,
-                ..TraceRecord::default()
-            },
-        }
-    }
+/// A decision that needs no more than verdict and reason in its trace record.
+#[inline(always)]
+fn untouched(action: i32, verdict: u8, reason: u32) -> Decision {
+    trace::record(|r| {
+        r.verdict = verdict;
+        r.reason = reason as u8;
+    });
+    Decision { action, reason }
 }
 
-/// Counts and traces the packet's decision, and returns its verdict.
+/// Counts the packet's decision (tracing the errors), and returns its verdict.
 #[inline(always)]
 fn finish<C: PacketCtx>(ctx: &C, result: Result<Decision, Error>) -> i32 {
     let d = match result {
         Ok(d) => d,
-        Err(Error::Unparsed) => {
-            Decision::untouched(TC_ACT_OK, trace_verdict::PASS, metrics::TC_PASS_UNPARSED)
-        }
+        Err(Error::Unparsed) => untouched(TC_ACT_OK, trace_verdict::PASS, metrics::TC_PASS_UNPARSED),
         Err(Error::Rewrite) => {
             // Rare: a csum/store helper failed on a packet that parsed fine.
             aya_log_ebpf::error!(ctx, "tc: rewrite helper failed, packet dropped");
-            Decision::untouched(TC_ACT_SHOT, trace_verdict::DROP, metrics::TC_DROP_REWRITE)
+            untouched(TC_ACT_SHOT, trace_verdict::DROP, metrics::TC_DROP_REWRITE)
         }
     };
-    count(d.record.reason as u32, ctx.len());
-    trace::record(&d.record);
+    count(d.reason, ctx.len());
     d.action
 }
 
 #[inline(always)]
 fn try_tc<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
-    match parse::parse(ctx)? {
-        Parsed::V4(p) => handle::<C, V4>(ctx, &p, hook),
-        Parsed::V6(p) => handle::<C, V6>(ctx, &p, hook),
+    match parse::l3(ctx)? {
+        L3::V4 => handle::<C, V4>(ctx, hook),
+        L3::V6 => handle::<C, V6>(ctx, hook),
     }
 }
 
 /// A packet to a frontend is balanced (ingress only); anything else may be a reply.
-#[inline(always)]
-fn handle<C: PacketCtx, A: RewriteAf>(
-    ctx: &C,
-    p: &Packet<A::Addr>,
-    hook: Hook,
-) -> Result<Decision, Error> {
+// BPF subprograms (`inline(never)`) keep the IPv4 and IPv6 paths, and the new, established
+// and reply paths within them, in frames of their own: inlined together they overflow the
+// 512-byte stack, which the verifier counts along the deepest call chain.
+#[inline(never)]
+fn handle<C: PacketCtx, A: FwdAf + ParseAf>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
+    let s = scratch().ok_or(Error::Unparsed)?;
+    // SAFETY: this CPU's scratch entry; `packet` is 64 bytes, 8-aligned, used only here and
+    // alive for this run (see `maps::Scratch`).
+    let p = unsafe { &mut *(*s).packet.as_mut_ptr().cast::<Packet<A::Addr>>() };
+    parse_into::<C, A>(ctx, p)?;
+    let p: &Packet<A::Addr> = p;
     let origin = match hook {
         Hook::External => Some(Origin::External),
         Hook::Pod => Some(Origin::Cluster),
         Hook::Egress => None,
     };
+    if let Some(origin) = origin
+        && let Some(svc) = lookup::<A>(p, origin)
+    {
+        let now = conntrack::now_secs();
+        if let Some(flow) = conntrack::established::<A>(p, now) {
+            return established_flow::<C, A>(ctx, p, &svc, &flow);
+        }
+        return new_flow::<C, A>(ctx, p, &svc, now);
+    }
+    match conntrack::reply::<A>(p) {
+        Some(flow) => from_backend::<C, A>(ctx, p, &flow),
+        None => Ok(untouched(
+            TC_ACT_OK,
+            trace_verdict::PASS,
+            metrics::TC_PASS_NO_SERVICE,
+        )),
+    }
+}
+
+/// The frontend `p` is addressed to, in the scope its origin gets.
+// A subprogram, like `parse_into`: the lookup keys stay out of `handle`'s frame.
+#[inline(never)]
+fn lookup<A: Af>(p: &Packet<A::Addr>, origin: Origin) -> Option<Service<A::Addr>> {
     let frontend = Endpoint {
         addr: p.daddr,
         port: p.dport,
     };
-    if let Some(origin) = origin
-        && let Some(svc) = select::lookup::<A>(frontend, p.proto, origin)
-    {
-        return to_service::<C, A>(ctx, p, &svc);
-    }
-    from_backend::<C, A>(ctx, p)
+    select::lookup::<A>(frontend, p.proto, origin)
 }
 
-/// DNAT to the flow's backend if conntrack knows a live one, else to a newly chosen backend.
+/// A backend for a new flow of `svc`, picked at random.
+// A subprogram, like `parse_into`: the slot and backend lookups stay out of `new_flow`'s frame.
+#[inline(never)]
+fn choose<A: Af>(svc: &Service<A::Addr>) -> Result<Chosen<A::Addr>, Unserved> {
+    // SAFETY: helper without arguments.
+    select::choose::<A>(svc, || unsafe { bpf_get_prandom_u32() })
+}
+
+/// Parses the packet into `out`.
+// Inlined: as a subprogram LLVM would pass it the packet pointers themselves, and the
+// verifier refuses arithmetic on `data_end` there.
 #[inline(always)]
-fn to_service<C: PacketCtx, A: RewriteAf>(
+fn parse_into<C: PacketCtx, A: ParseAf>(ctx: &C, out: &mut Packet<A::Addr>) -> Result<(), Error> {
+    A::parse(ctx, out)
+}
+
+/// A packet of a flow conntrack knows: DNAT to its backend (and SNAT if it is masqueraded).
+#[inline(always)]
+fn established_flow<C: PacketCtx, A: FwdAf>(
     ctx: &C,
     p: &Packet<A::Addr>,
     svc: &Service<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
 ) -> Result<Decision, Error> {
-    let now = conntrack::now_secs();
-    if let Some(flow) = conntrack::established::<A>(p, now) {
-        rewrite::dnat::<C, A>(ctx, p, flow.endpoint)?;
-        return Ok(Decision {
-            action: TC_ACT_OK,
-            record: TraceRecord {
-                verdict: trace_verdict::FORWARD,
-                reason: metrics::TC_FWD_ESTABLISHED as u8,
-                scope: svc.scope,
-                ct_state: trace_ct::ESTABLISHED,
-                slot: 0,
-                svc_flags: svc.master.flags,
-                backend_id: flow.backend_id,
-                rev_nat_id: flow.rev_nat_id,
-            },
-        });
-    }
-    // SAFETY: helper without arguments.
-    match select::choose::<A>(svc, || unsafe { bpf_get_prandom_u32() }) {
-        Ok(c) => {
-            if conntrack::create::<A>(p, c.backend, c.backend_id, c.rev_nat_id, now).is_err() {
-                // The packet still goes to the chosen backend; later ones may pick another.
-                count(metrics::TC_CT_INSERT_FAILED, ctx.len());
-            }
-            rewrite::dnat::<C, A>(ctx, p, c.backend)?;
-            Ok(Decision {
-                action: TC_ACT_OK,
-                record: TraceRecord {
-                    verdict: trace_verdict::FORWARD,
-                    reason: metrics::TC_FWD_NEW as u8,
-                    scope: c.scope,
-                    ct_state: trace_ct::NEW,
-                    slot: c.slot,
-                    svc_flags: c.svc_flags,
-                    backend_id: c.backend_id,
-                    rev_nat_id: c.rev_nat_id,
-                },
-            })
+    let action = to_backend::<C, A>(ctx, p, &flow.endpoint, &flow.nat)?;
+    trace::record(|r| {
+        r.verdict = trace_verdict::FORWARD;
+        r.reason = metrics::TC_FWD_ESTABLISHED as u8;
+        r.scope = svc.scope;
+        r.ct_state = trace_ct::ESTABLISHED;
+        r.svc_flags = svc.master.flags;
+        r.backend_id = flow.backend_id;
+        r.rev_nat_id = flow.rev_nat_id;
+        trace_nat(r, &flow.nat);
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_FWD_ESTABLISHED,
+    })
+}
+
+/// A new flow: a backend is chosen, the flow recorded (with a NAT port if it is masqueraded,
+/// see `nat`) and the packet DNATed (and SNATed) to it.
+#[inline(always)]
+fn new_flow<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    svc: &Service<A::Addr>,
+    now: u32,
+) -> Result<Decision, Error> {
+    let c = match choose::<A>(svc) {
+        Ok(c) => c,
+        Err(n) => {
+            trace::record(|r| {
+                r.verdict = trace_verdict::DROP;
+                r.reason = metrics::TC_DROP_NO_BACKEND as u8;
+                r.scope = n.scope;
+                r.ct_state = trace_ct::NONE;
+                r.slot = n.slot;
+                r.svc_flags = n.svc_flags;
+                r.backend_id = n.backend_id;
+                r.rev_nat_id = n.rev_nat_id;
+            });
+            return Ok(Decision {
+                action: TC_ACT_SHOT,
+                reason: metrics::TC_DROP_NO_BACKEND,
+            });
         }
-        Err(n) => Ok(Decision {
-            action: TC_ACT_SHOT,
-            record: TraceRecord {
-                verdict: trace_verdict::DROP,
-                reason: metrics::TC_DROP_NO_BACKEND as u8,
-                scope: n.scope,
-                ct_state: trace_ct::NONE,
-                slot: n.slot,
-                svc_flags: n.svc_flags,
-                backend_id: n.backend_id,
-                rev_nat_id: n.rev_nat_id,
-            },
+    };
+    let head = conntrack::new_head(p, c.backend_id, c.rev_nat_id, now);
+    let snat = match snat_port::<C, A>(ctx, p, &c, &head) {
+        0 => None,
+        SNAT_EXHAUSTED => {
+            trace::record(|r| {
+                r.verdict = trace_verdict::DROP;
+                r.reason = metrics::TC_SNAT_PORT_EXHAUSTED as u8;
+                trace_chosen(r, &c);
+            });
+            return Ok(Decision {
+                action: TC_ACT_SHOT,
+                reason: metrics::TC_SNAT_PORT_EXHAUSTED,
+            });
+        }
+        port => config().and_then(A::node_ip).map(|addr| Endpoint {
+            addr,
+            port: port as u16,
         }),
+    };
+    if conntrack::create::<A>(p, &c.backend, &head, &snat).is_err() {
+        // The packet still goes to the chosen backend; later ones may pick another.
+        count(metrics::TC_CT_INSERT_FAILED, ctx.len());
+    }
+    let action = to_backend::<C, A>(ctx, p, &c.backend, &snat)?;
+    trace::record(|r| {
+        r.verdict = trace_verdict::FORWARD;
+        r.reason = metrics::TC_FWD_NEW as u8;
+        r.ct_state = trace_ct::NEW;
+        trace_chosen(r, &c);
+        trace_nat(r, &snat);
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_FWD_NEW,
+    })
+}
+
+/// The trace record fields a chosen backend fills.
+#[inline(always)]
+fn trace_chosen<A>(r: &mut TraceRecord, c: &Chosen<A>) {
+    r.scope = c.scope;
+    r.slot = c.slot;
+    r.svc_flags = c.svc_flags;
+    r.backend_id = c.backend_id;
+    r.rev_nat_id = c.rev_nat_id;
+}
+
+/// `snat_port` found no free NAT port.
+const SNAT_EXHAUSTED: u32 = 1 << 16;
+
+/// The NAT port of the new flow of `p` to `c` if it is masqueraded, its reply entry already
+/// claimed; 0 if it is not masqueraded, `SNAT_EXHAUSTED` if no port was free.
+// A subprogram: the decision's LPM key and the allocation's key need a frame of their own.
+#[inline(never)]
+fn snat_port<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    c: &Chosen<A::Addr>,
+    head: &CtHead,
+) -> u32 {
+    let Some(cfg) = config() else {
+        return 0;
+    };
+    if !nat::masquerade::<A>(cfg, p, c) {
+        return 0;
+    }
+    let Some(node) = A::node_ip(cfg) else {
+        count(metrics::TC_SNAT_NO_NODE_IP, ctx.len());
+        return 0;
+    };
+    match nat::allocate::<A>(cfg, p, &c.backend, head, &node) {
+        0 => SNAT_EXHAUSTED,
+        port => u32::from(port),
     }
 }
 
-/// Reverse NAT of a backend's reply; anything else passes untouched.
-#[inline(always)]
-fn from_backend<C: PacketCtx, A: RewriteAf>(
+/// DNATs the packet to `backend` and, masqueraded, SNATs it to `snat` and forwards it out of
+/// the route to `backend` past the stack (`fwd`); returns the verdict.
+#[inline(never)]
+fn to_backend<C: PacketCtx, A: FwdAf>(
     ctx: &C,
     p: &Packet<A::Addr>,
-) -> Result<Decision, Error> {
-    let Some(flow) = conntrack::reply::<A>(p) else {
-        return Ok(Decision::untouched(
-            TC_ACT_OK,
-            trace_verdict::PASS,
-            metrics::TC_PASS_NO_SERVICE,
-        ));
+    backend: &Endpoint<A::Addr>,
+    snat: &Option<Endpoint<A::Addr>>,
+) -> Result<i32, Error> {
+    rewrite::dnat::<C, A>(ctx, p, *backend)?;
+    let Some(to) = snat else {
+        return Ok(TC_ACT_OK);
     };
-    rewrite::reverse_nat::<C, A>(ctx, p, flow.endpoint)?;
+    rewrite::snat::<C, A>(ctx, p, *to)?;
+    count(metrics::TC_SNAT, ctx.len());
+    fwd::forward::<C, A>(ctx, p, &to.addr, &backend.addr)
+}
+
+/// The trace record's masquerade fields for `snat`.
+#[inline(always)]
+fn trace_nat<A>(r: &mut TraceRecord, snat: &Option<Endpoint<A>>) {
+    if let Some(to) = snat {
+        r.masquerade = 1;
+        r.nat_port = to.port;
+    }
+}
+
+/// Reverse NAT of a backend's reply (un-SNAT too for masqueraded flows).
+#[inline(never)]
+fn from_backend<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
+) -> Result<Decision, Error> {
+    match flow.nat {
+        Some(client) => rewrite::reverse_snat::<C, A>(ctx, p, flow.endpoint, client)?,
+        None => rewrite::reverse_nat::<C, A>(ctx, p, flow.endpoint)?,
+    }
+    trace::record(|r| {
+        r.verdict = trace_verdict::REVERSE_NAT;
+        r.reason = metrics::TC_REVNAT as u8;
+        r.ct_state = trace_ct::REPLY;
+        r.backend_id = flow.backend_id;
+        r.rev_nat_id = flow.rev_nat_id;
+    });
     Ok(Decision {
         action: TC_ACT_OK,
-        record: TraceRecord {
-            verdict: trace_verdict::REVERSE_NAT,
-            reason: metrics::TC_REVNAT as u8,
-            ct_state: trace_ct::REPLY,
-            backend_id: flow.backend_id,
-            rev_nat_id: flow.rev_nat_id,
-            ..TraceRecord::default()
-        },
+        reason: metrics::TC_REVNAT,
     })
 }

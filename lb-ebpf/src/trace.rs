@@ -11,8 +11,10 @@ use crate::maps::TRACE;
 #[unsafe(no_mangle)]
 static LB_TRACE: u8 = 0;
 
+/// Writes the record `fill` sets (on a zeroed one) straight into the map: no copy of it on the
+/// stack, which the tc path cannot spare.
 #[inline(always)]
-pub fn record(r: &TraceRecord) {
+pub fn record(fill: impl FnOnce(&mut TraceRecord)) {
     // SAFETY: a plain read of a static; volatile so the compiler keeps the load the loader's
     // value feeds instead of folding in the 0 it was compiled with.
     if unsafe { core::ptr::read_volatile(&LB_TRACE) } == 0 {
@@ -21,6 +23,9 @@ pub fn record(r: &TraceRecord) {
     if let Some(slot) = TRACE.get_ptr_mut(0) {
         // SAFETY: array value pointer, valid for the program's run. Concurrent traced packets
         // may interleave; traced loads run one test packet at a time.
-        unsafe { *slot = *r };
+        unsafe {
+            *slot = TraceRecord::default();
+            fill(&mut *slot);
+        }
     }
 }

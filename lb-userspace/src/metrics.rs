@@ -48,7 +48,7 @@ use axum::{
     routing::get,
 };
 use aya::maps::{HashMap, IterableMap as _, MapData, PerCpuArray};
-use lb_common::{Ct4Key, Ct6Key, CtValue, MetricValue, metrics::NAMES};
+use lb_common::{Ct4Key, Ct4Value, Ct6Key, Ct6Value, MetricValue, metrics::NAMES};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _, prometheus_text},
@@ -248,8 +248,8 @@ impl Metrics {
     /// `lb_conntrack_entries{family="ipv4"|"ipv6"}`.
     pub fn set_conntrack_maps(
         &self,
-        ct4: HashMap<MapData, Ct4Key, CtValue>,
-        ct6: HashMap<MapData, Ct6Key, CtValue>,
+        ct4: HashMap<MapData, Ct4Key, Ct4Value>,
+        ct6: HashMap<MapData, Ct6Key, Ct6Value>,
     ) {
         *lock(&self.bpf.conntrack) = Some((ct4, ct6));
     }
@@ -345,8 +345,8 @@ fn rfc3339(t: SystemTime) -> String {
     s
 }
 
-type Ct4Map = HashMap<MapData, Ct4Key, CtValue>;
-type Ct6Map = HashMap<MapData, Ct6Key, CtValue>;
+type Ct4Map = HashMap<MapData, Ct4Key, Ct4Value>;
+type Ct6Map = HashMap<MapData, Ct6Key, Ct6Value>;
 
 /// Reads the BPF maps on every scrape.
 #[derive(Default)]
@@ -406,7 +406,7 @@ impl BpfCollector {
 /// Counts a hash map's keys by walking them. Entries the datapath deletes during the walk can
 /// restart it from the first key, so the walk stops at the map's capacity; the result is a
 /// snapshot, not exact under churn. `None` if the map cannot be read.
-fn count_keys<K: aya::Pod>(map: &HashMap<MapData, K, CtValue>, name: &str) -> Option<u64> {
+fn count_keys<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, name: &str) -> Option<u64> {
     let capacity = match map.map().info() {
         Ok(info) => u64::from(info.max_entries()),
         Err(e) => {

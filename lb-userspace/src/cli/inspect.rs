@@ -24,7 +24,7 @@ use aya::{
     util::KernelVersion,
 };
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, DEFAULT_PIN_DIR, MetricValue, RevNat4, RevNat6,
+    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, DEFAULT_PIN_DIR, MetricValue, RevNat4, RevNat6,
     SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
     map_names, metrics, prog_names, scope, svc_flags,
 };
@@ -637,8 +637,8 @@ fn map_status(dir: &Path, name: &str) -> anyhow::Result<MapStatus> {
         map_names::BACKENDS6 => count_keys(&open_hash::<u32, Backend6>(dir, name)?, max)?,
         map_names::REVNAT4 => count_keys(&open_hash::<u32, RevNat4>(dir, name)?, max)?,
         map_names::REVNAT6 => count_keys(&open_hash::<u32, RevNat6>(dir, name)?, max)?,
-        map_names::CT4 => count_keys(&open_hash::<Ct4Key, CtValue>(dir, name)?, max)?,
-        map_names::CT6 => count_keys(&open_hash::<Ct6Key, CtValue>(dir, name)?, max)?,
+        map_names::CT4 => count_keys(&open_hash::<Ct4Key, Ct4Value>(dir, name)?, max)?,
+        map_names::CT6 => count_keys(&open_hash::<Ct6Key, Ct6Value>(dir, name)?, max)?,
         map_names::SK_REVNAT4 => {
             count_keys(&open_hash::<SkRevNat4Key, SkRevNat4Value>(dir, name)?, max)?
         }

@@ -19,7 +19,7 @@ use aya::{
     programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
 use lb_common::{
-    Ct4Key, Ct6Key, CtValue, Svc4Key, Svc6Key, SvcValue, ct_dir, map_names, prog_names, scope,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, Svc4Key, Svc6Key, SvcValue, ct_dir, map_names, prog_names, scope,
     svc_flags,
 };
 use serde::Serialize;
@@ -154,8 +154,8 @@ pub struct Probe {
 
 /// The running lb's IPv4 and IPv6 conntrack maps.
 type LiveCt = (
-    HashMap<MapData, Ct4Key, CtValue>,
-    HashMap<MapData, Ct6Key, CtValue>,
+    HashMap<MapData, Ct4Key, Ct4Value>,
+    HashMap<MapData, Ct6Key, Ct6Value>,
 );
 
 pub struct Tracer {
@@ -409,8 +409,8 @@ impl Tracer {
 }
 
 /// Copies `key`'s entry, if `live` has one, into the map `name` of the private object.
-fn copy_entry<K: aya::Pod>(
-    live: &HashMap<MapData, K, CtValue>,
+fn copy_entry<K: aya::Pod, V: aya::Pod>(
+    live: &HashMap<MapData, K, V>,
     ebpf: &mut aya::Ebpf,
     name: &str,
     key: K,
@@ -419,7 +419,7 @@ fn copy_entry<K: aya::Pod>(
         let map = ebpf
             .map_mut(name)
             .with_context(|| format!("scratch {name}"))?;
-        let mut scratch: HashMap<&mut MapData, K, CtValue> = HashMap::try_from(map)?;
+        let mut scratch: HashMap<&mut MapData, K, V> = HashMap::try_from(map)?;
         scratch.insert(key, v, 0)?;
     }
     Ok(())

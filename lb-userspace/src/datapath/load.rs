@@ -9,14 +9,14 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, MapInfo, MapType},
+    maps::{HashMap, MapData, MapInfo, MapType, lpm_trie::Key as LpmKey},
     programs::{CgroupAttachMode, CgroupSockAddr, Program, SchedClassifier, TcAttachType, tc},
     util::KernelVersion,
 };
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, globals, map_names,
-    map_sizes, prog_names,
+    Backend4, Backend6, ClusterCidr4, ClusterCidr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
+    MetricValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value,
+    Svc4Key, Svc6Key, SvcValue, globals, map_names, map_sizes, prog_names,
 };
 
 use super::maps::{BpfMaps, Family, Table};
@@ -55,11 +55,11 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 11] = [
+const MAP_SPECS: [MapSpec; 14] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
-    spec::<Ct4Key, CtValue>(map_names::CT4, MapType::LruHash, map_sizes::CT),
+    spec::<Ct4Key, Ct4Value>(map_names::CT4, MapType::LruHash, map_sizes::CT),
     spec::<SkRevNat4Key, SkRevNat4Value>(
         map_names::SK_REVNAT4,
         MapType::LruHash,
@@ -68,13 +68,24 @@ const MAP_SPECS: [MapSpec; 11] = [
     spec::<Svc6Key, SvcValue>(map_names::SERVICES6, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend6>(map_names::BACKENDS6, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat6>(map_names::REVNAT6, MapType::Hash, map_sizes::REVNAT),
-    spec::<Ct6Key, CtValue>(map_names::CT6, MapType::LruHash, map_sizes::CT),
+    spec::<Ct6Key, Ct6Value>(map_names::CT6, MapType::LruHash, map_sizes::CT),
     spec::<SkRevNat6Key, SkRevNat6Value>(
         map_names::SK_REVNAT6,
         MapType::LruHash,
         map_sizes::SK_REVNAT,
     ),
     spec::<u32, MetricValue>(map_names::METRICS, MapType::PerCpuArray, map_sizes::METRICS),
+    spec::<u32, LbConfig>(map_names::CONFIG, MapType::Array, 1),
+    spec::<LpmKey<ClusterCidr4>, u8>(
+        map_names::CLUSTER_CIDR4,
+        MapType::LpmTrie,
+        map_sizes::CLUSTER_CIDR,
+    ),
+    spec::<LpmKey<ClusterCidr6>, u8>(
+        map_names::CLUSTER_CIDR6,
+        MapType::LpmTrie,
+        map_sizes::CLUSTER_CIDR,
+    ),
 ];
 
 /// Where a tc program is attached, which decides the frontends' scope it uses.
