@@ -26,7 +26,6 @@ use serde::Serialize;
 
 use crate::{
     controller::{
-        daemon::{FRONTENDS_FILE, FrontendName},
         manifests,
         reconcile::Reconciler,
         translate::{self, NodeInfo},
@@ -34,8 +33,10 @@ use crate::{
     datapath::{
         load::{Datapath, LoadOptions, SERVICE_MAPS},
         maps::BpfMaps,
+        pinned::open_hash,
     },
     model::{Frontend, Proto},
+    state_dir,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -176,30 +177,28 @@ impl Tracer {
             ..LoadOptions::default()
         })?;
         let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
-        let mut names = StdHashMap::new();
-        if let Ok(text) = std::fs::read_to_string(state_dir.join(FRONTENDS_FILE)) {
-            let list: Vec<FrontendName> =
-                serde_json::from_str(&text).context("parsing frontends.json")?;
-            for n in list {
+        let names = match state_dir::read_names(state_dir) {
+            Ok(names) => names,
+            // No names when the file cannot be read; a file that cannot be parsed is an error.
+            Err(state_dir::ReadError::Read { .. }) => state_dir::Names::new(),
+            Err(e @ state_dir::ReadError::Parse { .. }) => {
+                return Err(e).context("parsing frontends.json");
+            }
+        };
+        let names = names
+            .into_values()
+            .map(|n| {
                 let s = if n.scope == "internal" {
                     scope::INTERNAL
                 } else {
                     scope::EXTERNAL
                 };
-                let port = if n.port_name.is_empty() {
-                    String::new()
-                } else {
-                    format!(":{}", n.port_name)
-                };
-                names.insert((n.frontend, s), format!("{}/{}{port}", n.namespace, n.name));
-            }
-        }
-        let open = |name: &str| -> anyhow::Result<MapData> {
-            MapData::from_pin(pin_dir.join(name)).with_context(|| format!("opening pinned {name}"))
-        };
+                ((n.frontend.clone(), s), n.service().to_string())
+            })
+            .collect();
         let live_ct = Some((
-            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT4)?))?,
-            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT6)?))?,
+            open_hash(pin_dir, map_names::CT4)?,
+            open_hash(pin_dir, map_names::CT6)?,
         ));
         Ok(Self {
             datapath,
@@ -598,7 +597,7 @@ pub struct TraceArgs {
     #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
     /// State dir of the running lb, for service names (live mode).
-    #[arg(long, default_value = crate::controller::daemon::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = crate::state_dir::DEFAULT_STATE_DIR)]
     pub state_dir: std::path::PathBuf,
 }
 

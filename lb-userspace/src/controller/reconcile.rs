@@ -17,7 +17,7 @@ use std::{
 use lb_common::{SvcValue, backend_state, lb_alg};
 
 use crate::{
-    datapath::maps::{Dump, Family, LbMaps, MapOpError, Table},
+    datapath::maps::{Dump, Family, LbMaps, MapOpError, Table, backends_of, revnat_of},
     model::{Backend, DesiredState, Frontend, L4Addr, ServiceEntry},
 };
 
@@ -147,16 +147,8 @@ impl<M: LbMaps> Reconciler<M> {
                         .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
                         .count()
             }
-            Table::Backends => self
-                .backends
-                .values()
-                .filter(|b| Family::of(&b.l4.addr) == family)
-                .count(),
-            Table::RevNat => self
-                .revnat
-                .values()
-                .filter(|(a, _)| Family::of(a) == family)
-                .count(),
+            Table::Backends => backends_of(&self.backends, family),
+            Table::RevNat => revnat_of(&self.revnat, family),
         }
     }
 

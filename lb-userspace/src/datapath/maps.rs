@@ -7,10 +7,10 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
-use aya::maps::{HashMap, MapData, MapError};
+use aya::maps::{HashMap, MapData, MapError, PerCpuArray};
 use lb_common::{
-    Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, backend_state, map_names,
-    scope, svc_flags,
+    Backend4, Backend6, MetricValue, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, backend_state,
+    map_names, scope, svc_flags,
 };
 
 use crate::model::{Backend, Frontend, L4Addr, Proto};
@@ -82,6 +82,37 @@ pub struct Dump {
     pub revnat: BTreeMap<u32, (IpAddr, u16)>,
     /// (frontend, slot) → value; slot 0 is the master entry.
     pub services: BTreeMap<(Frontend, u16), SvcValue>,
+}
+
+impl Dump {
+    /// Entries `table` holds for `family`.
+    pub fn len(&self, table: Table, family: Family) -> usize {
+        match table {
+            Table::Services => self
+                .services
+                .keys()
+                .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
+                .count(),
+            Table::Backends => backends_of(&self.backends, family),
+            Table::RevNat => revnat_of(&self.revnat, family),
+        }
+    }
+}
+
+/// Backends of `family` in a backend id → backend table.
+pub fn backends_of(backends: &BTreeMap<u32, Backend>, family: Family) -> usize {
+    backends
+        .values()
+        .filter(|b| Family::of(&b.l4.addr) == family)
+        .count()
+}
+
+/// Rev-NAT entries of `family` in a rev-NAT id → frontend table.
+pub fn revnat_of(revnat: &BTreeMap<u32, (IpAddr, u16)>, family: Family) -> usize {
+    revnat
+        .values()
+        .filter(|(a, _)| Family::of(a) == family)
+        .count()
 }
 
 pub trait LbMaps {
@@ -336,31 +367,8 @@ impl MemMaps {
         }
     }
 
-    fn len(&self, table: Table, family: Family) -> usize {
-        match table {
-            Table::Services => self
-                .dump
-                .services
-                .keys()
-                .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
-                .count(),
-            Table::Backends => self
-                .dump
-                .backends
-                .values()
-                .filter(|b| Family::of(&b.l4.addr) == family)
-                .count(),
-            Table::RevNat => self
-                .dump
-                .revnat
-                .values()
-                .filter(|(a, _)| Family::of(a) == family)
-                .count(),
-        }
-    }
-
     fn check_room(&self, table: Table, family: Family, exists: bool) -> Result<(), MapOpError> {
-        if !exists && self.len(table, family) >= self.capacity(table, family) as usize {
+        if !exists && self.dump.len(table, family) >= self.capacity(table, family) as usize {
             return Err(MapOpError::Full {
                 map: table.map_name(family),
             });
@@ -540,4 +548,34 @@ pub fn render(dump: &Dump) -> String {
         }
     }
     out
+}
+
+/// Counts a hash map's keys by walking them, at most `max` (its capacity). Entries the datapath
+/// deletes during the walk can restart it from the first key, so the bound keeps it finite; the
+/// result is a snapshot, not exact under churn.
+pub fn count_keys<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    max: u32,
+) -> Result<u64, MapError> {
+    let mut n = 0u64;
+    for key in map.keys() {
+        key?;
+        n += 1;
+        if n >= u64::from(max) {
+            break;
+        }
+    }
+    Ok(n)
+}
+
+/// Packets and bytes of datapath counter `index` (a `lb_common::metrics` index), summed over
+/// CPUs; wrapping, as the kernel's per-CPU counters do.
+pub fn read_counter(
+    map: &PerCpuArray<MapData, MetricValue>,
+    index: u32,
+) -> Result<(u64, u64), MapError> {
+    let values = map.get(&index, 0)?;
+    Ok(values.iter().fold((0u64, 0u64), |(p, b), v| {
+        (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
+    }))
 }
