@@ -51,12 +51,7 @@ pub fn write_names(dir: &Path, state: &DesiredState) -> anyhow::Result<()> {
         .iter()
         .map(|(fe, entry)| FrontendName {
             frontend: fe.l4.to_string(),
-            scope: if fe.scope == lb_common::scope::INTERNAL {
-                "internal"
-            } else {
-                "external"
-            }
-            .into(),
+            scope: fe.scope.as_str().into(),
             namespace: entry.name.namespace.clone(),
             name: entry.name.name.clone(),
             port_name: entry.name.port_name.clone(),

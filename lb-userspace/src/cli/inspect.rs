@@ -26,17 +26,17 @@ use aya::{
 use lb_common::{
     Backend4, Backend6, Ct4Key, Ct6Key, CtValue, DEFAULT_PIN_DIR, RevNat4, RevNat6, SkRevNat4Key,
     SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_names,
-    prog_names, scope, svc_flags,
+    prog_names,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::{
     datapath::{
         cgroup::cgroup2_mounts,
-        maps::{BpfMaps, Dump, LbMaps as _, count_keys, flag_names},
+        maps::{BpfMaps, Dump, LbMaps as _, count_keys},
         pinned::{check_pin_dir, open_hash, pin_error, read_counters},
     },
-    model::Frontend,
+    model::{Frontend, flag_names, kind_of},
     state_dir::{self, DEFAULT_STATE_DIR, Names},
 };
 
@@ -111,7 +111,7 @@ pub struct SlotView {
     pub address: Option<String>,
     /// `TCP`, `UDP` or `SCTP`; `null` when missing.
     pub protocol: Option<String>,
-    /// active, terminating, quarantined, maintenance, unknown, or missing.
+    /// active, terminating, quarantined, maintenance, or missing.
     pub state: String,
 }
 
@@ -212,29 +212,6 @@ pub fn read_names(state_dir: &Path) -> Names {
     })
 }
 
-fn scope_name(s: u8) -> &'static str {
-    if s == scope::INTERNAL {
-        "internal"
-    } else {
-        "external"
-    }
-}
-
-pub use crate::datapath::maps::state_name;
-
-/// The service type the flags stand for (the same precedence as `ServiceEntry::kind`).
-fn kind_of(flags: u16) -> &'static str {
-    if flags & svc_flags::NODE_PORT != 0 {
-        "NodePort"
-    } else if flags & svc_flags::LOAD_BALANCER != 0 {
-        "LoadBalancer"
-    } else if flags & svc_flags::EXTERNAL_IP != 0 {
-        "ExternalIP"
-    } else {
-        "ClusterIP"
-    }
-}
-
 fn socket_addr(addr: IpAddr, port: u16) -> String {
     SocketAddr::new(addr, port).to_string()
 }
@@ -253,7 +230,7 @@ pub fn service_views(dump: &Dump, names: &Names) -> Vec<ServiceView> {
 
 fn service_view(dump: &Dump, names: &Names, fe: &Frontend, master: &SvcValue) -> ServiceView {
     let frontend = fe.l4.to_string();
-    let scope = scope_name(fe.scope).to_string();
+    let scope = fe.scope.as_str().to_string();
     let name = names.get(&(frontend.clone(), scope.clone()));
     let backends = (1..=master.count.saturating_add(master.qcount))
         .map(|slot| match dump.services.get(&(*fe, slot)) {
@@ -277,7 +254,7 @@ fn service_view(dump: &Dump, names: &Names, fe: &Frontend, master: &SvcValue) ->
                     id: Some(sv.backend_id),
                     address: Some(socket_addr(b.l4.addr, b.l4.port)),
                     protocol: Some(b.l4.proto.to_string()),
-                    state: state_name(b.state).into(),
+                    state: b.state.as_str().into(),
                 },
             },
         })
@@ -322,7 +299,7 @@ pub fn backend_views(dump: &Dump) -> Vec<BackendView> {
             id: *id,
             address: socket_addr(b.l4.addr, b.l4.port),
             protocol: b.l4.proto.to_string(),
-            state: state_name(b.state).into(),
+            state: b.state.as_str().into(),
             references: refs.get(id).map_or(0, BTreeSet::len),
         })
         .collect()

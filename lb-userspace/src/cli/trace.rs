@@ -18,10 +18,7 @@ use aya::{
     maps::{HashMap, MapData},
     programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
-use lb_common::{
-    Ct4Key, Ct6Key, CtValue, Svc4Key, Svc6Key, SvcValue, ct_dir, map_names, prog_names, scope,
-    svc_flags,
-};
+use lb_common::{Ct4Key, Ct6Key, CtValue, SvcValue, ct_dir, map_names, prog_names, svc_flags};
 use serde::Serialize;
 
 use crate::{
@@ -32,10 +29,10 @@ use crate::{
     },
     datapath::{
         load::{Datapath, LoadOptions, SERVICE_MAPS},
-        maps::BpfMaps,
+        maps::{BpfMaps, svc4_key, svc6_key},
         pinned::open_hash,
     },
-    model::{Frontend, Proto},
+    model::{Frontend, Proto, Scope},
     state_dir,
 };
 
@@ -163,7 +160,7 @@ pub struct Tracer {
     datapath: Datapath,
     reconciler: Reconciler<BpfMaps>,
     /// (frontend, scope) → `ns/name:port`.
-    names: StdHashMap<(String, u8), String>,
+    names: StdHashMap<(String, Scope), String>,
     /// The running lb's conntrack, to copy an established flow's entry from.
     live_ct: Option<LiveCt>,
 }
@@ -188,10 +185,11 @@ impl Tracer {
         let names = names
             .into_values()
             .map(|n| {
-                let s = if n.scope == "internal" {
-                    scope::INTERNAL
+                // As before: anything but `internal` is the external scope.
+                let s = if n.scope == Scope::Internal.as_str() {
+                    Scope::Internal
                 } else {
-                    scope::EXTERNAL
+                    Scope::External
                 };
                 ((n.frontend.clone(), s), n.service().to_string())
             })
@@ -298,49 +296,23 @@ impl Tracer {
     /// the program uses, with the same scope choice.
     fn frontend(&self, fe: &Frontend, internal: bool) -> (Option<String>, Vec<String>) {
         let maps = self.reconciler.maps();
-        let get = |scope: u8, slot: u16| -> Option<SvcValue> {
+        let get = |scope: Scope, slot: u16| -> Option<SvcValue> {
             let f = Frontend { scope, ..*fe };
             match fe.l4.addr {
-                IpAddr::V4(a) => maps
-                    .services4
-                    .get(
-                        &Svc4Key {
-                            addr: a.octets(),
-                            port: f.l4.port,
-                            slot,
-                            proto: f.l4.proto.number(),
-                            scope,
-                            pad: [0; 2],
-                        },
-                        0,
-                    )
-                    .ok(),
-                IpAddr::V6(a) => maps
-                    .services6
-                    .get(
-                        &Svc6Key {
-                            addr: a.octets(),
-                            port: f.l4.port,
-                            slot,
-                            proto: f.l4.proto.number(),
-                            scope,
-                            pad: [0; 2],
-                        },
-                        0,
-                    )
-                    .ok(),
+                IpAddr::V4(a) => maps.services4.get(&svc4_key(&f, a, slot), 0).ok(),
+                IpAddr::V6(a) => maps.services6.get(&svc6_key(&f, a, slot), 0).ok(),
             }
         };
-        let Some(mut master) = get(scope::EXTERNAL, 0) else {
+        let Some(mut master) = get(Scope::External, 0) else {
             return (None, Vec::new());
         };
-        let mut used = scope::EXTERNAL;
+        let mut used = Scope::External;
         if internal
             && master.flags & svc_flags::TWO_SCOPES != 0
-            && let Some(m) = get(scope::INTERNAL, 0)
+            && let Some(m) = get(Scope::Internal, 0)
         {
             master = m;
-            used = scope::INTERNAL;
+            used = Scope::Internal;
         }
         let mut candidates = Vec::new();
         for slot in 1..=master.count {
@@ -364,7 +336,7 @@ impl Tracer {
         let name = self
             .names
             .get(&(fe.l4.to_string(), used))
-            .or_else(|| self.names.get(&(fe.l4.to_string(), scope::EXTERNAL)))
+            .or_else(|| self.names.get(&(fe.l4.to_string(), Scope::External)))
             .cloned()
             .or_else(|| Some("-".into()));
         (name, candidates)

@@ -14,11 +14,11 @@ use std::{
     net::IpAddr,
 };
 
-use lb_common::{SvcValue, backend_state, lb_alg};
+use lb_common::{SvcValue, lb_alg};
 
 use crate::{
-    datapath::maps::{Dump, Family, LbMaps, MapOpError, Table, backends_of, revnat_of},
-    model::{Backend, DesiredState, Frontend, L4Addr, ServiceEntry},
+    datapath::maps::{Dump, LbMaps, MapOpError, Table, backends_of, revnat_of},
+    model::{Backend, BackendState, DesiredState, Family, Frontend, L4Addr, ServiceEntry},
 };
 
 /// A frontend as installed: its master entry and the backend id in each slot.
@@ -184,7 +184,7 @@ impl<M: LbMaps> Reconciler<M> {
 
         // One state per backend address: the backends map has a single entry for it, so the
         // most usable state any frontend gives it wins (active, then terminating, ...).
-        let mut states: HashMap<L4Addr, u8> = HashMap::new();
+        let mut states: HashMap<L4Addr, BackendState> = HashMap::new();
         for b in desired.services.values().flat_map(|e| &e.backends) {
             states
                 .entry(b.l4)
@@ -251,7 +251,7 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         entry: &ServiceEntry,
-        states: &HashMap<L4Addr, u8>,
+        states: &HashMap<L4Addr, BackendState>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
     ) -> Result<(), String> {
@@ -266,7 +266,7 @@ impl<M: LbMaps> Reconciler<M> {
         let active = entry
             .backends
             .iter()
-            .filter(|b| b.state == backend_state::ACTIVE)
+            .filter(|b| b.state == BackendState::Active)
             .count();
         let total = entry.backends.len();
         if total > u16::MAX as usize {

@@ -10,7 +10,8 @@ use lb_common::{
     metrics,
 };
 
-use super::maps::{BpfMaps, Family, Table, read_counter};
+use super::maps::{BpfMaps, Table, read_counter};
+use crate::model::Family;
 
 impl BpfMaps {
     /// Opens the service, backend and rev-NAT maps pinned in `dir` by a running (or stopped)
