@@ -753,7 +753,15 @@ fn full_service_map_is_reported_and_previous_state_kept() {
 
 #[test]
 fn pinned_map_of_another_size_is_refused() {
+    /// Removes the pins even when an assertion fails.
+    struct PinDir(std::path::PathBuf);
+    impl Drop for PinDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
     let dir = std::path::PathBuf::from(format!("/sys/fs/bpf/lb-test-size-{}", std::process::id()));
+    let _cleanup = PinDir(dir.clone());
     let pinned = LoadOptions {
         pin_dir: Some(dir.clone()),
         ..LoadOptions::default()
@@ -766,7 +774,6 @@ fn pinned_map_of_another_size_is_refused() {
     let err = Datapath::load(&resized)
         .err()
         .expect("resized load must fail");
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(format!("{err:#}").contains("incompatible"), "{err:#}");
 }
 

@@ -13,7 +13,7 @@ use std::{
 
 use lb::{
     controller::reconcile::{ApplyReport, Reconciler},
-    datapath::maps::{Dump, LbMaps, MapOpError, MemMaps, Table, render},
+    datapath::maps::{Dump, LbMaps, MapOp, MapOpError, MemMaps, Table, render},
     model::{
         Backend, BackendState, DesiredState, Family, Frontend, L4Addr, Proto, Scope, ServiceEntry,
         ServicePortName,
@@ -92,7 +92,7 @@ fn fresh() -> Reconciler<MemMaps> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The write log.
+// The write journal.
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Op {
@@ -112,51 +112,27 @@ enum Op {
     },
 }
 
-impl Op {
-    fn is_write(&self) -> bool {
-        matches!(
-            self,
-            Op::PutBackend(_) | Op::PutRevNat(_) | Op::PutSlot { .. }
-        )
-    }
-}
-
-fn num<T: std::str::FromStr>(s: &str, line: &str) -> T {
-    s.parse()
-        .unwrap_or_else(|_| panic!("bad number {s:?} in log line {line:?}"))
-}
-
-fn parse_op(line: &str) -> Op {
-    let words: Vec<&str> = line.split_whitespace().collect();
-    match words.as_slice() {
-        ["put", "backend", id, ..] => Op::PutBackend(num(id, line)),
-        ["del", "backend", id] => Op::DelBackend(num(id, line)),
-        ["put", "revnat", id] => Op::PutRevNat(num(id, line)),
-        ["del", "revnat", id] => Op::DelRevNat(num(id, line)),
-        ["put", "service", ..] => {
-            let rest = line.strip_prefix("put service ").expect("prefix");
-            let at = rest.rfind(" slot ").expect("slot in line");
-            let fe = rest[..at].to_string();
-            let tail: Vec<&str> = rest[at..].split_whitespace().collect();
-            let ["slot", slot, "backend", backend, "count", count] = tail.as_slice() else {
-                panic!("unexpected log line {line:?}");
-            };
-            Op::PutSlot {
-                fe,
-                slot: num(slot, line),
-                backend: num(backend, line),
-                count: num(count, line),
-            }
-        }
-        ["del", "service", ..] => {
-            let rest = line.strip_prefix("del service ").expect("prefix");
-            let at = rest.rfind(" slot ").expect("slot in line");
-            Op::DelSlot {
-                fe: rest[..at].to_string(),
-                slot: num(rest[at + " slot ".len()..].trim(), line),
-            }
-        }
-        _ => panic!("unexpected log line {line:?}"),
+/// The journal entry in the form the assertions match on.
+fn op_of(m: &MapOp) -> Op {
+    match m {
+        MapOp::PutBackend { id, .. } => Op::PutBackend(*id),
+        MapOp::DelBackend { id } => Op::DelBackend(*id),
+        MapOp::PutRevNat { id, .. } => Op::PutRevNat(*id),
+        MapOp::DelRevNat { id } => Op::DelRevNat(*id),
+        MapOp::PutService {
+            frontend,
+            slot,
+            value,
+        } => Op::PutSlot {
+            fe: frontend.to_string(),
+            slot: *slot,
+            backend: value.backend_id,
+            count: value.count,
+        },
+        MapOp::DelService { frontend, slot } => Op::DelSlot {
+            fe: frontend.to_string(),
+            slot: *slot,
+        },
     }
 }
 
@@ -165,13 +141,11 @@ fn apply_logged<M: LbMaps + HasMem>(
     rec: &mut Reconciler<M>,
     d: &DesiredState,
 ) -> (ApplyReport, Vec<Op>) {
-    let before = rec.maps().mem().log.len();
+    let before = rec.maps().mem().journal.len();
     let report = rec.apply(d);
-    let ops: Vec<Op> = rec.maps().mem().log[before..]
-        .iter()
-        .map(|l| parse_op(l))
-        .collect();
-    let writes = ops.iter().filter(|o| o.is_write()).count();
+    let journal = &rec.maps().mem().journal[before..];
+    let writes = journal.iter().filter(|m| m.is_write()).count();
+    let ops: Vec<Op> = journal.iter().map(op_of).collect();
     assert_eq!(
         report.writes, writes,
         "report.writes must count the map writes: {ops:#?}"
@@ -466,7 +440,12 @@ impl Checked {
 
     fn after(&mut self, r: Result<(), MapOpError>) -> Result<(), MapOpError> {
         if let Err(e) = check_visible_consistency(&self.inner.dump) {
-            let last = self.inner.log.last().cloned().unwrap_or_default();
+            let last = self
+                .inner
+                .journal
+                .last()
+                .map(ToString::to_string)
+                .unwrap_or_default();
             self.violations.push(format!("after {last:?}: {e}"));
         }
         r
@@ -927,7 +906,8 @@ fn growing_writes_new_backends_and_slots_before_the_master() {
     }
     assert!(!ops.iter().any(|o| matches!(o, Op::PutRevNat(_))));
     assert!(
-        !ops.iter().any(|o| !o.is_write()),
+        !ops.iter()
+            .any(|o| matches!(o, Op::DelBackend(_) | Op::DelRevNat(_) | Op::DelSlot { .. })),
         "growing deletes nothing"
     );
     assert_converged(dump, &d);

@@ -9,7 +9,7 @@ use tokio::{
 
 use super::{
     k8s,
-    reconcile::Reconciler,
+    reconcile::{ApplyReport, Reconciler},
     source::{self, Snapshot},
     translate::{self, NodeInfo},
 };
@@ -110,8 +110,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
                 metrics.mark_change_pending(snapshot.changed_at);
                 generation += 1;
-                let state = sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
-                if let Err(e) = state_dir::write_names(&opts.state_dir, &state) {
+                let synced = sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
+                if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
                 }
                 if generation == 1 {
@@ -146,14 +146,22 @@ fn attach(datapath: &mut Datapath, opts: &RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Translates a snapshot and applies it; returns the desired state it applied.
+/// What one sync did.
+pub struct Synced {
+    /// The desired state it applied.
+    pub state: crate::model::DesiredState,
+    /// What the reconciler wrote, and the services it could not program (logged already).
+    pub report: ApplyReport,
+}
+
+/// Translates a snapshot and applies it, logging and counting what it skipped or failed.
 pub fn sync<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     snapshot: &Snapshot,
     node_name: &str,
     generation: u64,
     metrics: &Metrics,
-) -> crate::model::DesiredState {
+) -> Synced {
     let start = Instant::now();
     for p in &snapshot.problems {
         tracing::warn!(problem = %p, "skipping manifest document");
@@ -202,5 +210,8 @@ pub fn sync<M: LbMaps>(
         elapsed_us = (written - start).as_micros() as u64,
         "synced"
     );
-    translation.state
+    Synced {
+        state: translation.state,
+        report,
+    }
 }

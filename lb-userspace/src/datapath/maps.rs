@@ -391,6 +391,65 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     }
 }
 
+/// One write or delete `MemMaps` performed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MapOp {
+    PutBackend {
+        id: u32,
+        backend: Backend,
+    },
+    DelBackend {
+        id: u32,
+    },
+    PutRevNat {
+        id: u32,
+        addr: IpAddr,
+        port: u16,
+    },
+    DelRevNat {
+        id: u32,
+    },
+    PutService {
+        frontend: Frontend,
+        slot: u16,
+        value: SvcValue,
+    },
+    DelService {
+        frontend: Frontend,
+        slot: u16,
+    },
+}
+
+impl MapOp {
+    pub fn is_write(&self) -> bool {
+        matches!(
+            self,
+            MapOp::PutBackend { .. } | MapOp::PutRevNat { .. } | MapOp::PutService { .. }
+        )
+    }
+}
+
+impl std::fmt::Display for MapOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MapOp::PutBackend { id, backend } => write!(f, "put backend {id} {}", backend.l4),
+            MapOp::DelBackend { id } => write!(f, "del backend {id}"),
+            MapOp::PutRevNat { id, addr, port } => write!(f, "put revnat {id} {addr}:{port}"),
+            MapOp::DelRevNat { id } => write!(f, "del revnat {id}"),
+            MapOp::PutService {
+                frontend,
+                slot,
+                value,
+            } => write!(
+                f,
+                "put service {frontend} slot {slot} backend {} count {}",
+                value.backend_id, value.count
+            ),
+            MapOp::DelService { frontend, slot } => write!(f, "del service {frontend} slot {slot}"),
+        }
+    }
+}
+
 /// An in-memory stand-in with the kernel maps' capacity semantics, for reconciler unit tests
 /// (the datapath itself is always tested against the kernel).
 #[derive(Clone, Debug, Default)]
@@ -398,7 +457,7 @@ pub struct MemMaps {
     pub dump: Dump,
     pub capacities: BTreeMap<(Table, Family), u32>,
     /// Every write and delete, in order, for ordering assertions.
-    pub log: Vec<String>,
+    pub journal: Vec<MapOp>,
 }
 
 impl MemMaps {
@@ -441,13 +500,16 @@ impl LbMaps for MemMaps {
             family,
             self.dump.backends.contains_key(&id),
         )?;
-        self.log.push(format!("put backend {id} {}", backend.l4));
+        self.journal.push(MapOp::PutBackend {
+            id,
+            backend: *backend,
+        });
         self.dump.backends.insert(id, *backend);
         Ok(())
     }
 
     fn del_backend(&mut self, id: u32, _family: Family) -> Result<(), MapOpError> {
-        self.log.push(format!("del backend {id}"));
+        self.journal.push(MapOp::DelBackend { id });
         self.dump.backends.remove(&id);
         Ok(())
     }
@@ -455,13 +517,13 @@ impl LbMaps for MemMaps {
     fn put_revnat(&mut self, id: u32, addr: IpAddr, port: u16) -> Result<(), MapOpError> {
         let family = Family::of(&addr);
         self.check_room(Table::RevNat, family, self.dump.revnat.contains_key(&id))?;
-        self.log.push(format!("put revnat {id}"));
+        self.journal.push(MapOp::PutRevNat { id, addr, port });
         self.dump.revnat.insert(id, (addr, port));
         Ok(())
     }
 
     fn del_revnat(&mut self, id: u32, _family: Family) -> Result<(), MapOpError> {
-        self.log.push(format!("del revnat {id}"));
+        self.journal.push(MapOp::DelRevNat { id });
         self.dump.revnat.remove(&id);
         Ok(())
     }
@@ -475,16 +537,20 @@ impl LbMaps for MemMaps {
         let family = Family::of(&frontend.l4.addr);
         let exists = self.dump.services.contains_key(&(*frontend, slot));
         self.check_room(Table::Services, family, exists)?;
-        self.log.push(format!(
-            "put service {frontend} slot {slot} backend {} count {}",
-            value.backend_id, value.count
-        ));
+        self.journal.push(MapOp::PutService {
+            frontend: *frontend,
+            slot,
+            value: *value,
+        });
         self.dump.services.insert((*frontend, slot), *value);
         Ok(())
     }
 
     fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError> {
-        self.log.push(format!("del service {frontend} slot {slot}"));
+        self.journal.push(MapOp::DelService {
+            frontend: *frontend,
+            slot,
+        });
         self.dump.services.remove(&(*frontend, slot));
         Ok(())
     }
