@@ -295,7 +295,7 @@ pub fn read_names(state_dir: &Path) -> BTreeMap<(String, String), FrontendName> 
     }
 }
 
-fn scope_name(s: u8) -> &'static str {
+pub(crate) fn scope_name(s: u8) -> &'static str {
     if s == scope::INTERNAL {
         "internal"
     } else {

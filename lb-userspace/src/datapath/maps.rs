@@ -4,7 +4,7 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use aya::maps::{HashMap, MapData, MapError};
@@ -300,6 +300,55 @@ impl LbMaps for BpfMaps {
             IpAddr::V6(a) => ignore_missing(self.services6.remove(&svc6_key(frontend, a, slot)))
                 .map_err(|e| MapOpError::from_aya(map_names::SERVICES6, e)),
         }
+    }
+}
+
+/// Point lookups in the live maps, for views that must read what the datapath reads (trace).
+impl BpfMaps {
+    /// The entry at `slot` of `fe` (0: the master).
+    pub fn service(&self, fe: &Frontend, slot: u16) -> Option<SvcValue> {
+        match fe.l4.addr {
+            IpAddr::V4(a) => self.services4.get(&svc4_key(fe, a, slot), 0).ok(),
+            IpAddr::V6(a) => self.services6.get(&svc6_key(fe, a, slot), 0).ok(),
+        }
+    }
+
+    /// Backend `id`'s address and port.
+    pub fn backend(&self, family: Family, id: u32) -> Option<SocketAddr> {
+        match family {
+            Family::V4 => self.backends4.get(&id, 0).ok().map(|b| {
+                let addr = Ipv4Addr::from(b.addr);
+                SocketAddr::new(addr.into(), b.port)
+            }),
+            Family::V6 => self.backends6.get(&id, 0).ok().map(|b| {
+                let addr = Ipv6Addr::from(b.addr);
+                SocketAddr::new(addr.into(), b.port)
+            }),
+        }
+    }
+
+    /// The frontend rev-NAT id `id` stands for.
+    pub fn revnat(&self, family: Family, id: u32) -> Option<(IpAddr, u16)> {
+        match family {
+            Family::V4 => self.revnat4.get(&id, 0).ok().map(|r| {
+                let addr = Ipv4Addr::from(r.addr);
+                (addr.into(), r.port)
+            }),
+            Family::V6 => self.revnat6.get(&id, 0).ok().map(|r| {
+                let addr = Ipv6Addr::from(r.addr);
+                (addr.into(), r.port)
+            }),
+        }
+    }
+
+    /// The backends in `fe`'s slots `1..=count`: those a new flow can get.
+    pub fn active_backends(&self, fe: &Frontend) -> Vec<SocketAddr> {
+        let family = Family::of(&fe.l4.addr);
+        let count = self.service(fe, 0).map_or(0, |m| m.count);
+        (1..=count)
+            .filter_map(|slot| self.service(fe, slot))
+            .filter_map(|v| self.backend(family, v.backend_id))
+            .collect()
     }
 }
 
