@@ -15,7 +15,7 @@ use lb::{
     controller::reconcile::Reconciler,
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
-    model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
+    model::{Backend, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry, ServicePortName},
 };
 use lb_common::{
     Ct4Key, Ct6Key, CtValue, MetricValue, Svc4Key, SvcValue, TraceRecord, ct_dir, ct_flags,
@@ -723,7 +723,7 @@ fn pod_hook_uses_internal_scope_of_two_scope_frontends() {
     internal.flags = external.flags;
     let mut desired = DesiredState::default();
     desired.services.insert(fe, external);
-    fe.scope = scope::INTERNAL;
+    fe.scope = Scope::Internal;
     desired.services.insert(fe, internal);
     let report = fx._reconciler.apply(&desired);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
@@ -984,7 +984,7 @@ fn trace_record_shows_the_pod_hooks_internal_scope() {
     internal.flags = external.flags;
     let mut desired = DesiredState::default();
     desired.services.insert(fe, external.clone());
-    fe.scope = scope::INTERNAL;
+    fe.scope = Scope::Internal;
     desired.services.insert(fe, internal);
     let report = fx._reconciler.apply(&desired);
     assert!(report.errors.is_empty(), "{:?}", report.errors);

@@ -13,10 +13,13 @@ use std::{
 
 use lb::{
     controller::reconcile::{ApplyReport, Reconciler},
-    datapath::maps::{Dump, Family, LbMaps, MapOpError, MemMaps, Table, render},
-    model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
+    datapath::maps::{Dump, LbMaps, MapOpError, MemMaps, Table, render},
+    model::{
+        Backend, BackendState, DesiredState, Family, Frontend, L4Addr, Proto, Scope, ServiceEntry,
+        ServicePortName,
+    },
 };
-use lb_common::{SvcValue, backend_state, scope, svc_flags};
+use lb_common::{SvcValue, svc_flags};
 
 // ---------------------------------------------------------------------------------------------
 // Building desired states. Documentation addresses only: frontends in 198.19.0.0/16 and
@@ -59,7 +62,7 @@ fn be6(n: u16) -> Backend {
 
 fn terminating(b: Backend) -> Backend {
     Backend {
-        state: backend_state::TERMINATING,
+        state: BackendState::Terminating,
         ..b
     }
 }
@@ -280,7 +283,7 @@ fn assert_converged(dump: &Dump, d: &DesiredState) {
         let active = e
             .backends
             .iter()
-            .filter(|b| b.state == backend_state::ACTIVE)
+            .filter(|b| b.state == BackendState::Active)
             .count();
         assert_eq!(usize::from(master.count), active, "{fe} count");
         assert_eq!(
@@ -353,9 +356,9 @@ fn assert_render_matches(dump: &Dump, d: &DesiredState) {
         let active = e
             .backends
             .iter()
-            .filter(|b| b.state == backend_state::ACTIVE)
+            .filter(|b| b.state == BackendState::Active)
             .count();
-        let scope = if fe.scope == scope::INTERNAL {
+        let scope = if fe.scope == Scope::Internal {
             " scope=internal"
         } else {
             ""
@@ -371,7 +374,7 @@ fn assert_render_matches(dump: &Dump, d: &DesiredState) {
             .unwrap_or_else(|| panic!("no line {head:?} in\n{text}"));
         assert!(lines[at].ends_with("(ok)"), "{}", lines[at]);
         for (i, b) in e.backends.iter().enumerate() {
-            let state = if b.state == backend_state::ACTIVE {
+            let state = if b.state == BackendState::Active {
                 "active"
             } else {
                 "terminating"
@@ -743,7 +746,7 @@ fn no_intermediate_state_is_half_updated() {
 fn applying_the_same_state_again_writes_nothing() {
     let mut rec = fresh();
     let mut internal = fe4(1);
-    internal.scope = scope::INTERNAL;
+    internal.scope = Scope::Internal;
     let mut d = desired(&[
         (fe4(1), &[be4(1), be4(2), terminating(be4(3))]),
         (fe4(2), &[be4(2)]),
@@ -792,7 +795,7 @@ fn two_scopes_of_one_address_share_the_revnat_entry() {
     let mut rec = fresh();
     let external = fe4(1);
     let mut internal = fe4(1);
-    internal.scope = scope::INTERNAL;
+    internal.scope = Scope::Internal;
     let mut d = DesiredState::default();
     d.services.insert(external, entry("web", &[be4(1), be4(2)]));
     d.services.insert(internal, entry("web", &[be4(1)]));
@@ -1704,7 +1707,7 @@ fn shared_backend_in_different_states_gets_one_state_and_per_frontend_slots() {
     assert_eq!(dump.backends.len(), 2, "{}", render(&dump));
     assert_eq!(
         dump.backends[&id1].state,
-        backend_state::ACTIVE,
+        BackendState::Active,
         "the most usable state wins"
     );
     let (report, ops) = apply_logged(&mut rec, &d);

@@ -19,26 +19,25 @@ use aya::{
     programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
 use lb_common::{
-    Ct4Key, Ct6Key, CtValue, TraceRecord, ct_dir, map_names, metrics, prog_names, scope, trace_ct,
+    Ct4Key, Ct6Key, CtValue, TraceRecord, ct_dir, map_names, metrics, prog_names, trace_ct,
     trace_verdict,
 };
 use serde::Serialize;
 
 use crate::{
     controller::{
-        daemon::{FRONTENDS_FILE, FrontendName},
         manifests,
         reconcile::Reconciler,
         translate::{self, NodeInfo},
     },
     datapath::{
         load::{Datapath, LoadOptions, SERVICE_MAPS},
-        maps::{BpfMaps, Family},
+        maps::BpfMaps,
+        pinned::open_hash,
     },
-    model::{Frontend, Proto},
+    model::{Family, Frontend, Proto, Scope},
+    state_dir,
 };
-
-use super::inspect::scope_name;
 
 const TC_ACT_SHOT: u32 = 2;
 
@@ -174,7 +173,7 @@ pub struct Tracer {
     datapath: Datapath,
     reconciler: Reconciler<BpfMaps>,
     /// (frontend, scope) → `ns/name:port`.
-    names: StdHashMap<(String, u8), String>,
+    names: StdHashMap<(String, Scope), String>,
     /// The running lb's conntrack, to copy an established flow's entry from.
     live_ct: Option<LiveCt>,
 }
@@ -189,30 +188,29 @@ impl Tracer {
             ..LoadOptions::default()
         })?;
         let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
-        let mut names = StdHashMap::new();
-        if let Ok(text) = std::fs::read_to_string(state_dir.join(FRONTENDS_FILE)) {
-            let list: Vec<FrontendName> =
-                serde_json::from_str(&text).context("parsing frontends.json")?;
-            for n in list {
-                let s = if n.scope == "internal" {
-                    scope::INTERNAL
-                } else {
-                    scope::EXTERNAL
-                };
-                let port = if n.port_name.is_empty() {
-                    String::new()
-                } else {
-                    format!(":{}", n.port_name)
-                };
-                names.insert((n.frontend, s), format!("{}/{}{port}", n.namespace, n.name));
+        let names = match state_dir::read_names(state_dir) {
+            Ok(names) => names,
+            // No names when the file cannot be read; a file that cannot be parsed is an error.
+            Err(state_dir::ReadError::Read { .. }) => state_dir::Names::new(),
+            Err(e @ state_dir::ReadError::Parse { .. }) => {
+                return Err(e).context("parsing frontends.json");
             }
-        }
-        let open = |name: &str| -> anyhow::Result<MapData> {
-            MapData::from_pin(pin_dir.join(name)).with_context(|| format!("opening pinned {name}"))
         };
+        let names = names
+            .into_values()
+            .map(|n| {
+                // As before: anything but `internal` is the external scope.
+                let s = if n.scope == Scope::Internal.as_str() {
+                    Scope::Internal
+                } else {
+                    Scope::External
+                };
+                ((n.frontend.clone(), s), n.service().to_string())
+            })
+            .collect();
         let live_ct = Some((
-            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT4)?))?,
-            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT6)?))?,
+            open_hash(pin_dir, map_names::CT4)?,
+            open_hash(pin_dir, map_names::CT6)?,
         ));
         Ok(Self {
             datapath,
@@ -306,13 +304,14 @@ impl Tracer {
         let (src_after, _) = endpoints(&out).context("program returned a short packet")?;
         let src_before = SocketAddr::new(probe.src, probe.sport);
         let family = Family::of(&probe.src);
+        let scope = Scope::try_from(record.scope)?;
         let maps = self.reconciler.maps();
         // The frontend the datapath matched: from its rev-NAT id, in the scope it used.
         let frontend = (record.rev_nat_id != 0)
             .then(|| maps.revnat(family, record.rev_nat_id))
             .flatten()
             .map(|(addr, port)| Frontend {
-                scope: record.scope,
+                scope,
                 ..Frontend::new(addr, port, probe.proto)
             });
         let service = frontend.map(|fe| self.name_of(&fe));
@@ -342,7 +341,7 @@ impl Tracer {
                 _ => None,
             },
             slot: (record.slot != 0).then_some(record.slot),
-            scope: is_service.then(|| scope_name(record.scope)),
+            scope: is_service.then(|| scope.as_str()),
             backend,
             masquerade: src_after != src_before,
             source_after: src_after.to_string(),
@@ -356,7 +355,7 @@ impl Tracer {
     fn name_of(&self, fe: &Frontend) -> String {
         self.names
             .get(&(fe.l4.to_string(), fe.scope))
-            .or_else(|| self.names.get(&(fe.l4.to_string(), scope::EXTERNAL)))
+            .or_else(|| self.names.get(&(fe.l4.to_string(), Scope::External)))
             .cloned()
             .unwrap_or_else(|| "-".into())
     }
@@ -632,7 +631,7 @@ pub struct TraceArgs {
     #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
     /// State dir of the running lb, for service names (live mode).
-    #[arg(long, default_value = crate::controller::daemon::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = crate::state_dir::DEFAULT_STATE_DIR)]
     pub state_dir: std::path::PathBuf,
 }
 
