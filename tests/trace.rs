@@ -299,3 +299,44 @@ fn trace_reports_drops_misses_and_hooks() {
     assert!(!out.status.success(), "mixed families are refused");
     let _ = fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn trace_follows_sctp_through_the_datapath() {
+    // An SCTP service with a port rewrite (3868 -> 3869): the traced INIT must be balanced like
+    // TCP, not passed as an unparsed protocol.
+    let dir = std::env::temp_dir().join(format!("lb-trace-sctp-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(
+        dir.join("diameter.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: diameter, namespace: t}\nspec:\n  clusterIP: 198.19.2.1\n  ports: [{name: d, protocol: SCTP, port: 3868, targetPort: 3869}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: diameter-1, namespace: t, labels: {kubernetes.io/service-name: diameter}}\naddressType: IPv4\nports: [{name: d, protocol: SCTP, port: 3869}]\nendpoints:\n  - {addresses: [198.18.11.2], conditions: {ready: true}}\n  - {addresses: [198.18.12.2], conditions: {ready: true}}\n",
+    )
+    .unwrap();
+    let results = trace(&[
+        "--manifests",
+        dir.to_str().unwrap(),
+        "--src",
+        "198.18.10.2",
+        "--dst",
+        "198.19.2.1:3868",
+        "--proto",
+        "sctp",
+        "--flows",
+        "20",
+    ]);
+    let _ = fs::remove_dir_all(&dir);
+    assert_eq!(results.len(), 20);
+    let mut chosen = BTreeSet::new();
+    for r in &results {
+        assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["reason"], "tc_forward_new", "{r}");
+        assert_eq!(r["service"], "t/diameter:d", "{r}");
+        chosen.insert(r["backend"].as_str().unwrap().to_string());
+    }
+    let both: BTreeSet<String> = ["198.18.11.2:3869", "198.18.12.2:3869"]
+        .map(String::from)
+        .into();
+    assert_eq!(
+        chosen, both,
+        "20 traced associations reach both backends, port rewritten"
+    );
+}

@@ -9,8 +9,9 @@
 //!
 //! Program entry points (`tc`, `sock`) stay thin; each concern lives in one file they share:
 //! `ctx` (what packet code needs from a program context), `parse`, `rewrite` (NAT with
-//! incremental checksums), `conntrack`, `select` (the one backend choice of every hook), `af`
-//! (per-family map access), `maps`, `trace` (the decision record of traced loads).
+//! incremental checksums, `crc32c` for SCTP's), `conntrack`, `select` (the one backend choice
+//! of every hook), `af` (per-family map access), `maps`, `trace` (the decision record of traced
+//! loads).
 //!
 //! Where what comes next goes: SNAT/masquerade in `nat.rs` beside `conntrack`; REJECT
 //! generation (ICMP unreachable / TCP RST for frontends without backends) in `reject.rs`; an
@@ -21,6 +22,7 @@
 
 mod af;
 mod conntrack;
+mod crc32c;
 mod ctx;
 mod maps;
 mod parse;
