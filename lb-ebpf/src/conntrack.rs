@@ -1,7 +1,10 @@
 //! Conntrack of tc-balanced flows: a service entry keyed as the client sent the packet (so
 //! later packets keep their backend) and a reply entry keyed as the backend answers (so its
 //! source can be turned back into the frontend). Both carry the same ids, flags and expiry;
-//! lifetimes follow the TCP state seen in either direction.
+//! lifetimes follow the TCP or SCTP state seen in either direction.
+//!
+//! SCTP is tracked like TCP: INIT opens (like SYN), ABORT and SHUTDOWN COMPLETE close (like
+//! RST/FIN). Only the first chunk of a packet is looked at.
 //!
 //! A masqueraded flow (`ct_flags::SNAT`, see `nat`) is keyed the same way: its reply entry is
 //! what the backend sends back, to the node IP and NAT port, and its NAT fields hold the
@@ -11,11 +14,13 @@
 //! subprograms of their own (`inline(never)`) so their keys and values do not add to the
 //! frames of the tc path, which share one 512-byte stack.
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns};
-use lb_common::{IPPROTO_TCP, ct_dir, ct_flags, ct_timeouts};
+use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, ct_dir, ct_flags, ct_timeouts};
 
 use crate::{
     af::{Af, CtHead, Endpoint, KeySlot},
-    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    parse::{
+        Packet, SCTP_ABORT, SCTP_INIT, SCTP_SHUTDOWN_COMPLETE, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    },
 };
 
 /// A flow conntrack already knows, and where it goes.
@@ -34,19 +39,32 @@ pub fn now_secs() -> u32 {
     (unsafe { bpf_ktime_get_ns() } / 1_000_000_000) as u32
 }
 
-/// The flag a FIN or RST sets for the side that sent it.
+/// The flag a TCP FIN or RST, or an SCTP ABORT or SHUTDOWN COMPLETE, sets for the side that
+/// sent it.
 #[inline(always)]
 fn closing<A>(p: &Packet<A>, flag: u16) -> u16 {
-    if p.proto == IPPROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        flag
-    } else {
-        0
+    let closes = match p.proto {
+        IPPROTO_TCP => p.tcp_flags & (TCP_FIN | TCP_RST) != 0,
+        IPPROTO_SCTP => p.sctp_chunk == SCTP_ABORT || p.sctp_chunk == SCTP_SHUTDOWN_COMPLETE,
+        _ => false,
+    };
+    if closes { flag } else { 0 }
+}
+
+/// Whether `p` opens a new connection: a TCP SYN (without ACK) or an SCTP INIT.
+#[inline(always)]
+fn opening<A>(p: &Packet<A>) -> bool {
+    match p.proto {
+        IPPROTO_TCP => p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN,
+        IPPROTO_SCTP => p.sctp_chunk == SCTP_INIT,
+        _ => false,
     }
 }
 
+/// Seconds an entry lives; SCTP uses TCP's lifetimes (see `ct_timeouts`).
 #[inline(always)]
 fn lifetime(proto: u8, flags: u16) -> u32 {
-    if proto != IPPROTO_TCP {
+    if proto != IPPROTO_TCP && proto != IPPROTO_SCTP {
         ct_timeouts::NON_TCP
     } else if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
         ct_timeouts::TCP_CLOSING
@@ -141,17 +159,27 @@ fn refresh_reply<A: Af>(
     }
 }
 
-/// The live flow of a client → frontend packet whose backend still exists, its entries
-/// refreshed. `None` for a new flow, an expired one, a SYN reusing a closed flow's 5-tuple
-/// (balanced afresh), or one whose backend is gone (re-balanced rather than blackholed).
+/// The live flow of a client → frontend packet whose backend still exists (written to `out`),
+/// its entries refreshed. `false` for a new flow, an expired one, a SYN or INIT reusing a
+/// closed flow's 5-tuple (balanced afresh), or one whose backend is gone (re-balanced rather
+/// than blackholed).
 #[inline(never)]
-pub fn established<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr>> {
+pub fn established<A: Af>(p: &Packet<A::Addr>, now: u32, out: &mut Flow<A::Addr>) -> bool {
+    match established_flow::<A>(p, now) {
+        Some(f) => {
+            *out = f;
+            true
+        }
+        None => false,
+    }
+}
+
+#[inline(always)]
+fn established_flow<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr>> {
     let h = A::ct_get(service_key::<A>(p)?)?;
     // SAFETY: pointer from a successful lookup, valid for this run (see `af`).
     let v = unsafe { *h };
-    let reopened = p.proto == IPPROTO_TCP
-        && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-        && v.flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0;
+    let reopened = opening(p) && v.flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0;
     if v.expires <= now || reopened {
         return None;
     }
@@ -229,10 +257,21 @@ pub fn create<A: Af>(
     }
 }
 
-/// The frontend a backend's reply must come from, its entries refreshed (marked as having
-/// seen a reply). `None` if `p` is not a live reply.
+/// The frontend a backend's reply must come from (written to `out`), its entries refreshed
+/// (marked as having seen a reply). `false` if `p` is not a live reply.
 #[inline(never)]
-pub fn reply<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
+pub fn reply<A: Af>(p: &Packet<A::Addr>, out: &mut Flow<A::Addr>) -> bool {
+    match reply_flow::<A>(p) {
+        Some(f) => {
+            *out = f;
+            true
+        }
+        None => false,
+    }
+}
+
+#[inline(always)]
+fn reply_flow<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
     let rkey = A::ct_key(
         KeySlot::Reply,
         p.saddr,

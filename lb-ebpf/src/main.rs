@@ -9,8 +9,9 @@
 //!
 //! Program entry points (`tc`, `sock`) stay thin; each concern lives in one file they share:
 //! `ctx` (what packet code needs from a program context), `parse`, `rewrite` (NAT with
-//! incremental checksums), `conntrack`, `select` (the one backend choice of every hook), `af`
-//! (per-family map access), `maps`, `trace` (the decision record of traced loads).
+//! incremental checksums, `crc32c` for SCTP's), `conntrack`, `select` (the one backend choice
+//! of every hook), `af` (per-family map access), `maps`, `trace` (the decision record of traced
+//! loads).
 //!
 //! `nat` (masquerade: when, and which port) and `fwd` (forwarding masqueraded packets past
 //! the stack's routing) serve the tc hooks beside `conntrack`.
@@ -24,6 +25,7 @@
 
 mod af;
 mod conntrack;
+mod crc32c;
 mod ctx;
 mod fwd;
 mod maps;

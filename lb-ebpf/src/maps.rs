@@ -68,8 +68,14 @@ pub struct Scratch {
     pub keys: [[u64; 5]; 2],
     /// A `Ct4Value` / `Ct6Value` being written (32 bytes at most).
     pub value: [u64; 4],
-    /// The parsed headers of the packet being handled (`parse::Packet`, 64 bytes at most).
-    pub packet: [u64; 8],
+    /// The parsed headers of the packet being handled (`parse::Packet`, 80 bytes at most).
+    pub packet: [u64; 10],
+    /// The frontend the packet is for (`select::Service`, 64 bytes at most).
+    pub service: [u64; 8],
+    /// The backend chosen for a new flow (`select::Chosen`, 48 bytes at most).
+    pub chosen: [u64; 6],
+    /// The conntrack flow the packet belongs to (`conntrack::Flow`, 64 bytes at most).
+    pub flow: [u64; 8],
 }
 
 #[btf_map(name = "lb_scratch")]

@@ -99,6 +99,13 @@ fn try_tc<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
     }
 }
 
+const _: () = {
+    assert!(size_of::<Packet<[u8; 16]>>() <= 80);
+    assert!(size_of::<Service<[u8; 16]>>() <= 64);
+    assert!(size_of::<Chosen<[u8; 16]>>() <= 48);
+    assert!(size_of::<conntrack::Flow<[u8; 16]>>() <= 64);
+};
+
 /// A packet to a frontend is balanced (ingress only); anything else may be a reply.
 // BPF subprograms (`inline(never)`) keep the IPv4 and IPv6 paths, and the new, established
 // and reply paths within them, in frames of their own: inlined together they overflow the
@@ -106,9 +113,15 @@ fn try_tc<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
 #[inline(never)]
 fn handle<C: PacketCtx, A: FwdAf + ParseAf>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
     let s = scratch().ok_or(Error::Unparsed)?;
-    // SAFETY: this CPU's scratch entry; `packet` is 64 bytes, 8-aligned, used only here and
-    // alive for this run (see `maps::Scratch`).
-    let p = unsafe { &mut *(*s).packet.as_mut_ptr().cast::<Packet<A::Addr>>() };
+    // SAFETY: this CPU's scratch entry, alive for this run; each area is written by one step
+    // and only read after it (see `maps::Scratch`; sizes checked below).
+    let (p, svc, flow) = unsafe {
+        (
+            &mut *(*s).packet.as_mut_ptr().cast::<Packet<A::Addr>>(),
+            &mut *(*s).service.as_mut_ptr().cast::<Service<A::Addr>>(),
+            &mut *(*s).flow.as_mut_ptr().cast::<conntrack::Flow<A::Addr>>(),
+        )
+    };
     parse_into::<C, A>(ctx, p)?;
     let p: &Packet<A::Addr> = p;
     let origin = match hook {
@@ -117,41 +130,61 @@ fn handle<C: PacketCtx, A: FwdAf + ParseAf>(ctx: &C, hook: Hook) -> Result<Decis
         Hook::Egress => None,
     };
     if let Some(origin) = origin
-        && let Some(svc) = lookup::<A>(p, origin)
+        && lookup::<A>(p, origin, svc)
     {
         let now = conntrack::now_secs();
-        if let Some(flow) = conntrack::established::<A>(p, now) {
-            return established_flow::<C, A>(ctx, p, &svc, &flow);
+        if established::<A>(p, now, flow) {
+            return established_flow::<C, A>(ctx, p, svc, flow);
         }
-        return new_flow::<C, A>(ctx, p, &svc, now);
+        return new_flow::<C, A>(ctx, p, svc, now);
     }
-    match conntrack::reply::<A>(p) {
-        Some(flow) => from_backend::<C, A>(ctx, p, &flow),
-        None => Ok(untouched(
+    if reply::<A>(p, flow) {
+        from_backend::<C, A>(ctx, p, flow)
+    } else {
+        Ok(untouched(
             TC_ACT_OK,
             trace_verdict::PASS,
             metrics::TC_PASS_NO_SERVICE,
-        )),
+        ))
     }
+}
+
+/// `conntrack::established`, into `out`.
+#[inline(always)]
+fn established<A: Af>(p: &Packet<A::Addr>, now: u32, out: &mut conntrack::Flow<A::Addr>) -> bool {
+    conntrack::established::<A>(p, now, out)
+}
+
+/// `conntrack::reply`, into `out`.
+#[inline(always)]
+fn reply<A: Af>(p: &Packet<A::Addr>, out: &mut conntrack::Flow<A::Addr>) -> bool {
+    conntrack::reply::<A>(p, out)
 }
 
 /// The frontend `p` is addressed to, in the scope its origin gets.
 // A subprogram, like `parse_into`: the lookup keys stay out of `handle`'s frame.
 #[inline(never)]
-fn lookup<A: Af>(p: &Packet<A::Addr>, origin: Origin) -> Option<Service<A::Addr>> {
+fn lookup<A: Af>(p: &Packet<A::Addr>, origin: Origin, out: &mut Service<A::Addr>) -> bool {
     let frontend = Endpoint {
         addr: p.daddr,
         port: p.dport,
     };
-    select::lookup::<A>(frontend, p.proto, origin)
+    match select::lookup::<A>(frontend, p.proto, origin) {
+        Some(svc) => {
+            *out = svc;
+            true
+        }
+        None => false,
+    }
 }
 
 /// A backend for a new flow of `svc`, picked at random.
 // A subprogram, like `parse_into`: the slot and backend lookups stay out of `new_flow`'s frame.
 #[inline(never)]
-fn choose<A: Af>(svc: &Service<A::Addr>) -> Result<Chosen<A::Addr>, Unserved> {
+fn choose<A: Af>(svc: &Service<A::Addr>, out: &mut Chosen<A::Addr>) -> Result<(), Unserved> {
     // SAFETY: helper without arguments.
-    select::choose::<A>(svc, || unsafe { bpf_get_prandom_u32() })
+    *out = select::choose::<A>(svc, || unsafe { bpf_get_prandom_u32() })?;
+    Ok(())
 }
 
 /// Parses the packet into `out`.
@@ -196,8 +229,11 @@ fn new_flow<C: PacketCtx, A: FwdAf>(
     svc: &Service<A::Addr>,
     now: u32,
 ) -> Result<Decision, Error> {
-    let c = match choose::<A>(svc) {
-        Ok(c) => c,
+    let s = scratch().ok_or(Error::Unparsed)?;
+    // SAFETY: this CPU's scratch `chosen` area (see `handle`).
+    let c = unsafe { &mut *(*s).chosen.as_mut_ptr().cast::<Chosen<A::Addr>>() };
+    match choose::<A>(svc, c) {
+        Ok(()) => {}
         Err(n) => {
             trace::record(|r| {
                 r.verdict = trace_verdict::DROP;
@@ -216,13 +252,13 @@ fn new_flow<C: PacketCtx, A: FwdAf>(
         }
     };
     let head = conntrack::new_head(p, c.backend_id, c.rev_nat_id, now);
-    let snat = match snat_port::<C, A>(ctx, p, &c, &head) {
+    let snat = match snat_port::<C, A>(ctx, p, c, &head) {
         0 => None,
         SNAT_EXHAUSTED => {
             trace::record(|r| {
                 r.verdict = trace_verdict::DROP;
                 r.reason = metrics::TC_SNAT_PORT_EXHAUSTED as u8;
-                trace_chosen(r, &c);
+                trace_chosen(r, c);
             });
             return Ok(Decision {
                 action: TC_ACT_SHOT,
@@ -243,7 +279,7 @@ fn new_flow<C: PacketCtx, A: FwdAf>(
         r.verdict = trace_verdict::FORWARD;
         r.reason = metrics::TC_FWD_NEW as u8;
         r.ct_state = trace_ct::NEW;
-        trace_chosen(r, &c);
+        trace_chosen(r, c);
         trace_nat(r, &snat);
     });
     Ok(Decision {

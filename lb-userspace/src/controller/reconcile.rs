@@ -18,11 +18,11 @@ use std::{
     net::IpAddr,
 };
 
-use lb_common::{SvcValue, backend_state, lb_alg};
+use lb_common::{SvcValue, lb_alg};
 
 use crate::{
-    datapath::maps::{Dump, Family, LbMaps, MapOpError, Table},
-    model::{Backend, DesiredState, Frontend, L4Addr, ServiceEntry},
+    datapath::maps::{Dump, LbMaps, MapOpError, Table, backends_of, revnat_of},
+    model::{Backend, BackendState, DesiredState, Family, Frontend, L4Addr, ServiceEntry},
 };
 
 /// A frontend as installed: its master entry and the backend id in each slot.
@@ -150,16 +150,8 @@ impl<M: LbMaps> Reconciler<M> {
                         .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
                         .count()
             }
-            Table::Backends => self
-                .backends
-                .values()
-                .filter(|b| Family::of(&b.l4.addr) == family)
-                .count(),
-            Table::RevNat => self
-                .revnat
-                .values()
-                .filter(|(a, _)| Family::of(a) == family)
-                .count(),
+            Table::Backends => backends_of(&self.backends, family),
+            Table::RevNat => revnat_of(&self.revnat, family),
         }
     }
 
@@ -195,7 +187,7 @@ impl<M: LbMaps> Reconciler<M> {
 
         // One state per backend address: the backends map has a single entry for it, so the
         // most usable state any frontend gives it wins (active, then terminating, ...).
-        let mut states: HashMap<L4Addr, u8> = HashMap::new();
+        let mut states: HashMap<L4Addr, BackendState> = HashMap::new();
         for b in desired.services.values().flat_map(|e| &e.backends) {
             states
                 .entry(b.l4)
@@ -262,7 +254,7 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         entry: &ServiceEntry,
-        states: &HashMap<L4Addr, u8>,
+        states: &HashMap<L4Addr, BackendState>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
     ) -> Result<(), String> {
@@ -279,7 +271,7 @@ impl<M: LbMaps> Reconciler<M> {
         let (mut backends, rest): (Vec<Backend>, Vec<Backend>) = entry
             .backends
             .iter()
-            .partition(|b| b.state == backend_state::ACTIVE);
+            .partition(|b| b.state == BackendState::Active);
         let active = backends.len();
         backends.extend(rest);
         let total = backends.len();
