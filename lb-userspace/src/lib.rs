@@ -11,4 +11,5 @@ pub mod controller;
 pub mod datapath;
 pub mod metrics;
 pub mod model;
+pub mod node_facts;
 pub mod state_dir;

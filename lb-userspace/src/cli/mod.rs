@@ -89,6 +89,8 @@ struct RunArgs {
     /// of another size is refused: resizing needs a fresh pin directory.
     #[arg(long, value_parser = parse_map_max)]
     bpf_map_max: Vec<(String, u32)>,
+    #[command(flatten)]
+    node_facts: crate::node_facts::NodeFactsArgs,
 }
 
 fn parse_map_max(s: &str) -> Result<(String, u32), String> {
@@ -164,6 +166,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 healthz_addr,
                 state_dir: args.state_dir,
                 map_max: args.bpf_map_max.into_iter().collect(),
+                node_facts: args.node_facts,
             })
             .await
         }

@@ -25,6 +25,7 @@ use lb_common::{
 use serde::Serialize;
 
 use crate::{
+    node_facts::{NodeFacts, NodeFactsArgs, host_ips},
     controller::{
         manifests,
         reconcile::Reconciler,
@@ -63,45 +64,7 @@ impl fmt::Display for Origin {
     }
 }
 
-/// An address range, `198.18.0.0/15` or `2001:db8::/32`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cidr {
-    pub addr: IpAddr,
-    pub prefix: u8,
-}
-
-impl std::str::FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let (a, p) = s
-            .split_once('/')
-            .ok_or_else(|| format!("{s:?}: want ADDR/PREFIX"))?;
-        let addr: IpAddr = a.parse().map_err(|e| format!("{s:?}: {e}"))?;
-        let prefix: u8 = p.parse().map_err(|e| format!("{s:?}: {e}"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        if prefix > max {
-            return Err(format!("{s:?}: prefix over {max}"));
-        }
-        Ok(Self { addr, prefix })
-    }
-}
-
-impl Cidr {
-    pub fn contains(&self, ip: &IpAddr) -> bool {
-        let bits = |ip: &IpAddr| -> (u128, u32) {
-            match ip {
-                IpAddr::V4(a) => (u128::from(u32::from(*a)), 32),
-                IpAddr::V6(a) => (u128::from(*a), 128),
-            }
-        };
-        let ((net, width), (host, host_width)) = (bits(&self.addr), bits(ip));
-        if width != host_width {
-            return false;
-        }
-        let shift = width - u32::from(self.prefix);
-        shift >= width || (net >> shift) == (host >> shift)
-    }
-}
+pub use crate::node_facts::Cidr;
 
 /// How to classify a source address when `--from` is not given.
 #[derive(Clone, Debug, Default)]
@@ -140,9 +103,9 @@ pub struct TraceResult {
     pub scope: Option<&'static str>,
     /// The backend `ip:port` the packet was sent to, if any.
     pub backend: Option<String>,
-    /// Whether the source was rewritten.
+    /// Whether the datapath masqueraded the source (to the node IP and a NAT port).
     pub masquerade: bool,
-    /// The packet's source `ip:port` after the program.
+    /// The packet's source `ip:port` as the program sent it out.
     pub source_after: String,
     /// `namespace/name:port` of the matched frontend's service, if any.
     pub service: Option<String>,
@@ -150,6 +113,8 @@ pub struct TraceResult {
     pub candidates: Vec<String>,
     /// The program that ran (and how `node` traffic is emulated).
     pub hook: String,
+    /// The node facts the trace ran with; `null` when they are the running lb's own.
+    pub node: Option<NodeFacts>,
 }
 
 /// One packet to trace.
@@ -176,17 +141,36 @@ pub struct Tracer {
     names: StdHashMap<(String, Scope), String>,
     /// The running lb's conntrack, to copy an established flow's entry from.
     live_ct: Option<LiveCt>,
+    /// The node facts of a private config; `None` when the running lb's are shared.
+    facts: Option<NodeFacts>,
 }
 
 impl Tracer {
-    /// Traces against a running lb's maps in `pin_dir`; names from `state_dir`.
-    pub fn live(pin_dir: &Path, state_dir: &Path) -> anyhow::Result<Self> {
+    /// Traces against a running lb's maps in `pin_dir`; names from `state_dir`. The node facts
+    /// are the running lb's (its pinned `lb_config` and cluster-CIDR maps, read only), unless
+    /// `facts` replaces them in a private copy.
+    pub fn live(
+        pin_dir: &Path,
+        state_dir: &Path,
+        facts: Option<&NodeFacts>,
+    ) -> anyhow::Result<Self> {
+        let mut shared = SERVICE_MAPS.to_vec();
+        if facts.is_none() {
+            shared.extend([
+                map_names::CONFIG,
+                map_names::CLUSTER_CIDR4,
+                map_names::CLUSTER_CIDR6,
+            ]);
+        }
         let mut datapath = Datapath::load(&LoadOptions {
             pin_dir: Some(pin_dir.to_path_buf()),
-            only_pinned: Some(SERVICE_MAPS.to_vec()),
+            only_pinned: Some(shared),
             trace: true,
             ..LoadOptions::default()
         })?;
+        if let Some(f) = facts {
+            datapath.write_node_facts(f)?;
+        }
         let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
         let names = match state_dir::read_names(state_dir) {
             Ok(names) => names,
@@ -217,12 +201,18 @@ impl Tracer {
             reconciler,
             names,
             live_ct,
+            facts: facts.cloned(),
         })
     }
 
     /// Loads a private datapath programmed from the manifests in `dir`, as `lb run` would on
-    /// `node`.
-    pub fn from_manifests(dir: &Path, node_name: &str) -> anyhow::Result<Self> {
+    /// `node` with the node facts `facts` (node IPs defaulting to the manifests' Node object's,
+    /// then the host's); returns the facts used too.
+    pub fn from_manifests(
+        dir: &Path,
+        node_name: &str,
+        facts: &NodeFactsArgs,
+    ) -> anyhow::Result<(Self, NodeFacts)> {
         let mut datapath = Datapath::load(&LoadOptions {
             trace: true,
             ..LoadOptions::default()
@@ -236,6 +226,8 @@ impl Tracer {
             .nodes
             .iter()
             .find(|n| n.metadata.name.as_deref() == Some(node_name));
+        let resolved = NodeFacts::resolve(facts, node, host_ips);
+        datapath.write_node_facts(&resolved)?;
         let node = NodeInfo::from_node(node_name, node);
         let t = translate::desired_state(&objects.services, &objects.slices, &node);
         for s in &t.skipped {
@@ -251,12 +243,16 @@ impl Tracer {
             .iter()
             .map(|(fe, e)| ((fe.l4.to_string(), fe.scope), e.name.to_string()))
             .collect();
-        Ok(Self {
-            datapath,
-            reconciler,
-            names,
-            live_ct: None,
-        })
+        Ok((
+            Self {
+                datapath,
+                reconciler,
+                names,
+                live_ct: None,
+                facts: Some(resolved.clone()),
+            },
+            resolved,
+        ))
     }
 
     /// Runs `probe` through the program its origin meets first.
@@ -303,6 +299,18 @@ impl Tracer {
         }
         let (src_after, _) = endpoints(&out).context("program returned a short packet")?;
         let src_before = SocketAddr::new(probe.src, probe.sport);
+        // The record and the packet must agree: masqueraded means the source left as the NAT
+        // port, not masqueraded means a forwarded packet kept its source.
+        let masqueraded = record.masquerade != 0;
+        if masqueraded && src_after.port() != record.nat_port
+            || !masqueraded && record.verdict == trace_verdict::FORWARD && src_after != src_before
+        {
+            bail!(
+                "the datapath's record says masquerade={masqueraded} (port {}) but the packet \
+                 left from {src_after}",
+                record.nat_port
+            );
+        }
         let family = Family::of(&probe.src);
         let scope = Scope::try_from(record.scope)?;
         let maps = self.reconciler.maps();
@@ -343,11 +351,12 @@ impl Tracer {
             slot: (record.slot != 0).then_some(record.slot),
             scope: is_service.then(|| scope.as_str()),
             backend,
-            masquerade: src_after != src_before,
+            masquerade: record.masquerade != 0,
             source_after: src_after.to_string(),
             service,
             candidates,
             hook: hook.to_string(),
+            node: self.facts.clone(),
         })
     }
 
@@ -590,6 +599,18 @@ impl fmt::Display for TraceResult {
                 " (not masqueraded)"
             }
         )?;
+        if let Some(n) = &self.node {
+            let list = |v: Vec<String>| if v.is_empty() { "-".into() } else { v.join(",") };
+            writeln!(
+                f,
+                "node:        ips {} ({:?}), cluster-cidr {}, service-cidr {}, masquerade-all {}",
+                list(n.node_ips.iter().map(ToString::to_string).collect()),
+                n.node_ip_source,
+                list(n.cluster_cidrs.iter().map(ToString::to_string).collect()),
+                list(n.service_cidrs.iter().map(ToString::to_string).collect()),
+                n.masquerade_all
+            )?;
+        }
         write!(f, "candidates:  {}", self.candidates.join(" "))
     }
 }
@@ -621,12 +642,11 @@ pub struct TraceArgs {
     /// hostname].
     #[arg(long)]
     pub hostname_override: Option<String>,
-    /// Pod CIDRs: sources in them are classified as `pod`.
-    #[arg(long, value_delimiter = ',')]
-    pub cluster_cidr: Vec<Cidr>,
-    /// This node's IPs: sources among them are classified as `node`.
-    #[arg(long, value_delimiter = ',')]
-    pub node_ip: Vec<IpAddr>,
+    /// The node facts, as `lb run` takes them; they also classify the source: `--node-ip`
+    /// addresses are `node`, `--cluster-cidr` ranges `pod`. In live mode any of them replaces
+    /// the running lb's facts for the trace.
+    #[command(flatten)]
+    pub node_facts: NodeFactsArgs,
     /// Pinned maps of the running lb (live mode).
     #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
@@ -666,19 +686,28 @@ pub fn run(
     if args.flows == 0 {
         bail!("--flows must be at least 1");
     }
+    let mut tracer = match &args.manifests {
+        Some(dir) => Tracer::from_manifests(dir, &node_name()?, &args.node_facts)?.0,
+        None => {
+            let facts = args
+                .node_facts
+                .any()
+                .then(|| NodeFacts::resolve(&args.node_facts, None, host_ips));
+            Tracer::live(&args.pin_dir, &args.state_dir, facts.as_ref())?
+        }
+    };
     let classifier = Classifier {
-        cluster_cidrs: args.cluster_cidr.clone(),
-        node_ips: args.node_ip.clone(),
+        cluster_cidrs: args.node_facts.cluster_cidr.clone(),
+        node_ips: tracer
+            .facts
+            .as_ref()
+            .map_or_else(|| args.node_facts.node_ip.clone(), |f| f.node_ips.clone()),
     };
     let origin = args.from.unwrap_or_else(|| classifier.classify(&src));
     let proto = match args.proto {
         TraceProto::Tcp => Proto::Tcp,
         TraceProto::Udp => Proto::Udp,
         TraceProto::Sctp => Proto::Sctp,
-    };
-    let mut tracer = match &args.manifests {
-        Some(dir) => Tracer::from_manifests(dir, &node_name()?)?,
-        None => Tracer::live(&args.pin_dir, &args.state_dir)?,
     };
     let base = sport.unwrap_or(40_000);
     for i in 0..args.flows {

@@ -19,6 +19,7 @@ use crate::{
         maps::LbMaps,
     },
     metrics::{self, Metrics},
+    node_facts::{NodeFacts, NodeFactsArgs, host_ips},
     state_dir,
 };
 
@@ -52,6 +53,8 @@ pub struct RunOptions {
     pub state_dir: PathBuf,
     /// max_entries overrides per map name.
     pub map_max: std::collections::BTreeMap<String, u32>,
+    /// `--node-ip`, `--cluster-cidr`, `--service-cidr`, `--masquerade-all`.
+    pub node_facts: NodeFactsArgs,
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -101,6 +104,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut hup = signal(SignalKind::hangup())?;
     let mut term = signal(SignalKind::terminate())?;
     let mut generation = 0u64;
+    let mut facts: Option<NodeFacts> = None;
     loop {
         tokio::select! {
             changed = rx.changed() => {
@@ -110,6 +114,13 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
                 metrics.mark_change_pending(snapshot.changed_at);
                 generation += 1;
+                // Before the first attach, like the maps: the first packet sees this node's facts.
+                let now = NodeFacts::resolve(&opts.node_facts, snapshot.node.as_deref(), host_ips);
+                if facts.as_ref() != Some(&now) {
+                    datapath.write_node_facts(&now).context("writing the node facts")?;
+                    log_node_facts(&now);
+                    facts = Some(now);
+                }
                 let synced = sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
@@ -152,6 +163,26 @@ pub struct Synced {
     pub state: crate::model::DesiredState,
     /// What the reconciler wrote, and the services it could not program (logged already).
     pub report: ApplyReport,
+}
+
+fn log_node_facts(f: &NodeFacts) {
+    let list = |v: &[String]| v.join(",");
+    tracing::info!(
+        node_ips = list(&f.node_ips.iter().map(ToString::to_string).collect::<Vec<_>>()),
+        from = ?f.node_ip_source,
+        cluster_cidrs = list(&f.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()),
+        service_cidrs = list(&f.service_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()),
+        masquerade_all = f.masquerade_all,
+        "node facts written"
+    );
+    let (v4, v6) = f.snat_ips();
+    if v4.is_none() || v6.is_none() {
+        tracing::warn!(
+            ipv4 = v4.is_some(),
+            ipv6 = v6.is_some(),
+            "no node IP for a family: its traffic is never masqueraded (hairpin included)"
+        );
+    }
 }
 
 /// Translates a snapshot and applies it, logging and counting what it skipped or failed.

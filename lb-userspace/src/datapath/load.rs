@@ -1,6 +1,7 @@
 //! Loading lb's eBPF object, pinning and reusing its maps, attaching its programs.
 use std::{
     collections::BTreeMap,
+    net::IpAddr,
     fs::{self, File},
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
@@ -9,7 +10,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, MapData, MapInfo, MapType, lpm_trie::Key as LpmKey},
+    maps::{Array, HashMap, LpmTrie, MapData, MapInfo, MapType, lpm_trie::Key as LpmKey},
     programs::{CgroupAttachMode, CgroupSockAddr, Program, SchedClassifier, TcAttachType, tc},
     util::KernelVersion,
 };
@@ -20,7 +21,7 @@ use lb_common::{
 };
 
 use super::maps::{BpfMaps, Table};
-use crate::model::Family;
+use crate::{model::Family, node_facts::NodeFacts};
 
 /// The eBPF object, built from lb-ebpf by build.rs on every build.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
@@ -278,6 +279,54 @@ impl Datapath {
 
     pub fn attachments(&self) -> &[String] {
         &self.attachments
+    }
+
+    /// Writes this node's facts for the datapath: `lb_config`, then the cluster-CIDR tries (new
+    /// ranges first, stale ones removed after, so a range that stays is never missing).
+    pub fn write_node_facts(&mut self, facts: &NodeFacts) -> anyhow::Result<()> {
+        let map = self
+            .ebpf
+            .map_mut(map_names::CONFIG)
+            .context("map lb_config missing")?;
+        Array::<_, LbConfig>::try_from(map)?
+            .set(0, facts.datapath_config(), 0)
+            .context("writing lb_config")?;
+        let (mut v4, mut v6) = (Vec::new(), Vec::new());
+        for c in &facts.cluster_cidrs {
+            match c.network() {
+                IpAddr::V4(a) => v4.push(LpmKey::new(u32::from(c.prefix), a.octets())),
+                IpAddr::V6(a) => v6.push(LpmKey::new(u32::from(c.prefix), a.octets())),
+            }
+        }
+        self.sync_trie(map_names::CLUSTER_CIDR4, &v4)?;
+        self.sync_trie(map_names::CLUSTER_CIDR6, &v6)
+    }
+
+    /// Makes the LPM trie `name` hold exactly `want`.
+    fn sync_trie<K: aya::Pod + PartialEq>(
+        &mut self,
+        name: &str,
+        want: &[LpmKey<K>],
+    ) -> anyhow::Result<()> {
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .with_context(|| format!("map {name} missing"))?;
+        let mut trie = LpmTrie::<_, K, u8>::try_from(map)?;
+        for k in want {
+            trie.insert(k, 1, 0)
+                .with_context(|| format!("writing {name}"))?;
+        }
+        let same = |a: &LpmKey<K>, b: &LpmKey<K>| a.prefix_len() == b.prefix_len() && a.data() == b.data();
+        let stale: Vec<LpmKey<K>> = trie
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !want.iter().any(|w| same(w, k)))
+            .collect();
+        for k in &stale {
+            trie.remove(k).with_context(|| format!("pruning {name}"))?;
+        }
+        Ok(())
     }
 
     /// Moves the service, backend and rev-NAT maps out, for the reconciler.
