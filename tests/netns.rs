@@ -447,3 +447,226 @@ fn socket_lb_denies_a_frontend_whose_slots_are_gone() {
     );
     drop(lb);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Masquerade: what the backend sees as the client's address, and hairpin.
+
+/// What `lb-echo client` run in `ns` got: per reply the backend's name, the client address it
+/// saw (IP only) and the peer the application saw; and the errors.
+fn echo_from(
+    tb: &mut Testbed,
+    ns: &str,
+    cgroup: bool,
+    target: &str,
+    proto: &str,
+) -> (Vec<(String, String, String)>, Vec<String>) {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args(["client", "--target", target, "--proto", proto, "--count", "10"]);
+    let cg = tb.cgroup.clone();
+    let out = tb
+        .run(ns, cgroup.then_some(cg.as_path()), cmd)
+        .expect("run client");
+    let (mut replies, mut errors) = (Vec::new(), Vec::new());
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("client JSON");
+        if let Some(e) = v.get("error") {
+            errors.push(e.to_string());
+            continue;
+        }
+        let seen: std::net::SocketAddr = v["seen_by_backend"].as_str().unwrap().parse().unwrap();
+        replies.push((
+            v["backend"].as_str().unwrap().to_string(),
+            seen.ip().to_string(),
+            v["peer"].as_str().unwrap().to_string(),
+        ));
+    }
+    assert_eq!(replies.len() + errors.len(), 10, "{target}/{proto}: one line per request");
+    (replies, errors)
+}
+
+/// A ClusterIP whose only endpoint is b1 (`198.19.0.20`, `2001:db8:ffff::20`, TCP 80 and UDP 53
+/// to 8080), for hairpin: b1 reaching its own service.
+const SOLO: &str = r#"apiVersion: v1
+kind: Service
+metadata: {name: solo, namespace: demo}
+spec:
+  clusterIP: 198.19.0.20
+  clusterIPs: [198.19.0.20, "2001:db8:ffff::20"]
+  ipFamilyPolicy: PreferDualStack
+  ipFamilies: [IPv4, IPv6]
+  ports:
+    - {name: tcp, protocol: TCP, port: 80, targetPort: 8080}
+    - {name: udp, protocol: UDP, port: 53, targetPort: 8080}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: solo-ipv4
+  namespace: demo
+  labels: {kubernetes.io/service-name: solo}
+addressType: IPv4
+ports: [{name: tcp, protocol: TCP, port: 8080}, {name: udp, protocol: UDP, port: 8080}]
+endpoints: [{addresses: [198.18.11.2], conditions: {ready: true}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: solo-ipv6
+  namespace: demo
+  labels: {kubernetes.io/service-name: solo}
+addressType: IPv6
+ports: [{name: tcp, protocol: TCP, port: 8080}, {name: udp, protocol: UDP, port: 8080}]
+endpoints: [{addresses: ["2001:db8:0:11::2"], conditions: {ready: true}}]
+"#;
+
+const SOLO_TARGETS: [(&str, &str); 4] = [
+    ("198.19.0.20:80", "tcp"),
+    ("198.19.0.20:53", "udp"),
+    ("[2001:db8:ffff::20]:80", "tcp"),
+    ("[2001:db8:ffff::20]:53", "udp"),
+];
+
+/// `lb run` with the tc path on every node-side veth, no socket LB, and `extra` flags.
+fn start_tc_lb(tb: &mut Testbed, manifests: &Path, extra: &[&str]) -> LbDaemon {
+    let mut args = lb_args(tb, manifests, false);
+    args.extend(extra.iter().map(|s| (*s).to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    LbDaemon::start(tb, Path::new(LB), &args, "info").unwrap()
+}
+
+/// The node IPs passed as --node-ip: the node's addresses on the client's link.
+fn node_ips(tb: &Testbed) -> String {
+    format!("{},{}", tb.client.node_ipv4(), tb.client.node_ipv6())
+}
+
+/// Runs the four targets from the client netns and checks every reply came from the VIP, and
+/// the backend saw `want_v4` / `want_v6` as the client's address.
+fn assert_backend_saw(tb: &mut Testbed, want_v4: String, want_v6: String, what: &str) {
+    let ns = tb.client.ns.clone();
+    for (target, proto) in TARGETS {
+        let (replies, errors) = echo_from(tb, &ns, false, target, proto);
+        assert!(errors.is_empty(), "{what} {target}/{proto}: {errors:?}");
+        let want = if target.starts_with('[') { &want_v6 } else { &want_v4 };
+        for (backend, seen, peer) in &replies {
+            assert_eq!(seen, want, "{what} {target}/{proto}: {backend} saw {seen}");
+            assert_eq!(peer, target, "{what} {target}/{proto}: reply from the VIP");
+        }
+    }
+}
+
+/// With --cluster-cidr, ClusterIP traffic from outside every cluster CIDR reaches the backend
+/// from the node IP (and its replies still come back from the VIP); a pod source (inside the
+/// CIDRs) keeps its own address.
+#[test]
+fn tc_masquerades_clients_outside_the_cluster_cidr_only() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    let node = node_ips(&tb);
+    let (node4, node6) = (tb.client.node_ipv4().to_string(), tb.client.node_ipv6().to_string());
+    let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
+
+    // The backends' links are the cluster: the client is outside.
+    let backends = "198.18.11.0/24,198.18.12.0/24,198.18.13.0/24,2001:db8:0:11::/64,\
+                    2001:db8:0:12::/64,2001:db8:0:13::/64";
+    let mut lb = start_tc_lb(&mut tb, &manifests.0, &["--node-ip", &node, "--cluster-cidr", backends]);
+    assert_backend_saw(&mut tb, node4, node6, "outside the cluster CIDRs");
+    assert!(
+        pinned_counter(&lb.pin_dir, metrics::TC_SNAT) > 0,
+        "tc_snat counted the masqueraded packets"
+    );
+    assert!(lb.stop().unwrap().success());
+    drop(lb);
+
+    // The client's link is a cluster CIDR too: it is a pod, not masqueraded.
+    let with_client = format!("{backends},198.18.10.0/24,2001:db8:0:10::/64");
+    let lb = start_tc_lb(&mut tb, &manifests.0, &["--node-ip", &node, "--cluster-cidr", &with_client]);
+    assert_backend_saw(&mut tb, client4, client6, "pod client");
+    drop(lb);
+}
+
+/// --masquerade-all masquerades without a local-traffic detector; without either, nothing is.
+#[test]
+fn tc_masquerade_all_and_no_detector() {
+    let mut tb = Testbed::create(2).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    manifests.remove_endpoints(&["198.18.13.2", "2001:db8:0:13::2"]);
+    let node = node_ips(&tb);
+    let (node4, node6) = (tb.client.node_ipv4().to_string(), tb.client.node_ipv6().to_string());
+    let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
+
+    let mut lb = start_tc_lb(&mut tb, &manifests.0, &["--node-ip", &node, "--masquerade-all"]);
+    assert_backend_saw(&mut tb, node4, node6, "--masquerade-all");
+    assert!(lb.stop().unwrap().success());
+    drop(lb);
+
+    let lb = start_tc_lb(&mut tb, &manifests.0, &["--node-ip", &node]);
+    assert_backend_saw(&mut tb, client4, client6, "no detector");
+    drop(lb);
+}
+
+/// Hairpin on the tc path: b1 reaching a service whose only backend is itself is DNATed to
+/// itself and masqueraded to the node IP (its own address would make it answer itself
+/// directly), redirected back out of the veth it came in on, and gets its replies from the VIP.
+/// The node IP is the default: the node's first global unicast address per family.
+#[test]
+fn tc_hairpin_reaches_itself_through_its_service() {
+    let mut tb = Testbed::create(2).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    fs::write(manifests.0.join("solo.yaml"), SOLO).unwrap();
+    let lb = start_tc_lb(&mut tb, &manifests.0, &[]);
+    let facts = lb
+        .log
+        .iter()
+        .find(|l| l.contains("node facts written"))
+        .cloned()
+        .unwrap_or_default();
+    // Interface order in the node netns: lo, then the client's link.
+    let (node4, node6) = (tb.client.node_ipv4().to_string(), tb.client.node_ipv6().to_string());
+    assert!(facts.contains(&node4) && facts.contains(&node6), "default node IPs: {facts}");
+    let b1 = tb.backends[0].clone();
+    for (target, proto) in SOLO_TARGETS {
+        let (replies, errors) = echo_from(&mut tb, &b1.ns, false, target, proto);
+        assert!(errors.is_empty(), "hairpin {target}/{proto}: {errors:?}");
+        let node = if target.starts_with('[') { &node6 } else { &node4 };
+        for (backend, seen, peer) in &replies {
+            assert_eq!(backend, "b1", "{target}/{proto}");
+            assert_eq!(seen, node, "{target}/{proto}: hairpin is masqueraded");
+            assert_eq!(peer, target, "{target}/{proto}: reply from the VIP");
+        }
+    }
+    drop(lb);
+}
+
+/// Hairpin through socket LB: connect() is rewritten to the pod's own address, so the
+/// connection is local and needs no masquerade; the application still sees the VIP.
+#[test]
+fn socket_lb_hairpin_reaches_itself_without_masquerade() {
+    let mut tb = Testbed::create(2).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    fs::write(manifests.0.join("solo.yaml"), SOLO).unwrap();
+    let lb = start_lb(&mut tb, &manifests.0, true);
+    let b1 = tb.backends[0].clone();
+    for (target, proto) in SOLO_TARGETS {
+        let (replies, errors) = echo_from(&mut tb, &b1.ns, true, target, proto);
+        assert!(errors.is_empty(), "socket LB hairpin {target}/{proto}: {errors:?}");
+        let own = if target.starts_with('[') {
+            b1.ipv6.to_string()
+        } else {
+            b1.ipv4.to_string()
+        };
+        for (backend, seen, peer) in &replies {
+            assert_eq!(backend, "b1", "{target}/{proto}");
+            assert_eq!(seen, &own, "{target}/{proto}: a local connection from its own address");
+            assert_eq!(peer, target, "{target}/{proto}: the application sees the VIP");
+        }
+    }
+    drop(lb);
+}
