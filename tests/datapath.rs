@@ -19,8 +19,8 @@ use lb::{
     node_facts::{NodeFacts, NodeFactsArgs},
 };
 use lb_common::{
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, Svc4Key, SvcValue, TraceRecord, ct_dir, ct_flags,
-    map_names, metrics, prog_names, scope, svc_flags, trace_ct, trace_verdict,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, Svc4Key, SvcValue, TraceRecord,
+    ct_dir, ct_flags, map_names, metrics, prog_names, scope, svc_flags, trace_ct, trace_verdict,
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -1613,7 +1613,9 @@ fn masq_fixture(opts: &LoadOptions, cidrs: &[&str], masquerade_all: bool) -> Fix
         masquerade_all,
     };
     let facts = NodeFacts::resolve(&args, None, Vec::new);
-    fx.datapath.write_node_facts(&facts).expect("write node facts");
+    fx.datapath
+        .write_node_facts(&facts)
+        .expect("write node facts");
     fx
 }
 
@@ -1643,20 +1645,36 @@ fn etherparse_checksums_ok(pkt: &[u8]) {
             assert_eq!(ip.header_checksum, ip.calc_header_checksum(), "IPv4 header");
             match t {
                 TransportHeader::Tcp(t) => {
-                    assert_eq!(t.checksum, t.calc_checksum_ipv4(&ip, payload).unwrap(), "TCP")
+                    assert_eq!(
+                        t.checksum,
+                        t.calc_checksum_ipv4(&ip, payload).unwrap(),
+                        "TCP"
+                    )
                 }
                 TransportHeader::Udp(u) => {
-                    assert_eq!(u.checksum, u.calc_checksum_ipv4(&ip, payload).unwrap(), "UDP")
+                    assert_eq!(
+                        u.checksum,
+                        u.calc_checksum_ipv4(&ip, payload).unwrap(),
+                        "UDP"
+                    )
                 }
                 other => panic!("unexpected {other:?}"),
             }
         }
         (NetHeaders::Ipv6(ip, _), t) => match t {
             TransportHeader::Tcp(t) => {
-                assert_eq!(t.checksum, t.calc_checksum_ipv6(&ip, payload).unwrap(), "TCP")
+                assert_eq!(
+                    t.checksum,
+                    t.calc_checksum_ipv6(&ip, payload).unwrap(),
+                    "TCP"
+                )
             }
             TransportHeader::Udp(u) => {
-                assert_eq!(u.checksum, u.calc_checksum_ipv6(&ip, payload).unwrap(), "UDP")
+                assert_eq!(
+                    u.checksum,
+                    u.calc_checksum_ipv6(&ip, payload).unwrap(),
+                    "UDP"
+                )
             }
             other => panic!("unexpected {other:?}"),
         },
@@ -1677,7 +1695,14 @@ fn assert_sent(verdict: u32) {
 /// the range, later packets keep it, and the backend's reply to that address comes back from the
 /// VIP to the client's own address and port; every checksum stays valid.
 fn snat_forward_and_unsnat(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
-    let mut fx = masq_fixture(&LoadOptions { trace: true, ..LoadOptions::default() }, &POD_CIDRS, false);
+    let mut fx = masq_fixture(
+        &LoadOptions {
+            trace: true,
+            ..LoadOptions::default()
+        },
+        &POD_CIDRS,
+        false,
+    );
     let node = node_ip(client);
     let before = fx.counter(metrics::TC_SNAT);
     for sport in [40_000u16, 40_001, 40_002] {
@@ -1699,7 +1724,11 @@ fn snat_forward_and_unsnat(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
         assert_sent(verdict);
         etherparse_checksums_ok(&again);
         let q = parse_and_verify(&again);
-        assert_eq!((q.src, q.sport, q.dst), (node, p.sport, p.dst), "flow keeps its NAT");
+        assert_eq!(
+            (q.src, q.sport, q.dst),
+            (node, p.sport, p.dst),
+            "flow keeps its NAT"
+        );
 
         // The backend answers the node IP and NAT port, on the pod-facing device.
         let reply = packet(p.dst, BPORT, node, p.sport, then);
@@ -1708,7 +1737,11 @@ fn snat_forward_and_unsnat(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
         etherparse_checksums_ok(&back);
         let b = parse_and_verify(&back);
         assert_eq!((b.src, b.sport), (vip, VPORT), "reply comes from the VIP");
-        assert_eq!((b.dst, b.dport), (client, sport), "reply goes back to the client");
+        assert_eq!(
+            (b.dst, b.dport),
+            (client, sport),
+            "reply goes back to the client"
+        );
         let svc = fx
             .ct_entry(client, sport, vip, VPORT, p.proto, ct_dir::SERVICE)
             .expect("service entry");
@@ -1717,10 +1750,18 @@ fn snat_forward_and_unsnat(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
         let rev = fx
             .ct_entry(p.dst, BPORT, node, p.sport, p.proto, ct_dir::REPLY)
             .expect("reply entry keyed as the backend answers");
-        assert_eq!((rev.nat_addr, rev.nat_port), (client, sport), "restores the client");
+        assert_eq!(
+            (rev.nat_addr, rev.nat_port),
+            (client, sport),
+            "restores the client"
+        );
         assert_ne!(rev.flags & ct_flags::SEEN_REPLY, 0);
     }
-    assert_eq!(fx.counter(metrics::TC_SNAT) - before, 6, "3 flows x 2 packets");
+    assert_eq!(
+        fx.counter(metrics::TC_SNAT) - before,
+        6,
+        "3 flows x 2 packets"
+    );
 }
 
 #[test]
@@ -1757,7 +1798,9 @@ fn same_source_port_from_many_clients_gets_distinct_nat_ports() {
         let clients: Vec<IpAddr> = (2..42u8)
             .map(|h| match base {
                 IpAddr::V4(_) => Ipv4Addr::new(198, 18, 10, h).into(),
-                IpAddr::V6(_) => Ipv6Addr::new(0x2001, 0xdb8, 0, 0x10, 0, 0, 0, u16::from(h)).into(),
+                IpAddr::V6(_) => {
+                    Ipv6Addr::new(0x2001, 0xdb8, 0, 0x10, 0, 0, 0, u16::from(h)).into()
+                }
             })
             .collect();
         let mut out = Vec::new();
@@ -1769,14 +1812,22 @@ fn same_source_port_from_many_clients_gets_distinct_nat_ports() {
             ports.insert(p.sport);
             out.push(p);
         }
-        assert_eq!(ports.len(), clients.len(), "{vip}: one NAT port per client: {ports:?}");
+        assert_eq!(
+            ports.len(),
+            clients.len(),
+            "{vip}: one NAT port per client: {ports:?}"
+        );
         for (c, p) in clients.iter().zip(&out) {
             let (_, back) = fx.run(
                 prog_names::TC_POD,
                 &packet(p.dst, BPORT, node, p.sport, L4::TcpAck),
             );
             let b = parse_and_verify(&back);
-            assert_eq!((b.src, b.dst, b.dport), (vip, *c, 5555), "reply to its own client");
+            assert_eq!(
+                (b.src, b.dst, b.dport),
+                (vip, *c, 5555),
+                "reply to its own client"
+            );
         }
     }
 }
@@ -1785,7 +1836,10 @@ fn same_source_port_from_many_clients_gets_distinct_nat_ports() {
 #[test]
 fn exhausted_nat_ports_drop_the_new_flow() {
     let mut fx = masq_fixture(
-        &LoadOptions { trace: true, ..LoadOptions::default() },
+        &LoadOptions {
+            trace: true,
+            ..LoadOptions::default()
+        },
         &POD_CIDRS,
         false,
     );
@@ -1821,9 +1875,19 @@ fn cluster_cidr_and_masquerade_all_decide_who_is_masqueraded() {
         let node = node_ip(client);
         let client_cidrs = ["198.18.10.0/24", "2001:db8:0:10::/64"];
         let cases: [(&[&str], bool, bool, &str); 4] = [
-            (&client_cidrs, false, false, "pod source with --cluster-cidr"),
+            (
+                &client_cidrs,
+                false,
+                false,
+                "pod source with --cluster-cidr",
+            ),
             (&[], false, false, "no detector, no --masquerade-all"),
-            (&client_cidrs, true, true, "--masquerade-all masquerades pods too"),
+            (
+                &client_cidrs,
+                true,
+                true,
+                "--masquerade-all masquerades pods too",
+            ),
             (&POD_CIDRS, false, true, "source outside the cluster CIDRs"),
         ];
         for (cidrs, all, want, what) in cases {
@@ -1837,7 +1901,10 @@ fn cluster_cidr_and_masquerade_all_decide_who_is_masqueraded() {
                 assert_eq!(p.src, node, "{client}: {what}");
             } else {
                 assert_eq!((p.src, p.sport), (client, 7000), "{client}: {what}");
-                assert_eq!(verdict, TC_ACT_OK, "{what}: unmasqueraded goes to the stack");
+                assert_eq!(
+                    verdict, TC_ACT_OK,
+                    "{what}: unmasqueraded goes to the stack"
+                );
             }
         }
     }
@@ -1849,7 +1916,11 @@ fn cluster_cidr_and_masquerade_all_decide_who_is_masqueraded() {
 #[test]
 fn hairpin_is_always_masqueraded() {
     // A pod source with a detector: only hairpin can masquerade it.
-    let mut fx = masq_fixture(&LoadOptions::default(), &["198.18.0.0/15", "2001:db8::/32"], false);
+    let mut fx = masq_fixture(
+        &LoadOptions::default(),
+        &["198.18.0.0/15", "2001:db8::/32"],
+        false,
+    );
     for backend in [IpAddr::from(BACKENDS4[0]), BACKENDS6[0].into()] {
         let vip = one_backend_vip(backend);
         let node = node_ip(backend);
@@ -1868,13 +1939,19 @@ fn hairpin_is_always_masqueraded() {
         );
         etherparse_checksums_ok(&back);
         let b = parse_and_verify(&back);
-        assert_eq!((b.src, b.sport, b.dst, b.dport), (vip, VPORT, backend, 33_000));
+        assert_eq!(
+            (b.src, b.sport, b.dst, b.dport),
+            (vip, VPORT, backend, 33_000)
+        );
         // Another pod is not hairpin: it keeps its source.
         let other = match backend {
             IpAddr::V4(_) => IpAddr::from(BACKENDS4[1]),
             IpAddr::V6(_) => BACKENDS6[1].into(),
         };
-        let (_, out) = fx.run(prog_names::TC_POD, &packet(other, 33_001, vip, VPORT, L4::TcpSyn));
+        let (_, out) = fx.run(
+            prog_names::TC_POD,
+            &packet(other, 33_001, vip, VPORT, L4::TcpSyn),
+        );
         assert_eq!(parse_and_verify(&out).src, other);
     }
 }

@@ -461,7 +461,9 @@ fn echo_from(
     proto: &str,
 ) -> (Vec<(String, String, String)>, Vec<String>) {
     let mut cmd = Command::new(LB_ECHO);
-    cmd.args(["client", "--target", target, "--proto", proto, "--count", "10"]);
+    cmd.args([
+        "client", "--target", target, "--proto", proto, "--count", "10",
+    ]);
     let cg = tb.cgroup.clone();
     let out = tb
         .run(ns, cgroup.then_some(cg.as_path()), cmd)
@@ -480,7 +482,11 @@ fn echo_from(
             v["peer"].as_str().unwrap().to_string(),
         ));
     }
-    assert_eq!(replies.len() + errors.len(), 10, "{target}/{proto}: one line per request");
+    assert_eq!(
+        replies.len() + errors.len(),
+        10,
+        "{target}/{proto}: one line per request"
+    );
     (replies, errors)
 }
 
@@ -546,7 +552,11 @@ fn assert_backend_saw(tb: &mut Testbed, want_v4: String, want_v6: String, what: 
     for (target, proto) in TARGETS {
         let (replies, errors) = echo_from(tb, &ns, false, target, proto);
         assert!(errors.is_empty(), "{what} {target}/{proto}: {errors:?}");
-        let want = if target.starts_with('[') { &want_v6 } else { &want_v4 };
+        let want = if target.starts_with('[') {
+            &want_v6
+        } else {
+            &want_v4
+        };
         for (backend, seen, peer) in &replies {
             assert_eq!(seen, want, "{what} {target}/{proto}: {backend} saw {seen}");
             assert_eq!(peer, target, "{what} {target}/{proto}: reply from the VIP");
@@ -564,13 +574,20 @@ fn tc_masquerades_clients_outside_the_cluster_cidr_only() {
         .expect("echo servers");
     let manifests = Manifests::new(&tb.id);
     let node = node_ips(&tb);
-    let (node4, node6) = (tb.client.node_ipv4().to_string(), tb.client.node_ipv6().to_string());
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
     let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
 
     // The backends' links are the cluster: the client is outside.
     let backends = "198.18.11.0/24,198.18.12.0/24,198.18.13.0/24,2001:db8:0:11::/64,\
                     2001:db8:0:12::/64,2001:db8:0:13::/64";
-    let mut lb = start_tc_lb(&mut tb, &manifests.0, &["--node-ip", &node, "--cluster-cidr", backends]);
+    let mut lb = start_tc_lb(
+        &mut tb,
+        &manifests.0,
+        &["--node-ip", &node, "--cluster-cidr", backends],
+    );
     assert_backend_saw(&mut tb, node4, node6, "outside the cluster CIDRs");
     assert!(
         pinned_counter(&lb.pin_dir, metrics::TC_SNAT) > 0,
@@ -581,7 +598,11 @@ fn tc_masquerades_clients_outside_the_cluster_cidr_only() {
 
     // The client's link is a cluster CIDR too: it is a pod, not masqueraded.
     let with_client = format!("{backends},198.18.10.0/24,2001:db8:0:10::/64");
-    let lb = start_tc_lb(&mut tb, &manifests.0, &["--node-ip", &node, "--cluster-cidr", &with_client]);
+    let lb = start_tc_lb(
+        &mut tb,
+        &manifests.0,
+        &["--node-ip", &node, "--cluster-cidr", &with_client],
+    );
     assert_backend_saw(&mut tb, client4, client6, "pod client");
     drop(lb);
 }
@@ -595,10 +616,17 @@ fn tc_masquerade_all_and_no_detector() {
     let manifests = Manifests::new(&tb.id);
     manifests.remove_endpoints(&["198.18.13.2", "2001:db8:0:13::2"]);
     let node = node_ips(&tb);
-    let (node4, node6) = (tb.client.node_ipv4().to_string(), tb.client.node_ipv6().to_string());
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
     let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
 
-    let mut lb = start_tc_lb(&mut tb, &manifests.0, &["--node-ip", &node, "--masquerade-all"]);
+    let mut lb = start_tc_lb(
+        &mut tb,
+        &manifests.0,
+        &["--node-ip", &node, "--masquerade-all"],
+    );
     assert_backend_saw(&mut tb, node4, node6, "--masquerade-all");
     assert!(lb.stop().unwrap().success());
     drop(lb);
@@ -627,13 +655,23 @@ fn tc_hairpin_reaches_itself_through_its_service() {
         .cloned()
         .unwrap_or_default();
     // Interface order in the node netns: lo, then the client's link.
-    let (node4, node6) = (tb.client.node_ipv4().to_string(), tb.client.node_ipv6().to_string());
-    assert!(facts.contains(&node4) && facts.contains(&node6), "default node IPs: {facts}");
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
+    assert!(
+        facts.contains(&node4) && facts.contains(&node6),
+        "default node IPs: {facts}"
+    );
     let b1 = tb.backends[0].clone();
     for (target, proto) in SOLO_TARGETS {
         let (replies, errors) = echo_from(&mut tb, &b1.ns, false, target, proto);
         assert!(errors.is_empty(), "hairpin {target}/{proto}: {errors:?}");
-        let node = if target.starts_with('[') { &node6 } else { &node4 };
+        let node = if target.starts_with('[') {
+            &node6
+        } else {
+            &node4
+        };
         for (backend, seen, peer) in &replies {
             assert_eq!(backend, "b1", "{target}/{proto}");
             assert_eq!(seen, node, "{target}/{proto}: hairpin is masqueraded");
@@ -656,7 +694,10 @@ fn socket_lb_hairpin_reaches_itself_without_masquerade() {
     let b1 = tb.backends[0].clone();
     for (target, proto) in SOLO_TARGETS {
         let (replies, errors) = echo_from(&mut tb, &b1.ns, true, target, proto);
-        assert!(errors.is_empty(), "socket LB hairpin {target}/{proto}: {errors:?}");
+        assert!(
+            errors.is_empty(),
+            "socket LB hairpin {target}/{proto}: {errors:?}"
+        );
         let own = if target.starts_with('[') {
             b1.ipv6.to_string()
         } else {
@@ -664,8 +705,14 @@ fn socket_lb_hairpin_reaches_itself_without_masquerade() {
         };
         for (backend, seen, peer) in &replies {
             assert_eq!(backend, "b1", "{target}/{proto}");
-            assert_eq!(seen, &own, "{target}/{proto}: a local connection from its own address");
-            assert_eq!(peer, target, "{target}/{proto}: the application sees the VIP");
+            assert_eq!(
+                seen, &own,
+                "{target}/{proto}: a local connection from its own address"
+            );
+            assert_eq!(
+                peer, target,
+                "{target}/{proto}: the application sees the VIP"
+            );
         }
     }
     drop(lb);

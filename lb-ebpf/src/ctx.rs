@@ -95,14 +95,7 @@ impl PacketCtx for TcContext {
     #[inline(always)]
     fn fib_lookup(&self, params: &mut bpf_fib_lookup) -> i64 {
         // SAFETY: params is a whole bpf_fib_lookup on this program's stack.
-        unsafe {
-            fib_lookup_helper(
-                self.as_ptr(),
-                params,
-                size_of::<bpf_fib_lookup>() as i32,
-                0,
-            )
-        }
+        unsafe { fib_lookup_helper(self.as_ptr(), params, size_of::<bpf_fib_lookup>() as i32, 0) }
     }
 
     #[inline(always)]

@@ -148,7 +148,10 @@ fn parse_ipv6<C: PacketCtx>(
 /// Parses the TCP, UDP or SCTP header after an IP header of `l3_len` bytes at `l3_off`, of a packet
 /// whose IP payload is `l4_len` bytes.
 #[inline(always)]
-#[expect(clippy::too_many_arguments, reason = "the parsed fields of the IP header")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the parsed fields of the IP header"
+)]
 fn parse_l4<C: PacketCtx, A>(
     ctx: &C,
     out: &mut Packet<A>,

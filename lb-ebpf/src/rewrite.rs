@@ -162,7 +162,10 @@ fn sctp_crc_port_change<C: PacketCtx, A>(
 ) -> Result<(), Error> {
     // Through a helper: `p` may live in scratch memory, where the verifier has no bounds for
     // its offsets to do packet pointer arithmetic with.
-    let crc = u32::from_le_bytes(ctx.load::<[u8; 4]>(p.csum_off).map_err(|_| Error::Rewrite)?);
+    let crc = u32::from_le_bytes(
+        ctx.load::<[u8; 4]>(p.csum_off)
+            .map_err(|_| Error::Rewrite)?,
+    );
     if crc == 0 {
         return Ok(());
     }

@@ -80,7 +80,9 @@ fn untouched(action: i32, verdict: u8, reason: u32) -> Decision {
 fn finish<C: PacketCtx>(ctx: &C, result: Result<Decision, Error>) -> i32 {
     let d = match result {
         Ok(d) => d,
-        Err(Error::Unparsed) => untouched(TC_ACT_OK, trace_verdict::PASS, metrics::TC_PASS_UNPARSED),
+        Err(Error::Unparsed) => {
+            untouched(TC_ACT_OK, trace_verdict::PASS, metrics::TC_PASS_UNPARSED)
+        }
         Err(Error::Rewrite) => {
             // Rare: a csum/store helper failed on a packet that parsed fine.
             aya_log_ebpf::error!(ctx, "tc: rewrite helper failed, packet dropped");

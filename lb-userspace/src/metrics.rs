@@ -401,7 +401,10 @@ impl BpfCollector {
 }
 
 /// A conntrack map's key count (see [`count_keys`]); `None` if the map cannot be read.
-fn conntrack_keys<K: aya::Pod, V: aya::Pod>(map: &HashMap<MapData, K, V>, name: &str) -> Option<u64> {
+fn conntrack_keys<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    name: &str,
+) -> Option<u64> {
     let capacity = match map.map().info() {
         Ok(info) => info.max_entries(),
         Err(e) => {

@@ -64,7 +64,9 @@ impl Cidr {
     pub fn network(&self) -> IpAddr {
         match self.addr {
             IpAddr::V4(a) => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(self.prefix)).unwrap_or(0);
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
                 Ipv4Addr::from(u32::from(a) & mask).into()
             }
             IpAddr::V6(a) => {
@@ -302,7 +304,10 @@ mod tests {
             .iter()
             .map(|s| s.parse().unwrap())
             .collect();
-        assert_eq!((f.node_ips, f.node_ip_source), (want, NodeIpSource::NodeObject));
+        assert_eq!(
+            (f.node_ips, f.node_ip_source),
+            (want, NodeIpSource::NodeObject)
+        );
         let f = NodeFacts::resolve(&NodeFactsArgs::default(), Some(&node(&[])), host);
         assert_eq!(f.node_ip_source, NodeIpSource::Host);
         assert_eq!(f.node_ips, host());
@@ -321,9 +326,15 @@ mod tests {
         };
         let c = NodeFacts::resolve(&args, None, Vec::new).datapath_config();
         assert_eq!(c.node_ip4, [198, 18, 0, 5]);
-        assert_eq!(c.node_ip6, "2001:db8::5".parse::<Ipv6Addr>().unwrap().octets());
+        assert_eq!(
+            c.node_ip6,
+            "2001:db8::5".parse::<Ipv6Addr>().unwrap().octets()
+        );
         assert_eq!(c.flags, config_flags::CLUSTER_CIDR4);
-        assert_eq!((c.nat_port_min, c.nat_port_max), (nat::PORT_MIN, nat::PORT_MAX));
+        assert_eq!(
+            (c.nat_port_min, c.nat_port_max),
+            (nat::PORT_MIN, nat::PORT_MAX)
+        );
         let all = NodeFactsArgs {
             masquerade_all: true,
             cluster_cidr: vec!["2001:db8:1::/48".parse().unwrap()],
@@ -334,7 +345,11 @@ mod tests {
             c.flags,
             config_flags::MASQUERADE_ALL | config_flags::CLUSTER_CIDR6
         );
-        assert_eq!((c.node_ip4, c.node_ip6), ([0; 4], [0; 16]), "no node IP: none");
+        assert_eq!(
+            (c.node_ip4, c.node_ip6),
+            ([0; 4], [0; 16]),
+            "no node IP: none"
+        );
     }
 
     #[test]

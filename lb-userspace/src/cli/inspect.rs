@@ -24,9 +24,9 @@ use aya::{
     util::KernelVersion,
 };
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, DEFAULT_PIN_DIR, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_names,
-    prog_names,
+    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, DEFAULT_PIN_DIR, RevNat4, RevNat6,
+    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
+    map_names, prog_names,
 };
 use serde::{Deserialize, Serialize};
 

@@ -19,13 +19,12 @@ use aya::{
     programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
 use lb_common::{
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, TraceRecord, ct_dir, map_names, metrics, prog_names, trace_ct,
-    trace_verdict,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, TraceRecord, ct_dir, map_names, metrics, prog_names,
+    trace_ct, trace_verdict,
 };
 use serde::Serialize;
 
 use crate::{
-    node_facts::{NodeFacts, NodeFactsArgs, host_ips},
     controller::{
         manifests,
         reconcile::Reconciler,
@@ -37,6 +36,7 @@ use crate::{
         pinned::open_hash,
     },
     model::{Family, Frontend, Proto, Scope},
+    node_facts::{NodeFacts, NodeFactsArgs, host_ips},
     state_dir,
 };
 
@@ -600,7 +600,13 @@ impl fmt::Display for TraceResult {
             }
         )?;
         if let Some(n) = &self.node {
-            let list = |v: Vec<String>| if v.is_empty() { "-".into() } else { v.join(",") };
+            let list = |v: Vec<String>| {
+                if v.is_empty() {
+                    "-".into()
+                } else {
+                    v.join(",")
+                }
+            };
             writeln!(
                 f,
                 "node:        ips {} ({:?}), cluster-cidr {}, service-cidr {}, masquerade-all {}",

@@ -1,8 +1,8 @@
 //! Loading lb's eBPF object, pinning and reusing its maps, attaching its programs.
 use std::{
     collections::BTreeMap,
-    net::IpAddr,
     fs::{self, File},
+    net::IpAddr,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
 };
@@ -317,7 +317,8 @@ impl Datapath {
             trie.insert(k, 1, 0)
                 .with_context(|| format!("writing {name}"))?;
         }
-        let same = |a: &LpmKey<K>, b: &LpmKey<K>| a.prefix_len() == b.prefix_len() && a.data() == b.data();
+        let same =
+            |a: &LpmKey<K>, b: &LpmKey<K>| a.prefix_len() == b.prefix_len() && a.data() == b.data();
         let stale: Vec<LpmKey<K>> = trie
             .keys()
             .filter_map(Result::ok)
