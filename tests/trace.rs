@@ -340,3 +340,57 @@ fn trace_follows_sctp_through_the_datapath() {
         "20 traced associations reach both backends, port rewritten"
     );
 }
+
+/// `masquerade` and `source_after` come from the datapath: a client outside `--cluster-cidr`
+/// leaves from the `--node-ip` and a NAT port, a pod keeps its source; the node facts used are
+/// reported. IPv4 and IPv6, from the manifests (no daemon).
+#[test]
+fn trace_shows_masquerade_from_the_datapath() {
+    let examples = examples();
+    let ex = examples.to_str().unwrap();
+    for (src, dst, node) in [
+        ("198.18.10.2", "198.19.0.10:80", "198.18.0.1"),
+        ("2001:db8:0:10::2", "[2001:db8:ffff::10]:80", "2001:db8::1"),
+    ] {
+        let outside = "198.18.11.0/24,2001:db8:0:11::/64";
+        let base = [
+            "--manifests",
+            ex,
+            "--hostname-override",
+            "n1",
+            "--src",
+            src,
+            "--dst",
+            dst,
+            "--from",
+            "external",
+            "--node-ip",
+            node,
+            "--service-cidr",
+            "198.19.0.0/16",
+        ];
+        let masq = trace(&[&base[..], &["--cluster-cidr", outside]].concat());
+        let r = &masq[0];
+        assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["masquerade"], true, "{r}");
+        let after: std::net::SocketAddr = r["source_after"].as_str().unwrap().parse().unwrap();
+        assert_eq!(after.ip().to_string(), node, "{r}");
+        assert!(
+            (lb_common::nat::PORT_MIN..=lb_common::nat::PORT_MAX).contains(&after.port()),
+            "{r}"
+        );
+        assert_eq!(r["node"]["node_ip_source"], "flag", "{r}");
+        assert_eq!(r["node"]["service_cidrs"][0], "198.19.0.0/16", "{r}");
+
+        let inside = format!("{outside},198.18.10.0/24,2001:db8:0:10::/64");
+        let pod = trace(&[&base[..], &["--cluster-cidr", &inside]].concat());
+        let r = &pod[0];
+        assert_eq!(r["masquerade"], false, "{r}");
+        let after: std::net::SocketAddr = r["source_after"].as_str().unwrap().parse().unwrap();
+        assert_eq!(
+            (after.ip().to_string(), after.port()),
+            (src.to_string(), 40_000),
+            "{r}"
+        );
+    }
+}

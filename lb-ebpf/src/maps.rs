@@ -1,5 +1,6 @@
 //! The maps, BTF-defined so `bpftool map dump` prints their fields. Userspace pins them by
-//! name under the pin directory and reuses them across restarts (all but `lb_trace` and `lb_scratch`, which each load owns).
+//! name under the pin directory and reuses them across restarts (all but `lb_trace` and
+//! `lb_scratch`, which each load owns).
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
