@@ -5,13 +5,15 @@
 //! the program's run (hash map elements are freed only after an RCU grace period). The maps
 //! read here are only written by whole-element updates, which swap in a new element, so a
 //! value copied out is never half-written.
+use aya_ebpf::btf_maps::lpm_trie::Key as LpmKey;
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value,
-    SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, Ct4Key, Ct6Key, CtValue, RevNat4, RevNat6,
+    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
 };
 
 use crate::maps::{
-    BACKENDS4, BACKENDS6, CT4, CT6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6,
+    BACKENDS4, BACKENDS6, CLUSTER_IPS4, CLUSTER_IPS6, CT4, CT6, REVNAT4, REVNAT6, SERVICES4,
+    SERVICES6, SK_REVNAT4, SK_REVNAT6, SVC_CIDR4, SVC_CIDR6,
 };
 
 /// A frontend or backend address with its port (host order).
@@ -29,6 +31,10 @@ pub trait Af {
     fn service(addr: Self::Addr, port: u16, proto: u8, slot: u16, scope: u8) -> Option<SvcValue>;
     fn backend(id: u32) -> Option<Endpoint<Self::Addr>>;
     fn revnat(id: u32) -> Option<Endpoint<Self::Addr>>;
+    /// Whether `addr` is the ClusterIP of some frontend (on whatever port).
+    fn is_cluster_ip(addr: Self::Addr) -> bool;
+    /// Whether `addr` lies in a `--service-cidr` range.
+    fn in_service_cidr(addr: Self::Addr) -> bool;
 
     fn ct_key(
         saddr: Self::Addr,
@@ -94,6 +100,16 @@ impl Af for V4 {
                 port: r.port,
             }
         })
+    }
+
+    #[inline(always)]
+    fn is_cluster_ip(addr: [u8; 4]) -> bool {
+        CLUSTER_IPS4.get_ptr(&ClusterIp4Key { addr }).is_some()
+    }
+
+    #[inline(always)]
+    fn in_service_cidr(addr: [u8; 4]) -> bool {
+        SVC_CIDR4.get(&LpmKey::new(32, addr)).is_some()
     }
 
     #[inline(always)]
@@ -207,6 +223,16 @@ impl Af for V6 {
                 port: r.port,
             }
         })
+    }
+
+    #[inline(always)]
+    fn is_cluster_ip(addr: [u8; 16]) -> bool {
+        CLUSTER_IPS6.get_ptr(&ClusterIp6Key { addr }).is_some()
+    }
+
+    #[inline(always)]
+    fn in_service_cidr(addr: [u8; 16]) -> bool {
+        SVC_CIDR6.get(&LpmKey::new(128, addr)).is_some()
     }
 
     #[inline(always)]

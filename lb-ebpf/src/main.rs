@@ -10,12 +10,12 @@
 //! Program entry points (`tc`, `sock`) stay thin; each concern lives in one file they share:
 //! `ctx` (what packet code needs from a program context), `parse`, `rewrite` (NAT with
 //! incremental checksums), `conntrack`, `select` (the one backend choice of every hook), `af`
-//! (per-family map access), `maps`, `trace` (the decision record of traced loads).
+//! (per-family map access), `maps`, `trace` (the decision record of traced loads), `reject`
+//! (TCP RST / ICMP port unreachable built in place and sent back).
 //!
-//! Where what comes next goes: SNAT/masquerade in `nat.rs` beside `conntrack`; REJECT
-//! generation (ICMP unreachable / TCP RST for frontends without backends) in `reject.rs`; an
-//! XDP entry in `xdp.rs`, implementing `ctx::PacketCtx` for `XdpContext`; session affinity
-//! and Maglev in `select`; socket destroy of flows to removed backends as its own program.
+//! Where what comes next goes: SNAT/masquerade in `nat.rs` beside `conntrack`; an XDP entry
+//! in `xdp.rs`, implementing `ctx::PacketCtx` for `XdpContext`; session affinity and Maglev
+//! in `select`; socket destroy of flows to removed backends as its own program.
 #![no_std]
 #![no_main]
 
@@ -24,6 +24,7 @@ mod conntrack;
 mod ctx;
 mod maps;
 mod parse;
+mod reject;
 mod rewrite;
 mod select;
 mod sock;

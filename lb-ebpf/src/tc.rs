@@ -2,7 +2,9 @@
 //!
 //! Ingress (`lb_tc_ingress` on external-facing devices, `lb_tc_pod` on the host side of pod
 //! veths): a packet to a frontend is DNATed to its flow's conntrack backend, or to a backend
-//! chosen for the new flow; a backend's reply gets its source turned back into the frontend.
+//! chosen for the new flow, or rejected (TCP RST / ICMP port unreachable, `reject`) when the
+//! frontend has no backend or its ClusterIP not that port; a backend's reply gets its source
+//! turned back into the frontend.
 //! Egress does the reverse NAT only. What does not parse is passed untouched.
 //!
 //! Every packet ends in one `Decision`: the verdict, the counter it bumps (once), and the
@@ -21,6 +23,7 @@ use crate::{
     ctx::{Error, PacketCtx},
     maps::count,
     parse::{self, Packet, Parsed},
+    reject::{self, RejectAf},
     rewrite::{self, RewriteAf},
     select::{self, Origin, Service},
     trace,
@@ -100,9 +103,11 @@ fn try_tc<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
     }
 }
 
-/// A packet to a frontend is balanced (ingress only); anything else may be a reply.
+/// A packet to a frontend is balanced (ingress only); one to a ClusterIP on a port it does not
+/// have is rejected, one to an unallocated address of a `--service-cidr` dropped (kube-proxy's
+/// `cluster-ips-check`); anything else may be a reply.
 #[inline(always)]
-fn handle<C: PacketCtx, A: RewriteAf>(
+fn handle<C: PacketCtx, A: RewriteAf + RejectAf>(
     ctx: &C,
     p: &Packet<A::Addr>,
     hook: Hook,
@@ -116,17 +121,62 @@ fn handle<C: PacketCtx, A: RewriteAf>(
         addr: p.daddr,
         port: p.dport,
     };
-    if let Some(origin) = origin
-        && let Some(svc) = select::lookup::<A>(frontend, p.proto, origin)
-    {
-        return to_service::<C, A>(ctx, p, &svc);
+    if let Some(origin) = origin {
+        if let Some(svc) = select::lookup::<A>(frontend, p.proto, origin) {
+            return to_service::<C, A>(ctx, p, &svc);
+        }
+        if A::is_cluster_ip(p.daddr) {
+            return reject_with::<C, A>(
+                ctx,
+                p,
+                TraceRecord {
+                    reason: metrics::TC_REJECT_UNKNOWN_PORT as u8,
+                    ..TraceRecord::default()
+                },
+            );
+        }
+        if A::in_service_cidr(p.daddr) {
+            return Ok(Decision::untouched(
+                TC_ACT_SHOT,
+                trace_verdict::DROP,
+                metrics::TC_DROP_UNALLOCATED,
+            ));
+        }
     }
     from_backend::<C, A>(ctx, p)
 }
 
+/// Answers the packet with its reject reply; `record` carries the reason and service details.
+/// A TCP RST gets no answer and is dropped, counted under the same reason (as a REJECT rule
+/// counts the RSTs it swallows).
+#[inline(always)]
+fn reject_with<C: PacketCtx, A: RejectAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    record: TraceRecord,
+) -> Result<Decision, Error> {
+    if !reject::answerable(p) {
+        return Ok(Decision {
+            action: TC_ACT_SHOT,
+            record: TraceRecord {
+                verdict: trace_verdict::DROP,
+                ..record
+            },
+        });
+    }
+    let action = reject::reply::<C, A>(ctx, p)?;
+    Ok(Decision {
+        action,
+        record: TraceRecord {
+            verdict: trace_verdict::REJECT,
+            ..record
+        },
+    })
+}
+
 /// DNAT to the flow's backend if conntrack knows a live one, else to a newly chosen backend.
 #[inline(always)]
-fn to_service<C: PacketCtx, A: RewriteAf>(
+fn to_service<C: PacketCtx, A: RewriteAf + RejectAf>(
     ctx: &C,
     p: &Packet<A::Addr>,
     svc: &Service<A::Addr>,
@@ -170,11 +220,13 @@ fn to_service<C: PacketCtx, A: RewriteAf>(
                 },
             })
         }
-        Err(n) => Ok(Decision {
-            action: TC_ACT_SHOT,
-            record: TraceRecord {
-                verdict: trace_verdict::DROP,
-                reason: metrics::TC_DROP_NO_BACKEND as u8,
+        // kube-proxy's no-endpoint-services: REJECT.
+        Err(n) => reject_with::<C, A>(
+            ctx,
+            p,
+            TraceRecord {
+                verdict: trace_verdict::REJECT,
+                reason: metrics::TC_REJECT_NO_BACKEND as u8,
                 scope: n.scope,
                 ct_state: trace_ct::NONE,
                 slot: n.slot,
@@ -182,7 +234,7 @@ fn to_service<C: PacketCtx, A: RewriteAf>(
                 backend_id: n.backend_id,
                 rev_nat_id: n.rev_nat_id,
             },
-        }),
+        ),
     }
 }
 

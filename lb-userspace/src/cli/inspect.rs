@@ -24,9 +24,9 @@ use aya::{
     util::KernelVersion,
 };
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, DEFAULT_PIN_DIR, MetricValue, RevNat4, RevNat6,
-    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
-    map_names, metrics, prog_names, scope, svc_flags,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct6Key, CtValue,
+    DEFAULT_PIN_DIR, MetricValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
+    SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_names, metrics, prog_names, scope, svc_flags,
 };
 use serde::{Deserialize, Serialize};
 
@@ -206,7 +206,12 @@ impl BpfMaps {
     pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
         check_pin_dir(dir)?;
         let mut capacities = BTreeMap::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::ClusterIps,
+        ] {
             for f in [Family::V4, Family::V6] {
                 let name = t.map_name(f);
                 let path = dir.join(name);
@@ -221,6 +226,8 @@ impl BpfMaps {
             services6: open_hash::<Svc6Key, SvcValue>(dir, map_names::SERVICES6)?,
             backends6: open_hash::<u32, Backend6>(dir, map_names::BACKENDS6)?,
             revnat6: open_hash::<u32, RevNat6>(dir, map_names::REVNAT6)?,
+            cluster_ips4: open_hash::<ClusterIp4Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS4)?,
+            cluster_ips6: open_hash::<ClusterIp6Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS6)?,
             capacities,
         })
     }

@@ -86,6 +86,10 @@ struct RunArgs {
     /// of another size is refused: resizing needs a fresh pin directory.
     #[arg(long, value_parser = parse_map_max)]
     bpf_map_max: Vec<(String, u32)>,
+    /// Service CIDRs (kube-proxy's flag; comma-separated or repeated): on the tc path a packet
+    /// to an address in one that is no ClusterIP is dropped.
+    #[arg(long, value_delimiter = ',')]
+    service_cidr: Vec<trace::Cidr>,
 }
 
 fn parse_map_max(s: &str) -> Result<(String, u32), String> {
@@ -176,6 +180,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 healthz_addr,
                 state_dir: args.state_dir,
                 map_max: args.bpf_map_max.into_iter().collect(),
+                service_cidrs: args
+                    .service_cidr
+                    .iter()
+                    .map(|c| (c.addr, c.prefix))
+                    .collect(),
             })
             .await
         }

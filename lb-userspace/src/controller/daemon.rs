@@ -51,6 +51,9 @@ pub struct RunOptions {
     pub state_dir: PathBuf,
     /// max_entries overrides per map name.
     pub map_max: std::collections::BTreeMap<String, u32>,
+    /// `--service-cidr` ranges (address, prefix length): addresses in them that are no
+    /// ClusterIP are dropped on the tc path.
+    pub service_cidrs: Vec<(std::net::IpAddr, u8)>,
 }
 
 /// Default `--state-dir`.
@@ -114,7 +117,21 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         only_pinned: None,
         max_entries: opts.map_max.clone(),
         trace: false,
+        no_set_retval: false,
     })?;
+    // Before anything attaches: the pinned tries may hold an earlier run's ranges.
+    datapath
+        .set_service_cidrs(&opts.service_cidrs)
+        .context("writing the service CIDRs")?;
+    tracing::info!(
+        service_cidrs = opts.service_cidrs.len(),
+        sock_refused_errno = if datapath.sock_refuses_with_econnrefused() {
+            "ECONNREFUSED"
+        } else {
+            "EPERM (no bpf_set_retval for sock_addr programs)"
+        },
+        "datapath reject settings"
+    );
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;
     datapath.export_metrics(&metrics)?;

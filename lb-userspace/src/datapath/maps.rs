@@ -9,8 +9,8 @@ use std::{
 
 use aya::maps::{HashMap, MapData, MapError};
 use lb_common::{
-    Backend4, Backend6, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, backend_state, map_names,
-    scope, svc_flags,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, RevNat4, RevNat6, Svc4Key,
+    Svc6Key, SvcValue, backend_state, map_names, scope, svc_flags,
 };
 
 use crate::model::{Backend, Frontend, L4Addr, Proto};
@@ -35,6 +35,8 @@ pub enum Table {
     Services,
     Backends,
     RevNat,
+    /// The ClusterIP set (`lb*_cluster_ips`).
+    ClusterIps,
 }
 
 impl Table {
@@ -46,6 +48,8 @@ impl Table {
             (Table::Services, Family::V6) => map_names::SERVICES6,
             (Table::Backends, Family::V6) => map_names::BACKENDS6,
             (Table::RevNat, Family::V6) => map_names::REVNAT6,
+            (Table::ClusterIps, Family::V4) => map_names::CLUSTER_IPS4,
+            (Table::ClusterIps, Family::V6) => map_names::CLUSTER_IPS6,
         }
     }
 }
@@ -82,6 +86,8 @@ pub struct Dump {
     pub revnat: BTreeMap<u32, (IpAddr, u16)>,
     /// (frontend, slot) → value; slot 0 is the master entry.
     pub services: BTreeMap<(Frontend, u16), SvcValue>,
+    /// ClusterIP → number of frontends at it.
+    pub cluster_ips: BTreeMap<IpAddr, u32>,
 }
 
 pub trait LbMaps {
@@ -99,6 +105,9 @@ pub trait LbMaps {
         value: &SvcValue,
     ) -> Result<(), MapOpError>;
     fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError>;
+    /// Marks `addr` as a ClusterIP with `frontends` frontends.
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError>;
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError>;
 }
 
 fn svc4_key(fe: &Frontend, addr: Ipv4Addr, slot: u16) -> Svc4Key {
@@ -131,6 +140,8 @@ pub struct BpfMaps {
     pub services6: HashMap<MapData, Svc6Key, SvcValue>,
     pub backends6: HashMap<MapData, u32, Backend6>,
     pub revnat6: HashMap<MapData, u32, RevNat6>,
+    pub cluster_ips4: HashMap<MapData, ClusterIp4Key, ClusterIpValue>,
+    pub cluster_ips6: HashMap<MapData, ClusterIp6Key, ClusterIpValue>,
     pub capacities: BTreeMap<(Table, Family), u32>,
 }
 
@@ -196,6 +207,16 @@ impl LbMaps for BpfMaps {
                 };
                 dump.services.insert((fe, k.slot), v);
             }
+        }
+        for item in self.cluster_ips4.iter() {
+            let (k, v) = item?;
+            dump.cluster_ips
+                .insert(Ipv4Addr::from(k.addr).into(), v.frontends);
+        }
+        for item in self.cluster_ips6.iter() {
+            let (k, v) = item?;
+            dump.cluster_ips
+                .insert(Ipv6Addr::from(k.addr).into(), v.frontends);
         }
         Ok(dump)
     }
@@ -301,6 +322,35 @@ impl LbMaps for BpfMaps {
                 .map_err(|e| MapOpError::from_aya(map_names::SERVICES6, e)),
         }
     }
+
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
+        let v = ClusterIpValue { frontends };
+        match addr {
+            IpAddr::V4(a) => self
+                .cluster_ips4
+                .insert(ClusterIp4Key { addr: a.octets() }, v, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS4, e)),
+            IpAddr::V6(a) => self
+                .cluster_ips6
+                .insert(ClusterIp6Key { addr: a.octets() }, v, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS6, e)),
+        }
+    }
+
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        match addr {
+            IpAddr::V4(a) => ignore_missing(
+                self.cluster_ips4
+                    .remove(&ClusterIp4Key { addr: a.octets() }),
+            )
+            .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS4, e)),
+            IpAddr::V6(a) => ignore_missing(
+                self.cluster_ips6
+                    .remove(&ClusterIp6Key { addr: a.octets() }),
+            )
+            .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS6, e)),
+        }
+    }
 }
 
 /// Deleting what is already gone is success.
@@ -325,7 +375,12 @@ pub struct MemMaps {
 impl MemMaps {
     pub fn with_capacity(n: u32) -> Self {
         let mut capacities = BTreeMap::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::ClusterIps,
+        ] {
             for f in [Family::V4, Family::V6] {
                 capacities.insert((t, f), n);
             }
@@ -355,6 +410,12 @@ impl MemMaps {
                 .revnat
                 .values()
                 .filter(|(a, _)| Family::of(a) == family)
+                .count(),
+            Table::ClusterIps => self
+                .dump
+                .cluster_ips
+                .keys()
+                .filter(|a| Family::of(a) == family)
                 .count(),
         }
     }
@@ -430,6 +491,21 @@ impl LbMaps for MemMaps {
     fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError> {
         self.log.push(format!("del service {frontend} slot {slot}"));
         self.dump.services.remove(&(*frontend, slot));
+        Ok(())
+    }
+
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
+        let exists = self.dump.cluster_ips.contains_key(&addr);
+        self.check_room(Table::ClusterIps, Family::of(&addr), exists)?;
+        self.log
+            .push(format!("put cluster-ip {addr} frontends {frontends}"));
+        self.dump.cluster_ips.insert(addr, frontends);
+        Ok(())
+    }
+
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        self.log.push(format!("del cluster-ip {addr}"));
+        self.dump.cluster_ips.remove(&addr);
         Ok(())
     }
 }
@@ -538,6 +614,21 @@ pub fn render(dump: &Dump) -> String {
         if !referenced_revnat.contains(id) {
             let _ = writeln!(out, "orphan revnat {id}: {a}:{p}");
         }
+    }
+    for (addr, n) in &dump.cluster_ips {
+        let at = dump
+            .services
+            .iter()
+            .filter(|((fe, slot), v)| {
+                *slot == 0 && fe.l4.addr == *addr && v.flags & svc_flags::CLUSTER_IP != 0
+            })
+            .count();
+        let check = if at == *n as usize {
+            "ok".to_string()
+        } else {
+            format!("MISMATCH {at} ClusterIP frontends")
+        };
+        let _ = writeln!(out, "cluster-ip {addr} frontends={n}({check})");
     }
     out
 }
