@@ -15,7 +15,8 @@ use lb::{
     controller::manifests::{self, Objects},
     controller::reconcile::Reconciler,
     controller::translate::{NodeInfo, desired_state},
-    datapath::maps::{MemMaps, flag_names, render},
+    datapath::maps::{MemMaps, render},
+    model::flag_names,
 };
 
 const NODE: &str = "node-a";

@@ -12,9 +12,9 @@ use std::{
 
 use lb::{
     cli::inspect::{self, ServiceView},
-    controller::daemon::FrontendName,
     datapath::maps::{LbMaps as _, MemMaps},
     model::{Backend, Frontend, L4Addr, Proto},
+    state_dir::FrontendName,
 };
 use lb_common::{SvcValue, map_names, metrics, prog_names, svc_flags};
 use lb_tests::{

@@ -14,10 +14,12 @@ use std::{
 use k8s_openapi::api::core::v1::Service;
 use kube::{Api, api::ListParams};
 use lb::{
+    controller::daemon,
     controller::reconcile::Reconciler,
     controller::source::{self, Snapshot, SnapshotReceiver},
-    controller::translate::{self, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME, NodeInfo},
+    controller::translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
     datapath::maps::{MemMaps, render},
+    metrics::Metrics,
 };
 use support::{
     Ep,
@@ -116,6 +118,7 @@ struct Harness {
     _kubeconfig: KubeconfigFile,
     rx: SnapshotReceiver,
     reconciler: Reconciler<MemMaps>,
+    metrics: Arc<Metrics>,
     maps: Maps,
     snapshots: usize,
     /// `namespace/name` of every Service / EndpointSlice and the name of every Node that ever
@@ -161,6 +164,7 @@ impl Harness {
             _kubeconfig: kubeconfig,
             rx,
             reconciler: Reconciler::new(MemMaps::with_capacity(1024)).expect("reconciler"),
+            metrics: Metrics::new(),
             maps: Maps::default(),
             snapshots: 0,
             seen_services: BTreeSet::new(),
@@ -170,7 +174,7 @@ impl Harness {
         }
     }
 
-    /// What the daemon's `sync` does with a snapshot, on in-memory maps.
+    /// The daemon's own `sync` of a snapshot, on in-memory maps.
     fn apply(&mut self, snapshot: &Snapshot) {
         self.snapshots += 1;
         self.seen_services
@@ -179,13 +183,17 @@ impl Harness {
             .extend(snapshot.slices.iter().map(|s| name_of(&s.metadata)));
         self.seen_nodes
             .extend(snapshot.node.iter().map(|n| name_of(&n.metadata)));
-        let node = NodeInfo::from_node(NODE, snapshot.node.as_deref());
-        let translation = translate::desired_state(&snapshot.services, &snapshot.slices, &node);
-        let report = self.reconciler.apply(&translation.state);
+        let synced = daemon::sync(
+            &mut self.reconciler,
+            snapshot,
+            NODE,
+            self.snapshots as u64,
+            &self.metrics,
+        );
         assert!(
-            report.errors.is_empty(),
+            synced.report.errors.is_empty(),
             "apply errors: {:?}",
-            report.errors
+            synced.report.errors
         );
         self.maps = Maps::parse(render(&self.reconciler.maps().dump));
     }
@@ -248,6 +256,8 @@ async fn initial_list_programs_frontend_with_backends() {
     .await;
     h.wait_until("frontend with b1..b3", |m| m.is(&[(FE, &[B1, B2, B3])]))
         .await;
+    // lb programs services without waiting for its Node, so that list may come later.
+    h.wait_watching().await;
     for kind in Kind::ALL {
         assert_eq!(h.server.list_count(kind), 1, "{kind}: one initial list");
     }

@@ -13,10 +13,13 @@ use std::{
 
 use lb::{
     controller::reconcile::{ApplyReport, Reconciler},
-    datapath::maps::{Dump, Family, LbMaps, MapOpError, MemMaps, Table, render},
-    model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
+    datapath::maps::{Dump, LbMaps, MapOp, MapOpError, MemMaps, Table, render},
+    model::{
+        Backend, BackendState, DesiredState, Family, Frontend, L4Addr, Proto, Scope, ServiceEntry,
+        ServicePortName,
+    },
 };
-use lb_common::{SvcValue, backend_state, scope, svc_flags};
+use lb_common::{SvcValue, svc_flags};
 
 // ---------------------------------------------------------------------------------------------
 // Building desired states. Documentation addresses only: frontends in 198.19.0.0/16 and
@@ -59,7 +62,7 @@ fn be6(n: u16) -> Backend {
 
 fn terminating(b: Backend) -> Backend {
     Backend {
-        state: backend_state::TERMINATING,
+        state: BackendState::Terminating,
         ..b
     }
 }
@@ -89,7 +92,7 @@ fn fresh() -> Reconciler<MemMaps> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The write log.
+// The write journal.
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Op {
@@ -111,53 +114,29 @@ enum Op {
     DelClusterIp(String),
 }
 
-impl Op {
-    fn is_write(&self) -> bool {
-        matches!(
-            self,
-            Op::PutBackend(_) | Op::PutRevNat(_) | Op::PutSlot { .. } | Op::PutClusterIp(_)
-        )
-    }
-}
-
-fn num<T: std::str::FromStr>(s: &str, line: &str) -> T {
-    s.parse()
-        .unwrap_or_else(|_| panic!("bad number {s:?} in log line {line:?}"))
-}
-
-fn parse_op(line: &str) -> Op {
-    let words: Vec<&str> = line.split_whitespace().collect();
-    match words.as_slice() {
-        ["put", "backend", id, ..] => Op::PutBackend(num(id, line)),
-        ["del", "backend", id] => Op::DelBackend(num(id, line)),
-        ["put", "revnat", id] => Op::PutRevNat(num(id, line)),
-        ["del", "revnat", id] => Op::DelRevNat(num(id, line)),
-        ["put", "service", ..] => {
-            let rest = line.strip_prefix("put service ").expect("prefix");
-            let at = rest.rfind(" slot ").expect("slot in line");
-            let fe = rest[..at].to_string();
-            let tail: Vec<&str> = rest[at..].split_whitespace().collect();
-            let ["slot", slot, "backend", backend, "count", count] = tail.as_slice() else {
-                panic!("unexpected log line {line:?}");
-            };
-            Op::PutSlot {
-                fe,
-                slot: num(slot, line),
-                backend: num(backend, line),
-                count: num(count, line),
-            }
-        }
-        ["del", "service", ..] => {
-            let rest = line.strip_prefix("del service ").expect("prefix");
-            let at = rest.rfind(" slot ").expect("slot in line");
-            Op::DelSlot {
-                fe: rest[..at].to_string(),
-                slot: num(rest[at + " slot ".len()..].trim(), line),
-            }
-        }
-        ["put", "cluster-ip", addr, "frontends", _] => Op::PutClusterIp(addr.to_string()),
-        ["del", "cluster-ip", addr] => Op::DelClusterIp(addr.to_string()),
-        _ => panic!("unexpected log line {line:?}"),
+/// The journal entry in the form the assertions match on.
+fn op_of(m: &MapOp) -> Op {
+    match m {
+        MapOp::PutBackend { id, .. } => Op::PutBackend(*id),
+        MapOp::DelBackend { id } => Op::DelBackend(*id),
+        MapOp::PutRevNat { id, .. } => Op::PutRevNat(*id),
+        MapOp::DelRevNat { id } => Op::DelRevNat(*id),
+        MapOp::PutService {
+            frontend,
+            slot,
+            value,
+        } => Op::PutSlot {
+            fe: frontend.to_string(),
+            slot: *slot,
+            backend: value.backend_id,
+            count: value.count,
+        },
+        MapOp::DelService { frontend, slot } => Op::DelSlot {
+            fe: frontend.to_string(),
+            slot: *slot,
+        },
+        MapOp::PutClusterIp { addr, .. } => Op::PutClusterIp(addr.to_string()),
+        MapOp::DelClusterIp { addr } => Op::DelClusterIp(addr.to_string()),
     }
 }
 
@@ -166,13 +145,11 @@ fn apply_logged<M: LbMaps + HasMem>(
     rec: &mut Reconciler<M>,
     d: &DesiredState,
 ) -> (ApplyReport, Vec<Op>) {
-    let before = rec.maps().mem().log.len();
+    let before = rec.maps().mem().journal.len();
     let report = rec.apply(d);
-    let ops: Vec<Op> = rec.maps().mem().log[before..]
-        .iter()
-        .map(|l| parse_op(l))
-        .collect();
-    let writes = ops.iter().filter(|o| o.is_write()).count();
+    let journal = &rec.maps().mem().journal[before..];
+    let writes = journal.iter().filter(|m| m.is_write()).count();
+    let ops: Vec<Op> = journal.iter().map(op_of).collect();
     assert_eq!(
         report.writes, writes,
         "report.writes must count the map writes: {ops:#?}"
@@ -290,7 +267,7 @@ fn assert_converged(dump: &Dump, d: &DesiredState) {
         let active = e
             .backends
             .iter()
-            .filter(|b| b.state == backend_state::ACTIVE)
+            .filter(|b| b.state == BackendState::Active)
             .count();
         assert_eq!(usize::from(master.count), active, "{fe} count");
         assert_eq!(
@@ -375,9 +352,9 @@ fn assert_render_matches(dump: &Dump, d: &DesiredState) {
         let active = e
             .backends
             .iter()
-            .filter(|b| b.state == backend_state::ACTIVE)
+            .filter(|b| b.state == BackendState::Active)
             .count();
-        let scope = if fe.scope == scope::INTERNAL {
+        let scope = if fe.scope == Scope::Internal {
             " scope=internal"
         } else {
             ""
@@ -393,7 +370,7 @@ fn assert_render_matches(dump: &Dump, d: &DesiredState) {
             .unwrap_or_else(|| panic!("no line {head:?} in\n{text}"));
         assert!(lines[at].ends_with("(ok)"), "{}", lines[at]);
         for (i, b) in e.backends.iter().enumerate() {
-            let state = if b.state == backend_state::ACTIVE {
+            let state = if b.state == BackendState::Active {
                 "active"
             } else {
                 "terminating"
@@ -485,7 +462,12 @@ impl Checked {
 
     fn after(&mut self, r: Result<(), MapOpError>) -> Result<(), MapOpError> {
         if let Err(e) = check_visible_consistency(&self.inner.dump) {
-            let last = self.inner.log.last().cloned().unwrap_or_default();
+            let last = self
+                .inner
+                .journal
+                .last()
+                .map(ToString::to_string)
+                .unwrap_or_default();
             self.violations.push(format!("after {last:?}: {e}"));
         }
         r
@@ -783,7 +765,7 @@ fn no_intermediate_state_is_half_updated() {
 fn applying_the_same_state_again_writes_nothing() {
     let mut rec = fresh();
     let mut internal = fe4(1);
-    internal.scope = scope::INTERNAL;
+    internal.scope = Scope::Internal;
     let mut d = desired(&[
         (fe4(1), &[be4(1), be4(2), terminating(be4(3))]),
         (fe4(2), &[be4(2)]),
@@ -832,7 +814,7 @@ fn two_scopes_of_one_address_share_the_revnat_entry() {
     let mut rec = fresh();
     let external = fe4(1);
     let mut internal = fe4(1);
-    internal.scope = scope::INTERNAL;
+    internal.scope = Scope::Internal;
     let mut d = DesiredState::default();
     d.services.insert(external, entry("web", &[be4(1), be4(2)]));
     d.services.insert(internal, entry("web", &[be4(1)]));
@@ -964,7 +946,8 @@ fn growing_writes_new_backends_and_slots_before_the_master() {
     }
     assert!(!ops.iter().any(|o| matches!(o, Op::PutRevNat(_))));
     assert!(
-        !ops.iter().any(|o| !o.is_write()),
+        !ops.iter()
+            .any(|o| matches!(o, Op::DelBackend(_) | Op::DelRevNat(_) | Op::DelSlot { .. })),
         "growing deletes nothing"
     );
     assert_converged(dump, &d);
@@ -1760,7 +1743,7 @@ fn shared_backend_in_different_states_gets_one_state_and_per_frontend_slots() {
     assert_eq!(dump.backends.len(), 2, "{}", render(&dump));
     assert_eq!(
         dump.backends[&id1].state,
-        backend_state::ACTIVE,
+        BackendState::Active,
         "the most usable state wins"
     );
     let (report, ops) = apply_logged(&mut rec, &d);

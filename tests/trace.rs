@@ -117,12 +117,33 @@ fn check_agreement(
     reached: &BTreeSet<String>,
     masqueraded: bool,
     service: &str,
+    live: bool,
 ) {
     assert_eq!(results.len(), 60);
     let mut chosen = BTreeSet::new();
     for r in results {
         assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["scope"], "external", "single-scope service: {r}");
         assert_eq!(r["service"], service, "{r}");
+        match r["conntrack"].as_str() {
+            Some("new") => {
+                assert_eq!(r["reason"], "tc_forward_new", "{r}");
+                // Candidates are listed in slot order: the datapath's slot names its backend.
+                let slot = r["slot"].as_u64().expect("a new flow has a slot") as usize;
+                assert_eq!(
+                    r["candidates"][slot - 1],
+                    r["backend"],
+                    "slot {slot} holds the chosen backend: {r}"
+                );
+            }
+            // Live mode copies the live entry of exactly this flow: real traffic may have used
+            // this source port, and the flow then keeps its backend.
+            Some("established") if live => {
+                assert_eq!(r["reason"], "tc_forward_established", "{r}");
+                assert_eq!(r["slot"], serde_json::Value::Null, "{r}");
+            }
+            _ => panic!("a traced flow is new (or, live, established): {r}"),
+        }
         assert_eq!(
             &strings(&r["candidates"]),
             reached,
@@ -181,7 +202,7 @@ fn trace_agrees_with_real_traffic() {
             "--flows",
             "60",
         ]);
-        check_agreement(&offline, &reached, masqueraded, service);
+        check_agreement(&offline, &reached, masqueraded, service, false);
 
         let ct_before = ct_entries(&daemon.pin_dir);
         let live = trace(&[
@@ -200,7 +221,7 @@ fn trace_agrees_with_real_traffic() {
             "--flows",
             "60",
         ]);
-        check_agreement(&live, &reached, masqueraded, service);
+        check_agreement(&live, &reached, masqueraded, service, true);
         for r in &live {
             assert_eq!(
                 r["hook"], "tc ingress, pod veth (lb_tc_pod)",
@@ -234,6 +255,10 @@ fn trace_reports_drops_misses_and_hooks() {
         "198.19.1.1:80",
     ]);
     assert_eq!(no_backend[0]["verdict"], "drop");
+    assert_eq!(no_backend[0]["reason"], "tc_drop_no_backend");
+    assert_eq!(no_backend[0]["conntrack"], serde_json::Value::Null);
+    assert_eq!(no_backend[0]["slot"], serde_json::Value::Null);
+    assert_eq!(no_backend[0]["scope"], "external");
     assert_eq!(no_backend[0]["service"], "t/empty:p");
     assert_eq!(no_backend[0]["candidates"], serde_json::json!([]));
     assert_eq!(
@@ -252,6 +277,8 @@ fn trace_reports_drops_misses_and_hooks() {
         "node",
     ]);
     assert_eq!(miss[0]["verdict"], "pass");
+    assert_eq!(miss[0]["reason"], "tc_pass_no_service");
+    assert_eq!(miss[0]["scope"], serde_json::Value::Null);
     assert_eq!(miss[0]["service"], serde_json::Value::Null);
     assert_eq!(miss[0]["backend"], serde_json::Value::Null);
     assert_eq!(miss[0]["source_after"], "198.18.10.2:1234");
@@ -271,4 +298,45 @@ fn trace_reports_drops_misses_and_hooks() {
         .unwrap();
     assert!(!out.status.success(), "mixed families are refused");
     let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn trace_follows_sctp_through_the_datapath() {
+    // An SCTP service with a port rewrite (3868 -> 3869): the traced INIT must be balanced like
+    // TCP, not passed as an unparsed protocol.
+    let dir = std::env::temp_dir().join(format!("lb-trace-sctp-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(
+        dir.join("diameter.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: diameter, namespace: t}\nspec:\n  clusterIP: 198.19.2.1\n  ports: [{name: d, protocol: SCTP, port: 3868, targetPort: 3869}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: diameter-1, namespace: t, labels: {kubernetes.io/service-name: diameter}}\naddressType: IPv4\nports: [{name: d, protocol: SCTP, port: 3869}]\nendpoints:\n  - {addresses: [198.18.11.2], conditions: {ready: true}}\n  - {addresses: [198.18.12.2], conditions: {ready: true}}\n",
+    )
+    .unwrap();
+    let results = trace(&[
+        "--manifests",
+        dir.to_str().unwrap(),
+        "--src",
+        "198.18.10.2",
+        "--dst",
+        "198.19.2.1:3868",
+        "--proto",
+        "sctp",
+        "--flows",
+        "20",
+    ]);
+    let _ = fs::remove_dir_all(&dir);
+    assert_eq!(results.len(), 20);
+    let mut chosen = BTreeSet::new();
+    for r in &results {
+        assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["reason"], "tc_forward_new", "{r}");
+        assert_eq!(r["service"], "t/diameter:d", "{r}");
+        chosen.insert(r["backend"].as_str().unwrap().to_string());
+    }
+    let both: BTreeSet<String> = ["198.18.11.2:3869", "198.18.12.2:3869"]
+        .map(String::from)
+        .into();
+    assert_eq!(
+        chosen, both,
+        "20 traced associations reach both backends, port rewritten"
+    );
 }

@@ -13,9 +13,9 @@ use lb::{
     controller::translate::{
         Ignored, NodeInfo, SkipReason, Skipped, Translation, desired_state, ignored,
     },
-    model::{Frontend, Proto, ServiceEntry},
+    model::{BackendState, Frontend, Proto, Scope, ServiceEntry},
 };
-use lb_common::{backend_state, scope, svc_flags};
+use lb_common::svc_flags;
 
 /// Parses YAML documents into Services and EndpointSlices; the test input must be clean.
 fn objects(yaml: &str) -> Objects {
@@ -189,12 +189,12 @@ endpoints:
     assert_eq!(entry(&t, dns).flags, svc_flags::CLUSTER_IP);
     for e in t.state.services.values() {
         assert!(
-            e.backends.iter().all(|b| b.state == backend_state::ACTIVE),
+            e.backends.iter().all(|b| b.state == BackendState::Active),
             "ready endpoints are active backends: {e:?}"
         );
     }
     for f in t.state.services.keys() {
-        assert_eq!(f.scope, scope::EXTERNAL);
+        assert_eq!(f.scope, Scope::External);
     }
 }
 

@@ -176,17 +176,24 @@ pub mod ct_dir {
 /// `CtValue::flags` bits.
 pub mod ct_flags {
     pub const SEEN_REPLY: u16 = 1 << 0;
-    /// FIN or RST seen from the client.
+    /// FIN or RST (SCTP: ABORT or SHUTDOWN COMPLETE) seen from the client.
     pub const TX_CLOSING: u16 = 1 << 1;
-    /// FIN or RST seen from the backend.
+    /// FIN or RST (SCTP: ABORT or SHUTDOWN COMPLETE) seen from the backend.
     pub const RX_CLOSING: u16 = 1 << 2;
 }
 
 /// Conntrack lifetimes in seconds (Cilium's defaults; kube-proxy relies on nf_conntrack's).
+///
+/// SCTP associations use the TCP lifetimes: an INIT without reply is `TCP_SYN`, an association
+/// that has seen a reply is `TCP_ESTABLISHED` (nf_conntrack's 210 s relies on heartbeats, which
+/// an idle association may have disabled; 5 days, its old value, would pin LRU entries), and
+/// one that sent ABORT or SHUTDOWN COMPLETE is `TCP_CLOSING`. An INIT on a closing entry is
+/// balanced afresh, like a SYN.
 pub mod ct_timeouts {
     pub const TCP_SYN: u32 = 60;
     pub const TCP_ESTABLISHED: u32 = 21_600;
     pub const TCP_CLOSING: u32 = 10;
+    /// UDP and anything else without connection state.
     pub const NON_TCP: u32 = 60;
     /// An entry's expiry is rewritten only when it would move by at least this much, so a busy
     /// flow does not dirty its conntrack cache line on every packet.

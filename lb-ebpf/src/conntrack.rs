@@ -1,13 +1,18 @@
 //! Conntrack of tc-balanced flows: a service entry keyed as the client sent the packet (so
 //! later packets keep their backend) and a reply entry keyed as the backend answers (so its
 //! source can be turned back into the frontend). Both carry the same value; lifetimes follow
-//! the TCP state seen in either direction.
+//! the TCP or SCTP state seen in either direction.
+//!
+//! SCTP is tracked like TCP: INIT opens (like SYN), ABORT and SHUTDOWN COMPLETE close (like
+//! RST/FIN). Only the first chunk of a packet is looked at.
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use lb_common::{CtValue, IPPROTO_TCP, ct_dir, ct_flags, ct_timeouts};
+use lb_common::{CtValue, IPPROTO_SCTP, IPPROTO_TCP, ct_dir, ct_flags, ct_timeouts};
 
 use crate::{
     af::{Af, Endpoint},
-    parse::{Packet, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN},
+    parse::{
+        Packet, SCTP_ABORT, SCTP_INIT, SCTP_SHUTDOWN_COMPLETE, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+    },
 };
 
 /// A flow conntrack already knows, and where it goes.
@@ -24,19 +29,32 @@ pub fn now_secs() -> u32 {
     (unsafe { bpf_ktime_get_ns() } / 1_000_000_000) as u32
 }
 
-/// The flag a FIN or RST sets for the side that sent it.
+/// The flag a TCP FIN or RST, or an SCTP ABORT or SHUTDOWN COMPLETE, sets for the side that
+/// sent it.
 #[inline(always)]
 fn closing<A>(p: &Packet<A>, flag: u16) -> u16 {
-    if p.proto == IPPROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-        flag
-    } else {
-        0
+    let closes = match p.proto {
+        IPPROTO_TCP => p.tcp_flags & (TCP_FIN | TCP_RST) != 0,
+        IPPROTO_SCTP => p.sctp_chunk == SCTP_ABORT || p.sctp_chunk == SCTP_SHUTDOWN_COMPLETE,
+        _ => false,
+    };
+    if closes { flag } else { 0 }
+}
+
+/// Whether `p` opens a new connection: a TCP SYN (without ACK) or an SCTP INIT.
+#[inline(always)]
+fn opening<A>(p: &Packet<A>) -> bool {
+    match p.proto {
+        IPPROTO_TCP => p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN,
+        IPPROTO_SCTP => p.sctp_chunk == SCTP_INIT,
+        _ => false,
     }
 }
 
+/// Seconds an entry lives; SCTP uses TCP's lifetimes (see `ct_timeouts`).
 #[inline(always)]
 fn lifetime(proto: u8, flags: u16) -> u32 {
-    if proto != IPPROTO_TCP {
+    if proto != IPPROTO_TCP && proto != IPPROTO_SCTP {
         ct_timeouts::NON_TCP
     } else if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
         ct_timeouts::TCP_CLOSING
@@ -62,17 +80,16 @@ fn refreshed(v: &CtValue, flags: u16, now: u32, proto: u8) -> Option<CtValue> {
 }
 
 /// The live flow of a client → frontend packet whose backend still exists, its entries
-/// refreshed. `None` for a new flow, an expired one, a SYN reusing a closed flow's 5-tuple
-/// (balanced afresh), or one whose backend is gone (re-balanced rather than blackholed).
+/// refreshed. `None` for a new flow, an expired one, a SYN or INIT reusing a closed flow's
+/// 5-tuple (balanced afresh), or one whose backend is gone (re-balanced rather than
+/// blackholed).
 #[inline(always)]
 pub fn established<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr>> {
     let fkey = A::ct_key(p.saddr, p.daddr, p.sport, p.dport, p.proto, ct_dir::SERVICE);
     let ct = A::ct_get(&fkey)?;
     // SAFETY: map value pointer from a successful lookup, valid for the program's run.
     let v = unsafe { *ct };
-    let reopened = p.proto == IPPROTO_TCP
-        && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-        && v.flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0;
+    let reopened = opening(p) && v.flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0;
     if v.expires <= now || reopened {
         return None;
     }

@@ -5,7 +5,7 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
-    helpers::{bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes},
+    helpers::{bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
 
@@ -38,13 +38,6 @@ pub trait PacketCtx: EbpfContext {
 
     /// Copies a `T` at `off` out of the packet, linear or not.
     fn load<T>(&self, off: usize) -> Result<T, Error>;
-    /// Copies `len` bytes (clamped to `1..=N`) at `off` into the start of `buf`.
-    fn load_into<const N: usize>(
-        &self,
-        off: usize,
-        buf: &mut [u8; N],
-        len: u32,
-    ) -> Result<(), Error>;
     /// Cuts the packet to `len` bytes, or zero-fills it up to `len`.
     fn change_tail(&self, len: u32) -> Result<(), Error>;
     /// Inserts `len` zero bytes between the Ethernet header and the IP header.
@@ -93,32 +86,6 @@ impl PacketCtx for TcContext {
     #[inline(always)]
     fn load<T>(&self, off: usize) -> Result<T, Error> {
         TcContext::load(self, off).map_err(|_| Error::Rewrite)
-    }
-
-    #[inline(always)]
-    fn load_into<const N: usize>(
-        &self,
-        off: usize,
-        buf: &mut [u8; N],
-        len: u32,
-    ) -> Result<(), Error> {
-        // The verifier wants the size proven non-zero and within the buffer. black_box keeps
-        // LLVM from dropping checks it can prove from the caller, which the verifier cannot.
-        let len = core::hint::black_box(len);
-        let len = if len > N as u32 { N as u32 } else { len };
-        if len == 0 {
-            return Ok(());
-        }
-        // SAFETY: `buf` has room for `len` bytes; the helper bounds-checks the packet side.
-        let r = unsafe {
-            bpf_skb_load_bytes(
-                self.skb.skb.cast(),
-                off as u32,
-                buf.as_mut_ptr().cast(),
-                len,
-            )
-        };
-        if r == 0 { Ok(()) } else { Err(Error::Rewrite) }
     }
 
     #[inline(always)]

@@ -9,9 +9,9 @@
 //!
 //! Program entry points (`tc`, `sock`) stay thin; each concern lives in one file they share:
 //! `ctx` (what packet code needs from a program context), `parse`, `rewrite` (NAT with
-//! incremental checksums), `conntrack`, `select` (the one backend choice of every hook), `af`
-//! (per-family map access), `maps`, `trace` (the decision record of traced loads), `reject`
-//! (TCP RST / ICMP port unreachable built in place and sent back).
+//! incremental checksums, `crc32c` for SCTP's), `conntrack`, `select` (the one backend choice
+//! of every hook), `af` (per-family map access), `maps`, `trace` (the decision record of traced
+//! loads), `reject` (TCP RST / ICMP port unreachable built in place and sent back).
 //!
 //! Where what comes next goes: SNAT/masquerade in `nat.rs` beside `conntrack`; an XDP entry
 //! in `xdp.rs`, implementing `ctx::PacketCtx` for `XdpContext`; session affinity and Maglev
@@ -21,6 +21,7 @@
 
 mod af;
 mod conntrack;
+mod crc32c;
 mod ctx;
 mod maps;
 mod parse;

@@ -1,17 +1,18 @@
-//! Ethernet / IPv4 / IPv6 / TCP / UDP parsing over any `PacketCtx`. Every read is checked
-//! against `data_end` first, which is also what the verifier needs to see.
+//! Ethernet / IPv4 / IPv6 / TCP / UDP / SCTP parsing over any `PacketCtx`. Every read is
+//! checked against `data_end` first, which is also what the verifier needs to see.
 //!
 //! Only packets lb can translate completely parse: IPv4 fragments (later ones carry no ports),
 //! IPv6 extension headers (not walked), other L4 protocols, bad IHL or TCP data offset, and
 //! truncated headers are `Error::Unparsed`, which the caller passes untouched.
-use lb_common::{IPPROTO_TCP, IPPROTO_UDP};
+use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::ctx::{Error, PacketCtx};
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
-/// Ethernet + IPv4 with the largest options + TCP: what must be linear to parse any packet.
+/// Ethernet + IPv4 with the largest options + TCP: what must be linear to parse any packet
+/// (SCTP's common header plus its first chunk header is 16 bytes).
 const MAX_HDR_LEN: u32 = 14 + 60 + 20;
 
 pub const TCP_FIN: u8 = 0x01;
@@ -19,7 +20,15 @@ pub const TCP_SYN: u8 = 0x02;
 pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
-/// The parsed headers of a TCP or UDP packet; addresses in network order, ports host order.
+/// SCTP chunk types conntrack reacts to (RFC 9260 section 3.2).
+pub const SCTP_INIT: u8 = 1;
+pub const SCTP_ABORT: u8 = 6;
+pub const SCTP_SHUTDOWN_COMPLETE: u8 = 14;
+/// `Packet::sctp_chunk` of a packet that carries no chunk (a bare common header).
+pub const SCTP_NO_CHUNK: u8 = 0xff;
+
+/// The parsed headers of a TCP, UDP or SCTP packet; addresses in network order, ports host
+/// order.
 pub struct Packet<A> {
     pub saddr: A,
     pub daddr: A,
@@ -27,10 +36,15 @@ pub struct Packet<A> {
     pub dport: u16,
     pub proto: u8,
     pub tcp_flags: u8,
+    /// Type of the first SCTP chunk (INIT, INIT ACK and SHUTDOWN COMPLETE are never bundled
+    /// with others, so the first is the one that matters); 0 for TCP and UDP.
+    pub sctp_chunk: u8,
     /// Offset of the IP header.
     pub l3_off: usize,
     pub l4_off: usize,
-    /// Offset of the L4 checksum field.
+    /// Length of the L4 packet per the IP header (SCTP's CRC32c covers all of it).
+    pub l4_len: usize,
+    /// Offset of the L4 checksum field (SCTP: its CRC32c).
     pub csum_off: usize,
 }
 
@@ -55,7 +69,7 @@ pub fn parse<C: PacketCtx>(ctx: &C) -> Result<Parsed, Error> {
 
 /// Reads a `T` at `off`, bounds-checked against `data_end`.
 #[inline(always)]
-fn read<C: PacketCtx, T: Copy>(ctx: &C, off: usize) -> Result<T, Error> {
+pub fn read<C: PacketCtx, T: Copy>(ctx: &C, off: usize) -> Result<T, Error> {
     let start = ctx.data();
     if start + off + size_of::<T>() > ctx.data_end() {
         return Err(Error::Unparsed);
@@ -94,11 +108,11 @@ fn parse_ipv6<C: PacketCtx>(ctx: &C, l3_off: usize) -> Result<Packet<[u8; 16]>, 
     saddr.copy_from_slice(&ip[8..24]);
     let mut daddr = [0u8; 16];
     daddr.copy_from_slice(&ip[24..40]);
-    // A next header other than TCP/UDP (extension headers included) fails in parse_l4.
+    // A next header other than TCP/UDP/SCTP (extension headers included) fails in parse_l4.
     parse_l4(ctx, saddr, daddr, ip[6], l3_off, 40, payload_len)
 }
 
-/// Parses the TCP or UDP header after an IP header of `l3_len` bytes at `l3_off`, of a packet
+/// Parses the TCP, UDP or SCTP header after an IP header of `l3_len` bytes at `l3_off`, of a packet
 /// whose IP payload is `l4_len` bytes.
 #[inline(always)]
 fn parse_l4<C: PacketCtx, A>(
@@ -111,19 +125,33 @@ fn parse_l4<C: PacketCtx, A>(
     l4_len: usize,
 ) -> Result<Packet<A>, Error> {
     let l4_off = l3_off + l3_len;
-    let (tcp_flags, csum_off) = match proto {
+    let (tcp_flags, sctp_chunk, csum_off) = match proto {
         IPPROTO_TCP => {
             let th = read::<C, [u8; 20]>(ctx, l4_off)?;
             if th[12] >> 4 < 5 || l4_len < 20 {
                 return Err(Error::Unparsed);
             }
-            (th[13], l4_off + 16)
+            (th[13], 0, l4_off + 16)
         }
         IPPROTO_UDP => {
             if l4_len < 8 {
                 return Err(Error::Unparsed);
             }
-            (0, l4_off + 6)
+            (0, 0, l4_off + 6)
+        }
+        IPPROTO_SCTP => {
+            // Common header: ports, verification tag, CRC32c. A port rewrite updates the CRC
+            // from l4_len, so the IP header must not claim more bytes than the packet holds.
+            read::<C, [u8; 12]>(ctx, l4_off)?;
+            if l4_len < 12 || l4_off + l4_len > ctx.len() as usize {
+                return Err(Error::Unparsed);
+            }
+            let chunk = if l4_len >= 16 {
+                read::<C, [u8; 4]>(ctx, l4_off + 12)?[0]
+            } else {
+                SCTP_NO_CHUNK
+            };
+            (0, chunk, l4_off + 8)
         }
         _ => return Err(Error::Unparsed),
     };
@@ -135,8 +163,10 @@ fn parse_l4<C: PacketCtx, A>(
         dport: u16::from_be_bytes([ports[2], ports[3]]),
         proto,
         tcp_flags,
+        sctp_chunk,
         l3_off,
         l4_off,
+        l4_len,
         csum_off,
     })
 }

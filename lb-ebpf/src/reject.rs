@@ -10,9 +10,10 @@
 //!   minimum MTU of 1280 for IPv6 (RFC 4443 2.4(c)).
 //!
 //! The reply comes from the address the client asked for (the service IP) and carries full,
-//! freshly computed checksums. Every access goes through the helpers (`load`, `store`), which
-//! bounds-check against the packet's current length after each resize and work on non-linear
-//! packets; the sums are taken with `bpf_csum_diff` over stack copies.
+//! freshly computed checksums. Headers are read and written through the helpers (`load`,
+//! `store`), which bounds-check against the packet's current length after each resize and work
+//! on non-linear packets; the ICMP sum reads the packet directly, checked against a freshly read
+//! `data_end`.
 //!
 //! Checksum offload state: originals arriving CHECKSUM_PARTIAL come only from local sockets
 //! behind a veth, and the reply goes back through that veth, whose peer trusts PARTIAL; the
@@ -38,10 +39,12 @@ const ICMP4_MAX: usize = 576;
 /// Largest ICMPv6 error, IPv6 header included (RFC 4443 2.4(c)).
 const ICMP6_MAX: usize = 1280;
 const TTL: u8 = 64;
-/// The ICMP message is summed in chunks of this many bytes (a multiple of 4, as
-/// `bpf_csum_diff` wants), at most `MAX_CHUNKS` of them.
-const CHUNK: usize = 32;
-const MAX_CHUNKS: usize = (ICMP6_MAX - IP6_HLEN).div_ceil(CHUNK);
+/// `bpf_csum_diff` sums at most 512 bytes per call.
+const CSUM_BLOCK: usize = 512;
+/// The ICMP message (header + quote) zero-padded to whole blocks: at most 556 bytes for IPv4,
+/// 1240 for IPv6.
+const ICMP4_PAD: usize = 2 * CSUM_BLOCK;
+const ICMP6_PAD: usize = 3 * CSUM_BLOCK;
 
 /// Whether a packet gets a reply: a TCP RST is only ever dropped.
 #[inline(always)]
@@ -153,22 +156,45 @@ fn fold(sum: u32) -> u16 {
     !(s as u16)
 }
 
-/// Sums `len` bytes of the packet from `off` (`len <= MAX_CHUNKS * CHUNK`), onto `seed`.
+/// Sums the `len` bytes of the packet from `off` onto `seed`, `len <= PAD` (whole blocks).
+///
+/// No loop for the verifier to walk: the packet is zero-filled up to `off + PAD` (zeros add
+/// nothing to the sum), summed in fixed blocks by direct access, and cut back to `off + len`.
 #[inline(always)]
-fn sum_packet<C: PacketCtx>(ctx: &C, off: usize, len: usize, seed: u32) -> Result<u32, Error> {
-    let mut acc = seed;
-    let mut done = 0usize;
-    for _ in 0..MAX_CHUNKS {
-        if done >= len {
-            break;
-        }
-        // Zero padding after a short last chunk leaves the sum unchanged (chunks start at
-        // even offsets from `off`).
-        let mut buf = [0u8; CHUNK];
-        ctx.load_into(off + done, &mut buf, (len - done) as u32)?;
-        acc = sum(&mut buf, acc)?;
-        done += CHUNK;
+fn sum_packet<C: PacketCtx, const PAD: usize>(
+    ctx: &C,
+    off: usize,
+    len: usize,
+    seed: u32,
+) -> Result<u32, Error> {
+    let padded = (off + PAD) as u32;
+    ctx.change_tail(padded)?;
+    ctx.pull_data(padded).map_err(|_| Error::Rewrite)?;
+    // Packet pointers from before the resize are stale: read them again.
+    let start = ctx.data() + off;
+    if start + PAD > ctx.data_end() {
+        return Err(Error::Rewrite);
     }
+    let mut acc = seed;
+    let mut i = 0;
+    while i < PAD / CSUM_BLOCK {
+        // SAFETY: `start + PAD <= data_end`, checked above; `from` is empty.
+        let r = unsafe {
+            bpf_csum_diff(
+                core::ptr::null_mut(),
+                0,
+                (start + i * CSUM_BLOCK) as *mut u32,
+                CSUM_BLOCK as u32,
+                acc,
+            )
+        };
+        if r < 0 {
+            return Err(Error::Rewrite);
+        }
+        acc = r as u32;
+        i += 1;
+    }
+    ctx.change_tail((off + len) as u32)?;
     Ok(acc)
 }
 
@@ -302,7 +328,7 @@ impl RejectAf for V4 {
         Self::write_ip(ctx, p.daddr, p.saddr, IPPROTO_ICMP, icmp_len)?;
         let icmp_off = ETH_HLEN + IP4_HLEN;
         ctx.store(icmp_off, &icmp_header(3, 3))?;
-        let csum = fold(sum_packet(ctx, icmp_off, icmp_len, 0)?);
+        let csum = fold(sum_packet::<C, ICMP4_PAD>(ctx, icmp_off, icmp_len, 0)?);
         ctx.store(icmp_off + 2, &csum.to_ne_bytes())
     }
 }
@@ -354,7 +380,7 @@ impl RejectAf for V6 {
         let pseudo = Self::write_ip(ctx, p.daddr, p.saddr, IPPROTO_ICMPV6, icmp_len)?;
         let icmp_off = ETH_HLEN + IP6_HLEN;
         ctx.store(icmp_off, &icmp_header(1, 4))?;
-        let csum = fold(sum_packet(ctx, icmp_off, icmp_len, pseudo)?);
+        let csum = fold(sum_packet::<C, ICMP6_PAD>(ctx, icmp_off, icmp_len, pseudo)?);
         ctx.store(icmp_off + 2, &csum.to_ne_bytes())
     }
 }

@@ -2,13 +2,17 @@
 //!
 //! The kernel's csum helpers also handle CHECKSUM_PARTIAL skbs from local sockets: with
 //! `BPF_F_PSEUDO_HDR` only the pseudo-header part of the L4 checksum changes there.
+//!
+//! SCTP has no pseudo-header: an address rewrite leaves its CRC32c alone, and a port rewrite
+//! updates it incrementally (`crc32c`).
 use aya_ebpf::helpers::bpf_csum_diff;
-use lb_common::IPPROTO_UDP;
+use lb_common::{IPPROTO_SCTP, IPPROTO_UDP};
 
 use crate::{
     af::{Af, Endpoint, V4, V6},
+    crc32c,
     ctx::{Error, PacketCtx},
-    parse::Packet,
+    parse::{self, Packet},
 };
 
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
@@ -46,12 +50,14 @@ impl RewriteAf for V4 {
             u32::from_ne_bytes(old) as u64,
             u32::from_ne_bytes(new) as u64,
         );
-        ctx.l4_csum_replace(
-            p.csum_off,
-            old_v,
-            new_v,
-            BPF_F_PSEUDO_HDR | 4 | mangled0(p.proto),
-        )?;
+        if p.proto != IPPROTO_SCTP {
+            ctx.l4_csum_replace(
+                p.csum_off,
+                old_v,
+                new_v,
+                BPF_F_PSEUDO_HDR | 4 | mangled0(p.proto),
+            )?;
+        }
         ctx.l3_csum_replace(p.l3_off + 10, old_v, new_v, 4)?;
         let field = match side {
             Side::Source => 12,
@@ -70,21 +76,24 @@ impl RewriteAf for V6 {
         old: [u8; 16],
         new: [u8; 16],
     ) -> Result<(), Error> {
-        let mut old = old;
-        let mut new = new;
-        // SAFETY: both buffers are 16 bytes on this program's stack.
-        let diff =
-            unsafe { bpf_csum_diff(old.as_mut_ptr().cast(), 16, new.as_mut_ptr().cast(), 16, 0) };
-        if diff < 0 {
-            return Err(Error::Rewrite);
+        // IPv6 has no header checksum; only the L4 pseudo-header changes, and SCTP has none.
+        if p.proto != IPPROTO_SCTP {
+            let mut old = old;
+            let mut new = new;
+            // SAFETY: both buffers are 16 bytes on this program's stack.
+            let diff = unsafe {
+                bpf_csum_diff(old.as_mut_ptr().cast(), 16, new.as_mut_ptr().cast(), 16, 0)
+            };
+            if diff < 0 {
+                return Err(Error::Rewrite);
+            }
+            ctx.l4_csum_replace(
+                p.csum_off,
+                0,
+                diff as u64,
+                BPF_F_PSEUDO_HDR | mangled0(p.proto),
+            )?;
         }
-        // IPv6 has no header checksum; only the L4 pseudo-header changes.
-        ctx.l4_csum_replace(
-            p.csum_off,
-            0,
-            diff as u64,
-            BPF_F_PSEUDO_HDR | mangled0(p.proto),
-        )?;
         let field = match side {
             Side::Source => 8,
             Side::Destination => 24,
@@ -115,17 +124,49 @@ fn set_port<C: PacketCtx, A>(
         return Ok(());
     }
     let (old_be, new_be) = (old.to_be(), new.to_be());
-    ctx.l4_csum_replace(
-        p.csum_off,
-        old_be as u64,
-        new_be as u64,
-        2 | mangled0(p.proto),
-    )?;
     let field = match side {
         Side::Source => 0,
         Side::Destination => 2,
     };
+    if p.proto == IPPROTO_SCTP {
+        sctp_crc_port_change(ctx, p, side, old, new)?;
+    } else {
+        ctx.l4_csum_replace(
+            p.csum_off,
+            old_be as u64,
+            new_be as u64,
+            2 | mangled0(p.proto),
+        )?;
+    }
     ctx.store(p.l4_off + field, &new_be)
+}
+
+/// Updates the SCTP CRC32c for the `side` port going from `old` to `new`.
+///
+/// A zero CRC is left zero: that is what a local SCTP socket leaves in the header when its
+/// device offloads the CRC (CHECKSUM_PARTIAL, which a tc program cannot see), and the kernel or
+/// NIC computes it later over the rewritten bytes. A real CRC of zero is a 2^-32 chance, whose packet then
+/// fails the receiver's check like any other corrupt one.
+#[inline(always)]
+fn sctp_crc_port_change<C: PacketCtx, A>(
+    ctx: &C,
+    p: &Packet<A>,
+    side: Side,
+    old: u16,
+    new: u16,
+) -> Result<(), Error> {
+    let crc =
+        u32::from_le_bytes(parse::read::<C, [u8; 4]>(ctx, p.csum_off).map_err(|_| Error::Rewrite)?);
+    if crc == 0 {
+        return Ok(());
+    }
+    let [a, b] = (old ^ new).to_be_bytes();
+    let diff = match side {
+        Side::Source => u32::from_le_bytes([a, b, 0, 0]),
+        Side::Destination => u32::from_le_bytes([0, 0, a, b]),
+    };
+    let crc = crc ^ crc32c::port_change(diff, p.l4_len as u32);
+    ctx.store(p.csum_off, &crc.to_le_bytes())
 }
 
 /// Sends the packet to `backend` instead of the frontend it was addressed to.

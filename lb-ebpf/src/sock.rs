@@ -98,6 +98,10 @@ pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
 }
 
 /// The socket's L4 protocol, if lb balances it.
+///
+/// Not SCTP: the kernel runs no sock_addr hook for it (sctp_connect(), sctp_connectx() and
+/// sctp_sendmsg() call neither `pre_connect` nor the sendmsg hooks), so SCTP is balanced on
+/// the tc path only.
 #[inline(always)]
 fn protocol(ctx: &SockAddrContext) -> Option<u8> {
     // SAFETY: the context pointer is valid for the program's run.

@@ -4,10 +4,11 @@
 //! objects; `controller::translate`, a pure function, turns them into a `model::DesiredState`;
 //! `controller::reconcile` makes the pinned BPF maps (`datapath::maps`, loaded by
 //! `datapath::load`) hold it; the kernel programs in lb-ebpf do the balancing. `cli` reads the
-//! live maps back (`lb services`, `lb status`, `lb trace`); `metrics` serves Prometheus and
-//! health.
+//! live maps back (`lb services`, `lb status`, `lb trace`), with service names from the
+//! daemon's `state_dir`; `metrics` serves Prometheus and health.
 pub mod cli;
 pub mod controller;
 pub mod datapath;
 pub mod metrics;
 pub mod model;
+pub mod state_dir;

@@ -48,7 +48,7 @@ use axum::{
     routing::get,
 };
 use aya::maps::{HashMap, IterableMap as _, MapData, PerCpuArray};
-use lb_common::{Ct4Key, Ct6Key, CtValue, MetricValue, metrics::NAMES};
+use lb_common::{Ct4Key, Ct6Key, CtValue, MetricValue, map_names, metrics::NAMES};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _, prometheus_text},
@@ -60,6 +60,8 @@ use prometheus_client::{
     },
     registry::Registry,
 };
+
+use crate::datapath::maps::{count_keys, read_counter};
 
 /// How long a source change may wait to be applied before `/healthz` reports unhealthy
 /// (kube-proxy's `--healthz-bind-address` server uses twice its 30 s sync period).
@@ -373,13 +375,8 @@ impl BpfCollector {
         };
         let mut out = Vec::with_capacity(NAMES.len());
         for (index, name) in (0u32..).zip(NAMES) {
-            match map.get(&index, 0) {
-                Ok(values) => {
-                    let (packets, bytes) = values.iter().fold((0u64, 0u64), |(p, b), v| {
-                        (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
-                    });
-                    out.push((name, packets, bytes));
-                }
+            match read_counter(map, index) {
+                Ok((packets, bytes)) => out.push((name, packets, bytes)),
                 Err(e) => tracing::debug!(index, event = name, error = %e, "reading lb_metrics"),
             }
         }
@@ -393,39 +390,28 @@ impl BpfCollector {
             return Vec::new();
         };
         let mut out = Vec::with_capacity(2);
-        if let Some(n) = count_keys(ct4, "lb4_ct") {
+        if let Some(n) = conntrack_keys(ct4, map_names::CT4) {
             out.push(("ipv4", n));
         }
-        if let Some(n) = count_keys(ct6, "lb6_ct") {
+        if let Some(n) = conntrack_keys(ct6, map_names::CT6) {
             out.push(("ipv6", n));
         }
         out
     }
 }
 
-/// Counts a hash map's keys by walking them. Entries the datapath deletes during the walk can
-/// restart it from the first key, so the walk stops at the map's capacity; the result is a
-/// snapshot, not exact under churn. `None` if the map cannot be read.
-fn count_keys<K: aya::Pod>(map: &HashMap<MapData, K, CtValue>, name: &str) -> Option<u64> {
+/// A conntrack map's key count (see [`count_keys`]); `None` if the map cannot be read.
+fn conntrack_keys<K: aya::Pod>(map: &HashMap<MapData, K, CtValue>, name: &str) -> Option<u64> {
     let capacity = match map.map().info() {
-        Ok(info) => u64::from(info.max_entries()),
+        Ok(info) => info.max_entries(),
         Err(e) => {
             tracing::debug!(map = name, error = %e, "reading map info");
             return None;
         }
     };
-    let mut n = 0u64;
-    for key in map.keys() {
-        if let Err(e) = key {
-            tracing::debug!(map = name, error = %e, "walking conntrack keys");
-            return None;
-        }
-        n += 1;
-        if n >= capacity {
-            break;
-        }
-    }
-    Some(n)
+    count_keys(map, capacity)
+        .inspect_err(|e| tracing::debug!(map = name, error = %e, "walking conntrack keys"))
+        .ok()
 }
 
 impl Collector for BpfCollector {

@@ -5,6 +5,106 @@ use std::{collections::BTreeMap, fmt, net::IpAddr};
 
 use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, backend_state, scope, svc_flags};
 
+/// A value read from a map that this lb has no name for (a map written by another lb).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {what} {value}")]
+pub struct UnknownValue {
+    pub what: &'static str,
+    pub value: u8,
+}
+
+/// An address family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(addr: &IpAddr) -> Self {
+        match addr {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+}
+
+/// Which backend set a frontend's key selects. The discriminants are lb-common's `scope` ABI
+/// values, so `scope as u8` is the map's byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Scope {
+    /// External traffic, and the only scope of a service whose policies agree.
+    External = scope::EXTERNAL,
+    /// Traffic from inside the cluster to a two-scope service.
+    Internal = scope::INTERNAL,
+}
+
+impl Scope {
+    /// `external` or `internal`, as `frontends.json` and `lb services` spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::External => "external",
+            Scope::Internal => "internal",
+        }
+    }
+}
+
+impl TryFrom<u8> for Scope {
+    type Error = UnknownValue;
+    fn try_from(value: u8) -> Result<Self, UnknownValue> {
+        match value {
+            scope::EXTERNAL => Ok(Scope::External),
+            scope::INTERNAL => Ok(Scope::Internal),
+            _ => Err(UnknownValue {
+                what: "frontend scope",
+                value,
+            }),
+        }
+    }
+}
+
+/// What a backend is good for. The discriminants are lb-common's `backend_state` ABI values
+/// (`state as u8` is the map's byte), and the order is from most to least usable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum BackendState {
+    /// Takes new flows.
+    Active = backend_state::ACTIVE,
+    /// Keeps its established flows only.
+    Terminating = backend_state::TERMINATING,
+    Quarantined = backend_state::QUARANTINED,
+    Maintenance = backend_state::MAINTENANCE,
+}
+
+impl BackendState {
+    /// The name `lb services`, `lb backends` and the golden dumps show.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendState::Active => "active",
+            BackendState::Terminating => "terminating",
+            BackendState::Quarantined => "quarantined",
+            BackendState::Maintenance => "maintenance",
+        }
+    }
+}
+
+impl TryFrom<u8> for BackendState {
+    type Error = UnknownValue;
+    fn try_from(value: u8) -> Result<Self, UnknownValue> {
+        match value {
+            backend_state::ACTIVE => Ok(BackendState::Active),
+            backend_state::TERMINATING => Ok(BackendState::Terminating),
+            backend_state::QUARANTINED => Ok(BackendState::Quarantined),
+            backend_state::MAINTENANCE => Ok(BackendState::Maintenance),
+            _ => Err(UnknownValue {
+                what: "backend state",
+                value,
+            }),
+        }
+    }
+}
+
 /// An L4 protocol lb balances.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Proto {
@@ -73,15 +173,14 @@ impl fmt::Display for L4Addr {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frontend {
     pub l4: L4Addr,
-    /// `lb_common::scope` value.
-    pub scope: u8,
+    pub scope: Scope,
 }
 
 impl Frontend {
     pub fn new(addr: IpAddr, port: u16, proto: Proto) -> Self {
         Self {
             l4: L4Addr { addr, port, proto },
-            scope: scope::EXTERNAL,
+            scope: Scope::External,
         }
     }
 }
@@ -89,7 +188,7 @@ impl Frontend {
 impl fmt::Display for Frontend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.l4)?;
-        if self.scope == scope::INTERNAL {
+        if self.scope == Scope::Internal {
             f.write_str(" (internal)")?;
         }
         Ok(())
@@ -118,15 +217,14 @@ impl fmt::Display for ServicePortName {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Backend {
     pub l4: L4Addr,
-    /// `lb_common::backend_state` value.
-    pub state: u8,
+    pub state: BackendState,
 }
 
 impl Backend {
     pub fn active(l4: L4Addr) -> Self {
         Self {
             l4,
-            state: backend_state::ACTIVE,
+            state: BackendState::Active,
         }
     }
 }
@@ -144,15 +242,46 @@ pub struct ServiceEntry {
 
 impl ServiceEntry {
     pub fn kind(&self) -> &'static str {
-        if self.flags & svc_flags::NODE_PORT != 0 {
-            "NodePort"
-        } else if self.flags & svc_flags::LOAD_BALANCER != 0 {
-            "LoadBalancer"
-        } else if self.flags & svc_flags::EXTERNAL_IP != 0 {
-            "ExternalIP"
-        } else {
-            "ClusterIP"
-        }
+        kind_of(self.flags)
+    }
+}
+
+/// The service type `svc_flags` bits stand for: ClusterIP, ExternalIP, LoadBalancer or
+/// NodePort (a NodePort service's frontends say NodePort, and so on).
+pub fn kind_of(flags: u16) -> &'static str {
+    if flags & svc_flags::NODE_PORT != 0 {
+        "NodePort"
+    } else if flags & svc_flags::LOAD_BALANCER != 0 {
+        "LoadBalancer"
+    } else if flags & svc_flags::EXTERNAL_IP != 0 {
+        "ExternalIP"
+    } else {
+        "ClusterIP"
+    }
+}
+
+/// Names of the set `svc_flags` bits, `|`-joined; `-` for none.
+pub fn flag_names(flags: u16) -> String {
+    const NAMES: [(u16, &str); 9] = [
+        (svc_flags::CLUSTER_IP, "ClusterIP"),
+        (svc_flags::NODE_PORT, "NodePort"),
+        (svc_flags::EXTERNAL_IP, "ExternalIP"),
+        (svc_flags::LOAD_BALANCER, "LoadBalancer"),
+        (svc_flags::AFFINITY, "Affinity"),
+        (svc_flags::EXT_LOCAL, "ExtLocal"),
+        (svc_flags::INT_LOCAL, "IntLocal"),
+        (svc_flags::TWO_SCOPES, "TwoScopes"),
+        (svc_flags::SOURCE_RANGES, "SourceRanges"),
+    ];
+    let names: Vec<_> = NAMES
+        .iter()
+        .filter(|(bit, _)| flags & bit != 0)
+        .map(|(_, n)| *n)
+        .collect();
+    if names.is_empty() {
+        "-".into()
+    } else {
+        names.join("|")
     }
 }
 
@@ -172,5 +301,33 @@ impl DesiredState {
         all.sort();
         all.dedup();
         all.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abi_bytes_round_trip_and_unknown_ones_are_errors() {
+        for s in [Scope::External, Scope::Internal] {
+            assert_eq!(Scope::try_from(s as u8), Ok(s));
+        }
+        for s in [
+            BackendState::Active,
+            BackendState::Terminating,
+            BackendState::Quarantined,
+            BackendState::Maintenance,
+        ] {
+            assert_eq!(BackendState::try_from(s as u8), Ok(s));
+        }
+        assert_eq!(scope::INTERNAL, Scope::Internal as u8);
+        assert_eq!(backend_state::MAINTENANCE, BackendState::Maintenance as u8);
+        let err = BackendState::try_from(7).unwrap_err();
+        assert_eq!(err.to_string(), "unknown backend state 7");
+        assert_eq!(
+            Scope::try_from(2).unwrap_err().to_string(),
+            "unknown frontend scope 2"
+        );
     }
 }

@@ -18,7 +18,7 @@
 //! ```
 //!
 //! * `<id>` is 6 hex digits derived from the pid, the time and a process-wide counter; it is
-//!   claimed by creating the cgroup `/sys/fs/cgroup/unified/lb-<id>` (`mkdir` is atomic), so two
+//!   claimed by creating the cgroup `<cgroup v2 root>/lb-<id>` (`mkdir` is atomic), so two
 //!   testbeds never share names, even across processes.
 //! * Link `k` (the client is `k = 0`, backend `i` (1-based, named `b<i>`) is `k = i`) is a veth
 //!   pair: `node_if` (`l<id>c` / `l<id>b<i>`) in the node netns and `eth0` in the host netns.
@@ -63,8 +63,6 @@ use anyhow::{Context as _, bail, ensure};
 
 use crate::netns::{Enter, in_netns, ip};
 
-/// Where cgroup v2 is mounted on the test machines.
-pub const CGROUP_ROOT: &str = "/sys/fs/cgroup/unified";
 /// Interface name of the veth end inside every client/backend netns.
 pub const HOST_IF: &str = "eth0";
 /// Most backends a testbed can have (link numbers `10 + k` must fit an IPv4 octet).
@@ -141,8 +139,11 @@ pub struct Testbed {
     pub node_ns: String,
     pub client: Host,
     pub backends: Vec<Host>,
-    /// `/sys/fs/cgroup/unified/lb-<id>`, empty, for cgroup-attached programs and their clients.
+    /// `<cgroup v2 root>/lb-<id>` (`/sys/fs/cgroup/unified/lb-<id>` on the test machines),
+    /// empty, for cgroup-attached programs and their clients.
     pub cgroup: PathBuf,
+    /// Where stray processes go before the cgroup is removed.
+    cgroup_root: PathBuf,
     created_ns: Vec<String>,
     created_cgroup: bool,
     children: Vec<Tracked>,
@@ -157,10 +158,12 @@ impl Testbed {
             n_backends <= MAX_BACKENDS,
             "at most {MAX_BACKENDS} backends, not {n_backends}"
         );
+        // The same cgroup v2 root `lb run` attaches socket LB to by default.
+        let cgroup_root = lb::datapath::cgroup::cgroup2_root()?;
         let mut attempts = 0;
         let mut tb = loop {
             attempts += 1;
-            let tb = Self::named(&new_id(), n_backends);
+            let tb = Self::named(&new_id(), n_backends, &cgroup_root);
             if Path::new("/run/netns").join(&tb.node_ns).exists() {
                 ensure!(
                     attempts < 16,
@@ -182,7 +185,7 @@ impl Testbed {
     }
 
     /// Names only; nothing exists yet.
-    fn named(id: &str, n_backends: usize) -> Self {
+    fn named(id: &str, n_backends: usize, cgroup_root: &Path) -> Self {
         let client = Host::new(id, "client".into(), 10, format!("l{id}c"));
         let backends = (1..=n_backends)
             .map(|i| {
@@ -195,7 +198,8 @@ impl Testbed {
             node_ns: format!("lb-{id}-node"),
             client,
             backends,
-            cgroup: Path::new(CGROUP_ROOT).join(format!("lb-{id}")),
+            cgroup: cgroup_root.join(format!("lb-{id}")),
+            cgroup_root: cgroup_root.to_path_buf(),
             created_ns: Vec::new(),
             created_cgroup: false,
             children: Vec::new(),
@@ -389,7 +393,7 @@ impl Testbed {
         }
         if self.created_cgroup {
             self.created_cgroup = false;
-            if let Err(err) = remove_cgroup(&self.cgroup) {
+            if let Err(err) = remove_cgroup(&self.cgroup, &self.cgroup_root) {
                 eprintln!("{tag}: remove cgroup {}: {err:#}", self.cgroup.display());
             }
         }
@@ -464,14 +468,14 @@ fn kill_and_reap(pidfd: &OwnedFd) -> io::Result<()> {
 }
 
 /// Moves stray processes to the root cgroup and removes `cg` and any child cgroups.
-fn remove_cgroup(cg: &Path) -> anyhow::Result<()> {
+fn remove_cgroup(cg: &Path, root: &Path) -> anyhow::Result<()> {
     for entry in fs::read_dir(cg).with_context(|| format!("read {}", cg.display()))? {
         let entry = entry?;
         if entry.file_type()?.is_dir() {
-            remove_cgroup(&entry.path())?;
+            remove_cgroup(&entry.path(), root)?;
         }
     }
-    let root_procs = Path::new(CGROUP_ROOT).join("cgroup.procs");
+    let root_procs = root.join("cgroup.procs");
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
         let procs = fs::read_to_string(cg.join("cgroup.procs")).unwrap_or_default();
@@ -497,7 +501,8 @@ mod tests {
 
     #[test]
     fn addressing() {
-        let tb = Testbed::named("abc123", 2);
+        let root = Path::new("/sys/fs/cgroup/unified");
+        let tb = Testbed::named("abc123", 2, root);
         assert_eq!(tb.node_ns, "lb-abc123-node");
         assert_eq!(tb.client.ns, "lb-abc123-client");
         assert_eq!(tb.client.node_if, "labc123c");
@@ -513,7 +518,7 @@ mod tests {
         assert_eq!(b2.ipv6, "2001:db8:0:12::2".parse::<Ipv6Addr>().unwrap());
         assert_eq!(tb.node_ifaces(), ["labc123c", "labc123b1", "labc123b2"]);
         assert_eq!(tb.cgroup, Path::new("/sys/fs/cgroup/unified/lb-abc123"));
-        let last = Testbed::named("abc123", MAX_BACKENDS);
+        let last = Testbed::named("abc123", MAX_BACKENDS, root);
         let last = last.backends.last().unwrap();
         assert!(last.node_if.len() <= 15);
         assert_eq!(last.ipv6, "2001:db8:0:255::2".parse::<Ipv6Addr>().unwrap());

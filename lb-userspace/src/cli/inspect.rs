@@ -17,23 +17,27 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use aya::{
-    maps::{HashMap, Map, MapData, MapInfo, PerCpuArray},
+    maps::MapInfo,
     programs::{links::LinkType, loaded_links, loaded_programs},
     util::KernelVersion,
 };
 use lb_common::{
-    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct6Key, CtValue,
-    DEFAULT_PIN_DIR, MetricValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
-    SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_names, metrics, prog_names, scope, svc_flags,
+    Backend4, Backend6, Ct4Key, Ct6Key, CtValue, DEFAULT_PIN_DIR, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue, map_names,
+    prog_names,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    controller::daemon::{DEFAULT_STATE_DIR, FRONTENDS_FILE, FrontendName},
-    datapath::maps::{BpfMaps, Dump, Family, LbMaps as _, Table, flag_names},
-    model::Frontend,
+    datapath::{
+        cgroup::cgroup2_mounts,
+        maps::{BpfMaps, Dump, LbMaps as _, count_keys},
+        pinned::{check_pin_dir, open_hash, pin_error, read_counters},
+    },
+    model::{Frontend, flag_names, kind_of},
+    state_dir::{self, DEFAULT_STATE_DIR, Names},
 };
 
 /// Every program lb loads (as the kernel names them).
@@ -107,7 +111,7 @@ pub struct SlotView {
     pub address: Option<String>,
     /// `TCP`, `UDP` or `SCTP`; `null` when missing.
     pub protocol: Option<String>,
-    /// active, terminating, quarantined, maintenance, unknown, or missing.
+    /// active, terminating, quarantined, maintenance, or missing.
     pub state: String,
 }
 
@@ -199,130 +203,13 @@ pub struct CounterStatus {
     pub bytes: u64,
 }
 
-impl BpfMaps {
-    /// Opens the service, backend and rev-NAT maps pinned in `dir` by a running (or stopped)
-    /// `lb run`. aya checks key and value sizes, so maps of an incompatible layout are refused
-    /// rather than misread.
-    pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
-        check_pin_dir(dir)?;
-        let mut capacities = BTreeMap::new();
-        for t in [
-            Table::Services,
-            Table::Backends,
-            Table::RevNat,
-            Table::ClusterIps,
-        ] {
-            for f in [Family::V4, Family::V6] {
-                let name = t.map_name(f);
-                let path = dir.join(name);
-                let info = MapInfo::from_pin(&path).map_err(|e| pin_error(&path, e))?;
-                capacities.insert((t, f), info.max_entries());
-            }
-        }
-        Ok(BpfMaps {
-            services4: open_hash::<Svc4Key, SvcValue>(dir, map_names::SERVICES4)?,
-            backends4: open_hash::<u32, Backend4>(dir, map_names::BACKENDS4)?,
-            revnat4: open_hash::<u32, RevNat4>(dir, map_names::REVNAT4)?,
-            services6: open_hash::<Svc6Key, SvcValue>(dir, map_names::SERVICES6)?,
-            backends6: open_hash::<u32, Backend6>(dir, map_names::BACKENDS6)?,
-            revnat6: open_hash::<u32, RevNat6>(dir, map_names::REVNAT6)?,
-            cluster_ips4: open_hash::<ClusterIp4Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS4)?,
-            cluster_ips6: open_hash::<ClusterIp6Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS6)?,
-            capacities,
-        })
-    }
-}
-
-/// Fails with a hint when `dir` does not hold lb's maps.
-fn check_pin_dir(dir: &Path) -> anyhow::Result<()> {
-    match fs::metadata(dir.join(map_names::SERVICES4)) {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => bail!(
-            "cannot read {}: permission denied (lb's pins are accessible to root only)",
-            dir.display()
-        ),
-        Err(_) => bail!(
-            "no pinned maps at {}: is `lb run` running? (--pin-dir)",
-            dir.display()
-        ),
-    }
-}
-
-fn pin_error(path: &Path, e: aya::maps::MapError) -> anyhow::Error {
-    let hint = match &e {
-        aya::maps::MapError::SyscallError(s)
-            if matches!(s.io_error.raw_os_error(), Some(libc::EPERM | libc::EACCES)) =>
-        {
-            " (lb's pins are readable by root only)"
-        }
-        _ => "",
-    };
-    anyhow::Error::new(e).context(format!("opening pinned map {}{hint}", path.display()))
-}
-
-fn open_map(dir: &Path, name: &str) -> anyhow::Result<Map> {
-    let path = dir.join(name);
-    let data = MapData::from_pin(&path).map_err(|e| pin_error(&path, e))?;
-    Map::from_map_data(data).with_context(|| format!("pinned map {}", path.display()))
-}
-
-fn open_hash<K: aya::Pod, V: aya::Pod>(
-    dir: &Path,
-    name: &str,
-) -> anyhow::Result<HashMap<MapData, K, V>> {
-    HashMap::try_from(open_map(dir, name)?).with_context(|| {
-        format!(
-            "pinned map {} does not have the layout this lb expects (made by an incompatible lb?)",
-            dir.join(name).display()
-        )
+/// The names in `<state_dir>/frontends.json`. A missing file gives no names; an unreadable
+/// one is reported on stderr and also gives no names.
+pub fn read_names(state_dir: &Path) -> Names {
+    state_dir::read_names(state_dir).unwrap_or_else(|e| {
+        eprintln!("warning: {e}");
+        Names::new()
     })
-}
-
-/// Reads `<state_dir>/frontends.json`, keyed by `(frontend, scope)`. A missing file gives no
-/// names; an unreadable one is reported on stderr and also gives no names.
-pub fn read_names(state_dir: &Path) -> BTreeMap<(String, String), FrontendName> {
-    let path = state_dir.join(FRONTENDS_FILE);
-    let text = match fs::read(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return BTreeMap::new(),
-        Err(e) => {
-            eprintln!("warning: cannot read {}: {e}", path.display());
-            return BTreeMap::new();
-        }
-    };
-    match serde_json::from_slice::<Vec<FrontendName>>(&text) {
-        Ok(names) => names
-            .into_iter()
-            .map(|n| ((n.frontend.clone(), n.scope.clone()), n))
-            .collect(),
-        Err(e) => {
-            eprintln!("warning: cannot parse {}: {e}", path.display());
-            BTreeMap::new()
-        }
-    }
-}
-
-fn scope_name(s: u8) -> &'static str {
-    if s == scope::INTERNAL {
-        "internal"
-    } else {
-        "external"
-    }
-}
-
-pub use crate::datapath::maps::state_name;
-
-/// The service type the flags stand for (the same precedence as `ServiceEntry::kind`).
-fn kind_of(flags: u16) -> &'static str {
-    if flags & svc_flags::NODE_PORT != 0 {
-        "NodePort"
-    } else if flags & svc_flags::LOAD_BALANCER != 0 {
-        "LoadBalancer"
-    } else if flags & svc_flags::EXTERNAL_IP != 0 {
-        "ExternalIP"
-    } else {
-        "ClusterIP"
-    }
 }
 
 fn socket_addr(addr: IpAddr, port: u16) -> String {
@@ -330,10 +217,7 @@ fn socket_addr(addr: IpAddr, port: u16) -> String {
 }
 
 /// Joins the master entries of `dump` with their slots, backends and names; sorted by id.
-pub fn service_views(
-    dump: &Dump,
-    names: &BTreeMap<(String, String), FrontendName>,
-) -> Vec<ServiceView> {
+pub fn service_views(dump: &Dump, names: &Names) -> Vec<ServiceView> {
     let mut out: Vec<ServiceView> = dump
         .services
         .iter()
@@ -344,14 +228,9 @@ pub fn service_views(
     out
 }
 
-fn service_view(
-    dump: &Dump,
-    names: &BTreeMap<(String, String), FrontendName>,
-    fe: &Frontend,
-    master: &SvcValue,
-) -> ServiceView {
+fn service_view(dump: &Dump, names: &Names, fe: &Frontend, master: &SvcValue) -> ServiceView {
     let frontend = fe.l4.to_string();
-    let scope = scope_name(fe.scope).to_string();
+    let scope = fe.scope.as_str().to_string();
     let name = names.get(&(frontend.clone(), scope.clone()));
     let backends = (1..=master.slots())
         .map(|slot| match dump.services.get(&(*fe, slot)) {
@@ -375,7 +254,7 @@ fn service_view(
                     id: Some(sv.backend_id),
                     address: Some(socket_addr(b.l4.addr, b.l4.port)),
                     protocol: Some(b.l4.proto.to_string()),
-                    state: state_name(b.state).into(),
+                    state: b.state.as_str().into(),
                 },
             },
         })
@@ -420,7 +299,7 @@ pub fn backend_views(dump: &Dump) -> Vec<BackendView> {
             id: *id,
             address: socket_addr(b.l4.addr, b.l4.port),
             protocol: b.l4.proto.to_string(),
-            state: state_name(b.state).into(),
+            state: b.state.as_str().into(),
             references: refs.get(id).map_or(0, BTreeSet::len),
         })
         .collect()
@@ -608,22 +487,6 @@ pub fn render_status(s: &Status) -> String {
     out
 }
 
-/// Number of keys, walking at most `max` of them.
-fn count_keys<K: aya::Pod, V: aya::Pod>(
-    map: &HashMap<MapData, K, V>,
-    max: u32,
-) -> anyhow::Result<u64> {
-    let mut n = 0u64;
-    for key in map.keys() {
-        key?;
-        n += 1;
-        if n >= u64::from(max) {
-            break;
-        }
-    }
-    Ok(n)
-}
-
 fn map_status(dir: &Path, name: &str) -> anyhow::Result<MapStatus> {
     let path = dir.join(name);
     if !path.exists() {
@@ -637,21 +500,30 @@ fn map_status(dir: &Path, name: &str) -> anyhow::Result<MapStatus> {
     }
     let info = MapInfo::from_pin(&path).map_err(|e| pin_error(&path, e))?;
     let max = info.max_entries();
+    let count = |r: Result<u64, aya::maps::MapError>| {
+        r.with_context(|| format!("walking the keys of {}", path.display()))
+    };
     let entries = match name {
-        map_names::SERVICES4 => count_keys(&open_hash::<Svc4Key, SvcValue>(dir, name)?, max)?,
-        map_names::SERVICES6 => count_keys(&open_hash::<Svc6Key, SvcValue>(dir, name)?, max)?,
-        map_names::BACKENDS4 => count_keys(&open_hash::<u32, Backend4>(dir, name)?, max)?,
-        map_names::BACKENDS6 => count_keys(&open_hash::<u32, Backend6>(dir, name)?, max)?,
-        map_names::REVNAT4 => count_keys(&open_hash::<u32, RevNat4>(dir, name)?, max)?,
-        map_names::REVNAT6 => count_keys(&open_hash::<u32, RevNat6>(dir, name)?, max)?,
-        map_names::CT4 => count_keys(&open_hash::<Ct4Key, CtValue>(dir, name)?, max)?,
-        map_names::CT6 => count_keys(&open_hash::<Ct6Key, CtValue>(dir, name)?, max)?,
-        map_names::SK_REVNAT4 => {
-            count_keys(&open_hash::<SkRevNat4Key, SkRevNat4Value>(dir, name)?, max)?
+        map_names::SERVICES4 => {
+            count(count_keys(&open_hash::<Svc4Key, SvcValue>(dir, name)?, max))?
         }
-        map_names::SK_REVNAT6 => {
-            count_keys(&open_hash::<SkRevNat6Key, SkRevNat6Value>(dir, name)?, max)?
+        map_names::SERVICES6 => {
+            count(count_keys(&open_hash::<Svc6Key, SvcValue>(dir, name)?, max))?
         }
+        map_names::BACKENDS4 => count(count_keys(&open_hash::<u32, Backend4>(dir, name)?, max))?,
+        map_names::BACKENDS6 => count(count_keys(&open_hash::<u32, Backend6>(dir, name)?, max))?,
+        map_names::REVNAT4 => count(count_keys(&open_hash::<u32, RevNat4>(dir, name)?, max))?,
+        map_names::REVNAT6 => count(count_keys(&open_hash::<u32, RevNat6>(dir, name)?, max))?,
+        map_names::CT4 => count(count_keys(&open_hash::<Ct4Key, CtValue>(dir, name)?, max))?,
+        map_names::CT6 => count(count_keys(&open_hash::<Ct6Key, CtValue>(dir, name)?, max))?,
+        map_names::SK_REVNAT4 => count(count_keys(
+            &open_hash::<SkRevNat4Key, SkRevNat4Value>(dir, name)?,
+            max,
+        ))?,
+        map_names::SK_REVNAT6 => count(count_keys(
+            &open_hash::<SkRevNat6Key, SkRevNat6Value>(dir, name)?,
+            max,
+        ))?,
         // Arrays always hold max_entries elements.
         _ => u64::from(max),
     };
@@ -662,31 +534,6 @@ fn map_status(dir: &Path, name: &str) -> anyhow::Result<MapStatus> {
         entries: Some(entries),
         max_entries: Some(max),
     })
-}
-
-fn read_counters(dir: &Path) -> anyhow::Result<Vec<CounterStatus>> {
-    let path = dir.join(map_names::METRICS);
-    if !path.exists() {
-        return Ok(Vec::new());
-    }
-    let map: PerCpuArray<MapData, MetricValue> =
-        PerCpuArray::try_from(open_map(dir, map_names::METRICS)?)
-            .with_context(|| format!("pinned map {} has an unexpected layout", path.display()))?;
-    let mut out = Vec::with_capacity(metrics::NAMES.len());
-    for (index, name) in (0u32..).zip(metrics::NAMES) {
-        let values = map
-            .get(&index, 0)
-            .with_context(|| format!("reading {} index {index}", path.display()))?;
-        let (packets, bytes) = values.iter().fold((0u64, 0u64), |(p, b), v| {
-            (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
-        });
-        out.push(CounterStatus {
-            name: name.into(),
-            packets,
-            bytes,
-        });
-    }
-    Ok(out)
 }
 
 /// `BPF_PROG_TYPE_SCHED_CLS` → `sched_cls`.
@@ -742,7 +589,7 @@ fn programs(dir: &Path) -> anyhow::Result<Vec<ProgramStatus>> {
             attachments: Vec::new(),
         });
     }
-    let cgroup_roots = cgroup2_mounts();
+    let cgroup_roots = cgroup2_mounts().unwrap_or_default();
     for link in loaded_links() {
         let Ok(link) = link else { continue };
         let Some(prog) = progs.iter_mut().find(|p| p.id == link.program_id()) else {
@@ -865,22 +712,6 @@ fn if_name(ifindex: u32) -> Option<String> {
     Some(name.to_string_lossy().into_owned())
 }
 
-/// Mount points of cgroup v2, shortest first.
-fn cgroup2_mounts() -> Vec<PathBuf> {
-    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let mut out: Vec<PathBuf> = mounts
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, path, fs_type) = (f.next()?, f.next()?, f.next()?);
-            (fs_type == "cgroup2").then(|| PathBuf::from(path))
-        })
-        .collect();
-    out.sort_by_key(|p| p.components().count());
-    out.dedup();
-    out
-}
-
 /// The cgroup directory under `root` whose inode number is `id` (cgroup v2 ids are kernfs
 /// inode numbers). Walks at most 100 000 directories.
 fn find_cgroup(root: &Path, id: u64) -> Option<PathBuf> {
@@ -931,7 +762,14 @@ pub fn status(dir: &Path) -> anyhow::Result<Status> {
         },
         programs: programs(dir)?,
         maps,
-        counters: read_counters(dir)?,
+        counters: read_counters(dir)?
+            .into_iter()
+            .map(|c| CounterStatus {
+                name: c.name.into(),
+                packets: c.packets,
+                bytes: c.bytes,
+            })
+            .collect(),
     })
 }
 

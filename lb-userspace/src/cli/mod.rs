@@ -10,9 +10,12 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use lb_common::DEFAULT_PIN_DIR;
 
-use crate::controller::{
-    daemon::{self, RunOptions, SourceConfig},
-    k8s,
+use crate::{
+    controller::{
+        daemon::{self, RunOptions, SourceConfig},
+        k8s,
+    },
+    datapath::cgroup::cgroup2_root,
 };
 
 #[derive(Parser)]
@@ -80,7 +83,7 @@ struct RunArgs {
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: String,
     /// Directory for runtime state shared with `lb services` (frontend names).
-    #[arg(long, default_value = daemon::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = crate::state_dir::DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
     /// Map size override, `NAME=ENTRIES` (repeatable), e.g. `lb4_services=1048576`. A pinned map
     /// of another size is refused: resizing needs a fresh pin directory.
@@ -117,21 +120,6 @@ fn parse_addr(s: &str) -> anyhow::Result<Option<SocketAddr>> {
     s.parse()
         .map(Some)
         .with_context(|| format!("bad address {s:?} (want IP:PORT or off)"))
-}
-
-/// Where the unified (v2) cgroup hierarchy is mounted.
-fn cgroup2_root() -> anyhow::Result<PathBuf> {
-    let mounts =
-        std::fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
-    mounts
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, path, fs) = (f.next()?, f.next()?, f.next()?);
-            (fs == "cgroup2").then(|| PathBuf::from(path))
-        })
-        .min_by_key(|p| p.components().count())
-        .context("no cgroup2 mount found; pass --cgroup-path or --socket-lb=false")
 }
 
 /// Runs the command `cli` names.

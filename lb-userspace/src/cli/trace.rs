@@ -15,18 +15,17 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use aya::{
-    maps::{HashMap, MapData},
+    maps::{Array, HashMap, MapData},
     programs::{SchedClassifier, TestRun as _, TestRunOptions},
 };
 use lb_common::{
-    Ct4Key, Ct6Key, CtValue, Svc4Key, Svc6Key, SvcValue, ct_dir, map_names, prog_names, scope,
-    svc_flags,
+    Ct4Key, Ct6Key, CtValue, TraceRecord, ct_dir, map_names, metrics, prog_names, trace_ct,
+    trace_verdict,
 };
 use serde::Serialize;
 
 use crate::{
     controller::{
-        daemon::{FRONTENDS_FILE, FrontendName},
         manifests,
         reconcile::Reconciler,
         translate::{self, NodeInfo},
@@ -34,11 +33,12 @@ use crate::{
     datapath::{
         load::{Datapath, LoadOptions, SERVICE_MAPS},
         maps::BpfMaps,
+        pinned::open_hash,
     },
-    model::{Frontend, Proto},
+    model::{Family, Frontend, Proto, Scope},
+    state_dir,
 };
 
-const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 
 /// Where the traced packet comes from, which decides the program it meets first.
@@ -122,11 +122,22 @@ impl Classifier {
     }
 }
 
-/// What one traced packet did. The JSON form is stable (see the README).
+/// What one traced packet did: the datapath's own decision record (`lb_trace`), named with the
+/// maps it used. The JSON form is stable (see the README): fields may be added, never removed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct TraceResult {
-    /// `forward`, `drop`, `reject` or `pass`.
+    /// `forward`, `drop` or `pass`; `reject` once the datapath generates REJECTs.
     pub verdict: &'static str,
+    /// The counter the datapath bumped for the packet: the precise reason for the verdict
+    /// (`tc_forward_new`, `tc_drop_no_backend`, ... from `lb_common::metrics::NAMES`).
+    pub reason: &'static str,
+    /// Conntrack: `new` (a backend was chosen), `established` (the flow's entry was reused),
+    /// `reply` (a backend's reply was reverse-NATed), or `null`.
+    pub conntrack: Option<&'static str>,
+    /// The backend slot chosen for a new flow (`1..=count`), or `null`.
+    pub slot: Option<u16>,
+    /// The frontend scope the datapath used: `external` or `internal`, or `null`.
+    pub scope: Option<&'static str>,
     /// The backend `ip:port` the packet was sent to, if any.
     pub backend: Option<String>,
     /// Whether the source was rewritten.
@@ -162,7 +173,7 @@ pub struct Tracer {
     datapath: Datapath,
     reconciler: Reconciler<BpfMaps>,
     /// (frontend, scope) → `ns/name:port`.
-    names: StdHashMap<(String, u8), String>,
+    names: StdHashMap<(String, Scope), String>,
     /// The running lb's conntrack, to copy an established flow's entry from.
     live_ct: Option<LiveCt>,
 }
@@ -173,33 +184,33 @@ impl Tracer {
         let mut datapath = Datapath::load(&LoadOptions {
             pin_dir: Some(pin_dir.to_path_buf()),
             only_pinned: Some(SERVICE_MAPS.to_vec()),
+            trace: true,
             ..LoadOptions::default()
         })?;
         let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
-        let mut names = StdHashMap::new();
-        if let Ok(text) = std::fs::read_to_string(state_dir.join(FRONTENDS_FILE)) {
-            let list: Vec<FrontendName> =
-                serde_json::from_str(&text).context("parsing frontends.json")?;
-            for n in list {
-                let s = if n.scope == "internal" {
-                    scope::INTERNAL
-                } else {
-                    scope::EXTERNAL
-                };
-                let port = if n.port_name.is_empty() {
-                    String::new()
-                } else {
-                    format!(":{}", n.port_name)
-                };
-                names.insert((n.frontend, s), format!("{}/{}{port}", n.namespace, n.name));
+        let names = match state_dir::read_names(state_dir) {
+            Ok(names) => names,
+            // No names when the file cannot be read; a file that cannot be parsed is an error.
+            Err(state_dir::ReadError::Read { .. }) => state_dir::Names::new(),
+            Err(e @ state_dir::ReadError::Parse { .. }) => {
+                return Err(e).context("parsing frontends.json");
             }
-        }
-        let open = |name: &str| -> anyhow::Result<MapData> {
-            MapData::from_pin(pin_dir.join(name)).with_context(|| format!("opening pinned {name}"))
         };
+        let names = names
+            .into_values()
+            .map(|n| {
+                // As before: anything but `internal` is the external scope.
+                let s = if n.scope == Scope::Internal.as_str() {
+                    Scope::Internal
+                } else {
+                    Scope::External
+                };
+                ((n.frontend.clone(), s), n.service().to_string())
+            })
+            .collect();
         let live_ct = Some((
-            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT4)?))?,
-            HashMap::try_from(aya::maps::Map::LruHashMap(open(map_names::CT6)?))?,
+            open_hash(pin_dir, map_names::CT4)?,
+            open_hash(pin_dir, map_names::CT6)?,
         ));
         Ok(Self {
             datapath,
@@ -212,7 +223,10 @@ impl Tracer {
     /// Loads a private datapath programmed from the manifests in `dir`, as `lb run` would on
     /// `node`.
     pub fn from_manifests(dir: &Path, node_name: &str) -> anyhow::Result<Self> {
-        let mut datapath = Datapath::load(&LoadOptions::default())?;
+        let mut datapath = Datapath::load(&LoadOptions {
+            trace: true,
+            ..LoadOptions::default()
+        })?;
         let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
         let (objects, problems) = manifests::load_dir(dir)?;
         for p in &problems {
@@ -247,18 +261,16 @@ impl Tracer {
 
     /// Runs `probe` through the program its origin meets first.
     pub fn trace(&mut self, probe: &Probe) -> anyhow::Result<TraceResult> {
-        let (prog, hook, internal) = match probe.origin {
-            Origin::Pod => (prog_names::TC_POD, "tc ingress, pod veth (lb_tc_pod)", true),
+        let (prog, hook) = match probe.origin {
+            Origin::Pod => (prog_names::TC_POD, "tc ingress, pod veth (lb_tc_pod)"),
             Origin::Node => (
                 prog_names::TC_POD,
                 "socket LB (emulated with lb_tc_pod: cgroup programs cannot be test-run)",
-                true,
             ),
-            Origin::External => (prog_names::TC_INGRESS, "tc ingress (lb_tc_ingress)", false),
+            Origin::External => (prog_names::TC_INGRESS, "tc ingress (lb_tc_ingress)"),
         };
-        let fe = Frontend::new(probe.dst, probe.dport, probe.proto);
-        let (service, candidates) = self.frontend(&fe, internal);
         self.copy_live_flow(probe)?;
+        self.set_record(TraceRecord::default())?;
 
         let pkt = build_packet(probe);
         let program: &mut SchedClassifier = self
@@ -273,20 +285,64 @@ impl Tracer {
         opts.data_out = Some(&mut out);
         let run = program.test_run(opts).context("BPF_PROG_TEST_RUN")?;
         out.truncate(run.data_size_out as usize);
+        let record = self.record()?;
 
-        let (src_after, dst_after) = endpoints(&out).context("program returned a short packet")?;
-        let src_before = SocketAddr::new(probe.src, probe.sport);
-        let dst_before = SocketAddr::new(probe.dst, probe.dport);
-        let verdict = match run.return_value {
-            TC_ACT_SHOT => "drop",
-            TC_ACT_OK if out != pkt => "forward",
-            TC_ACT_OK => "pass",
-            _ => "drop",
+        let verdict = match record.verdict {
+            trace_verdict::FORWARD | trace_verdict::REVERSE_NAT => "forward",
+            trace_verdict::PASS => "pass",
+            trace_verdict::DROP => "drop",
+            trace_verdict::REJECT => "reject",
+            v => bail!("the datapath left no decision for the packet (trace verdict {v})"),
         };
+        let shot = run.return_value == TC_ACT_SHOT;
+        if shot != (verdict == "drop") {
+            bail!(
+                "the datapath's record says {verdict} but the program returned {}",
+                run.return_value
+            );
+        }
+        let (src_after, _) = endpoints(&out).context("program returned a short packet")?;
+        let src_before = SocketAddr::new(probe.src, probe.sport);
+        let family = Family::of(&probe.src);
+        let scope = Scope::try_from(record.scope)?;
+        let maps = self.reconciler.maps();
+        // The frontend the datapath matched: from its rev-NAT id, in the scope it used.
+        let frontend = (record.rev_nat_id != 0)
+            .then(|| maps.revnat(family, record.rev_nat_id))
+            .flatten()
+            .map(|(addr, port)| Frontend {
+                scope,
+                ..Frontend::new(addr, port, probe.proto)
+            });
+        let service = frontend.map(|fe| self.name_of(&fe));
+        let candidates = match frontend {
+            Some(fe) if record.verdict != trace_verdict::REVERSE_NAT => maps
+                .active_backends(&fe)
+                .iter()
+                .map(SocketAddr::to_string)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let backend = (record.verdict == trace_verdict::FORWARD)
+            .then(|| maps.backend(family, record.backend_id))
+            .flatten()
+            .map(|b| b.to_string());
+        let is_service = frontend.is_some() && record.verdict != trace_verdict::REVERSE_NAT;
         Ok(TraceResult {
             verdict,
-            backend: (verdict == "forward" && dst_after != dst_before)
-                .then(|| dst_after.to_string()),
+            reason: metrics::NAMES
+                .get(usize::from(record.reason))
+                .copied()
+                .unwrap_or("unknown"),
+            conntrack: match record.ct_state {
+                trace_ct::NEW => Some("new"),
+                trace_ct::ESTABLISHED => Some("established"),
+                trace_ct::REPLY => Some("reply"),
+                _ => None,
+            },
+            slot: (record.slot != 0).then_some(record.slot),
+            scope: is_service.then(|| scope.as_str()),
+            backend,
             masquerade: src_after != src_before,
             source_after: src_after.to_string(),
             service,
@@ -295,80 +351,31 @@ impl Tracer {
         })
     }
 
-    /// The frontend's service name and the backends a new flow may get, read from the maps
-    /// the program uses, with the same scope choice.
-    fn frontend(&self, fe: &Frontend, internal: bool) -> (Option<String>, Vec<String>) {
-        let maps = self.reconciler.maps();
-        let get = |scope: u8, slot: u16| -> Option<SvcValue> {
-            let f = Frontend { scope, ..*fe };
-            match fe.l4.addr {
-                IpAddr::V4(a) => maps
-                    .services4
-                    .get(
-                        &Svc4Key {
-                            addr: a.octets(),
-                            port: f.l4.port,
-                            slot,
-                            proto: f.l4.proto.number(),
-                            scope,
-                            pad: [0; 2],
-                        },
-                        0,
-                    )
-                    .ok(),
-                IpAddr::V6(a) => maps
-                    .services6
-                    .get(
-                        &Svc6Key {
-                            addr: a.octets(),
-                            port: f.l4.port,
-                            slot,
-                            proto: f.l4.proto.number(),
-                            scope,
-                            pad: [0; 2],
-                        },
-                        0,
-                    )
-                    .ok(),
-            }
-        };
-        let Some(mut master) = get(scope::EXTERNAL, 0) else {
-            return (None, Vec::new());
-        };
-        let mut used = scope::EXTERNAL;
-        if internal
-            && master.flags & svc_flags::TWO_SCOPES != 0
-            && let Some(m) = get(scope::INTERNAL, 0)
-        {
-            master = m;
-            used = scope::INTERNAL;
-        }
-        let mut candidates = Vec::new();
-        for slot in 1..=master.count {
-            let Some(v) = get(used, slot) else { continue };
-            let addr = match fe.l4.addr {
-                IpAddr::V4(_) => maps
-                    .backends4
-                    .get(&v.backend_id, 0)
-                    .ok()
-                    .map(|b| SocketAddr::new(std::net::Ipv4Addr::from(b.addr).into(), b.port)),
-                IpAddr::V6(_) => maps
-                    .backends6
-                    .get(&v.backend_id, 0)
-                    .ok()
-                    .map(|b| SocketAddr::new(std::net::Ipv6Addr::from(b.addr).into(), b.port)),
-            };
-            if let Some(a) = addr {
-                candidates.push(a.to_string());
-            }
-        }
-        let name = self
-            .names
-            .get(&(fe.l4.to_string(), used))
-            .or_else(|| self.names.get(&(fe.l4.to_string(), scope::EXTERNAL)))
+    /// `ns/name:port` of a frontend, `-` when the state dir does not know it.
+    fn name_of(&self, fe: &Frontend) -> String {
+        self.names
+            .get(&(fe.l4.to_string(), fe.scope))
+            .or_else(|| self.names.get(&(fe.l4.to_string(), Scope::External)))
             .cloned()
-            .or_else(|| Some("-".into()));
-        (name, candidates)
+            .unwrap_or_else(|| "-".into())
+    }
+
+    fn trace_map(&mut self) -> anyhow::Result<Array<&mut MapData, TraceRecord>> {
+        let map = self
+            .datapath
+            .ebpf_mut()
+            .map_mut(map_names::TRACE)
+            .context("lb_trace missing from the object")?;
+        Ok(Array::try_from(map)?)
+    }
+
+    /// The decision the last test run wrote.
+    fn record(&mut self) -> anyhow::Result<TraceRecord> {
+        Ok(self.trace_map()?.get(&0, 0)?)
+    }
+
+    fn set_record(&mut self, r: TraceRecord) -> anyhow::Result<()> {
+        Ok(self.trace_map()?.set(0, r, 0)?)
     }
 
     /// Copies the live conntrack entry of exactly this flow into the scratch map.
@@ -438,8 +445,8 @@ fn ones_sum(data: &[u8]) -> u32 {
         .sum()
 }
 
-/// An Ethernet frame carrying a TCP SYN, a UDP datagram or an SCTP common header, with valid
-/// checksums (SCTP's CRC32c is left zero: lb does not parse SCTP yet).
+/// An Ethernet frame carrying a TCP SYN, a UDP datagram or an SCTP INIT, with valid checksums
+/// (SCTP's CRC32c included).
 fn build_packet(p: &Probe) -> Vec<u8> {
     let (proto, l4): (u8, Vec<u8>) = match p.proto {
         Proto::Tcp => {
@@ -461,9 +468,17 @@ fn build_packet(p: &Probe) -> Vec<u8> {
             (17, h)
         }
         Proto::Sctp => {
-            let mut h = vec![0u8; 12];
+            // Common header (verification tag 0, as INIT requires) + INIT chunk: a new flow.
+            let mut h = vec![0u8; 32];
             h[0..2].copy_from_slice(&p.sport.to_be_bytes());
             h[2..4].copy_from_slice(&p.dport.to_be_bytes());
+            h[12..16].copy_from_slice(&[1, 0, 0, 20]);
+            h[16..20].copy_from_slice(b"lbtr"); // initiate tag
+            h[20..24].copy_from_slice(&65_535u32.to_be_bytes()); // a_rwnd
+            h[24..28].copy_from_slice(&[0, 1, 0, 1]); // streams out/in
+            h[28..32].copy_from_slice(&1u32.to_be_bytes()); // initial TSN
+            let crc = crc32c(&h);
+            h[8..12].copy_from_slice(&crc.to_le_bytes());
             (132, h)
         }
     };
@@ -511,6 +526,17 @@ fn build_packet(p: &Probe) -> Vec<u8> {
     frame
 }
 
+/// CRC32c (Castagnoli, reflected), bit by bit: a probe packet is short.
+fn crc32c(data: &[u8]) -> u32 {
+    !data.iter().fold(!0u32, |mut c, &b| {
+        c ^= u32::from(b);
+        for _ in 0..8 {
+            c = (c >> 1) ^ (0x82f6_3b78 & (c & 1).wrapping_neg());
+        }
+        c
+    })
+}
+
 /// Source and destination `ip:port` of a frame built by `build_packet` (after rewriting).
 fn endpoints(frame: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
     let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
@@ -545,7 +571,14 @@ impl fmt::Display for TraceResult {
             "service:     {}",
             self.service.as_deref().unwrap_or("(none)")
         )?;
-        writeln!(f, "verdict:     {}", self.verdict)?;
+        writeln!(f, "verdict:     {} ({})", self.verdict, self.reason)?;
+        if let Some(ct) = self.conntrack {
+            writeln!(f, "conntrack:   {ct}")?;
+        }
+        if let Some(scope) = self.scope {
+            let slot = self.slot.map(|s| format!(", slot {s}")).unwrap_or_default();
+            writeln!(f, "selection:   {scope} scope{slot}")?;
+        }
         writeln!(f, "backend:     {}", self.backend.as_deref().unwrap_or("-"))?;
         writeln!(
             f,
@@ -598,7 +631,7 @@ pub struct TraceArgs {
     #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
     /// State dir of the running lb, for service names (live mode).
-    #[arg(long, default_value = crate::controller::daemon::DEFAULT_STATE_DIR)]
+    #[arg(long, default_value = crate::state_dir::DEFAULT_STATE_DIR)]
     pub state_dir: std::path::PathBuf,
 }
 
@@ -679,4 +712,12 @@ pub fn run(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn crc32c_matches_the_standard_check_value() {
+        assert_eq!(super::crc32c(b"123456789"), 0xe306_9283);
+    }
 }

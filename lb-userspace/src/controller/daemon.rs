@@ -9,7 +9,7 @@ use tokio::{
 
 use super::{
     k8s,
-    reconcile::Reconciler,
+    reconcile::{ApplyReport, Reconciler},
     source::{self, Snapshot},
     translate::{self, NodeInfo},
 };
@@ -19,6 +19,7 @@ use crate::{
         maps::LbMaps,
     },
     metrics::{self, Metrics},
+    state_dir,
 };
 
 /// Where the objects come from.
@@ -54,54 +55,6 @@ pub struct RunOptions {
     /// `--service-cidr` ranges (address, prefix length): addresses in them that are no
     /// ClusterIP are dropped on the tc path.
     pub service_cidrs: Vec<(std::net::IpAddr, u8)>,
-}
-
-/// Default `--state-dir`.
-pub const DEFAULT_STATE_DIR: &str = "/run/lb";
-/// File in the state dir naming each programmed frontend's service.
-pub const FRONTENDS_FILE: &str = "frontends.json";
-
-/// One line of `frontends.json`.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct FrontendName {
-    /// `ip:port/PROTO` (IPv6 in brackets), as `model::L4Addr` displays it.
-    pub frontend: String,
-    /// `external` or `internal`.
-    pub scope: String,
-    pub namespace: String,
-    pub name: String,
-    pub port_name: String,
-    /// ClusterIP, ExternalIP, LoadBalancer, NodePort.
-    pub kind: String,
-}
-
-/// Writes the names of the desired frontends atomically (temp file + rename).
-fn write_frontend_names(
-    dir: &std::path::Path,
-    state: &crate::model::DesiredState,
-) -> anyhow::Result<()> {
-    let names: Vec<FrontendName> = state
-        .services
-        .iter()
-        .map(|(fe, entry)| FrontendName {
-            frontend: fe.l4.to_string(),
-            scope: if fe.scope == lb_common::scope::INTERNAL {
-                "internal"
-            } else {
-                "external"
-            }
-            .into(),
-            namespace: entry.name.namespace.clone(),
-            name: entry.name.name.clone(),
-            port_name: entry.name.port_name.clone(),
-            kind: entry.kind().into(),
-        })
-        .collect();
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tmp = dir.join(format!(".{FRONTENDS_FILE}.tmp"));
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&names)?)?;
-    std::fs::rename(&tmp, dir.join(FRONTENDS_FILE))?;
-    Ok(())
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -174,8 +127,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
                 metrics.mark_change_pending(snapshot.changed_at);
                 generation += 1;
-                let state = sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
-                if let Err(e) = write_frontend_names(&opts.state_dir, &state) {
+                let synced = sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
+                if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
                 }
                 if generation == 1 {
@@ -210,14 +163,22 @@ fn attach(datapath: &mut Datapath, opts: &RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Translates a snapshot and applies it; returns the desired state it applied.
+/// What one sync did.
+pub struct Synced {
+    /// The desired state it applied.
+    pub state: crate::model::DesiredState,
+    /// What the reconciler wrote, and the services it could not program (logged already).
+    pub report: ApplyReport,
+}
+
+/// Translates a snapshot and applies it, logging and counting what it skipped or failed.
 pub fn sync<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     snapshot: &Snapshot,
     node_name: &str,
     generation: u64,
     metrics: &Metrics,
-) -> crate::model::DesiredState {
+) -> Synced {
     let start = Instant::now();
     for p in &snapshot.problems {
         tracing::warn!(problem = %p, "skipping manifest document");
@@ -266,5 +227,8 @@ pub fn sync<M: LbMaps>(
         elapsed_us = (written - start).as_micros() as u64,
         "synced"
     );
-    translation.state
+    Synced {
+        state: translation.state,
+        report,
+    }
 }

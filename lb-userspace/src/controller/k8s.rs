@@ -15,7 +15,10 @@ use kube::{
     runtime::{WatchStreamExt as _, reflector, watcher},
 };
 
-use super::source::{Snapshot, SnapshotSender};
+use super::{
+    source::{Snapshot, SnapshotSender},
+    translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
+};
 
 /// A client from `kubeconfig`, or else the in-cluster config, or else `$KUBECONFIG` /
 /// `~/.kube/config`.
@@ -58,8 +61,9 @@ pub async fn watch(client: Client, node_name: String, tx: SnapshotSender) {
     let (slice_store, slice_writer) = reflector::store();
     let (node_store, node_writer) = reflector::store();
 
-    let svc_cfg = watcher::Config::default().labels("!service.kubernetes.io/service-proxy-name");
-    let slice_cfg = watcher::Config::default().labels("!service.kubernetes.io/headless");
+    // kube-proxy's informers: only services no other proxy claims, no headless slices.
+    let svc_cfg = watcher::Config::default().labels(&format!("!{LABEL_SERVICE_PROXY_NAME}"));
+    let slice_cfg = watcher::Config::default().labels(&format!("!{LABEL_HEADLESS}"));
     let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
 
     let svc_events = reflector(svc_writer, watcher(services, svc_cfg))

@@ -23,11 +23,11 @@ use std::{
     net::IpAddr,
 };
 
-use lb_common::{SvcValue, backend_state, lb_alg, svc_flags};
+use lb_common::{SvcValue, lb_alg, svc_flags};
 
 use crate::{
-    datapath::maps::{Dump, Family, LbMaps, MapOpError, Table},
-    model::{Backend, DesiredState, Frontend, L4Addr, ServiceEntry},
+    datapath::maps::{Dump, LbMaps, MapOpError, Table, backends_of, revnat_of},
+    model::{Backend, BackendState, DesiredState, Family, Frontend, L4Addr, ServiceEntry},
 };
 
 /// A frontend as installed: its master entry and the backend id in each slot.
@@ -163,16 +163,8 @@ impl<M: LbMaps> Reconciler<M> {
                         .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
                         .count()
             }
-            Table::Backends => self
-                .backends
-                .values()
-                .filter(|b| Family::of(&b.l4.addr) == family)
-                .count(),
-            Table::RevNat => self
-                .revnat
-                .values()
-                .filter(|(a, _)| Family::of(a) == family)
-                .count(),
+            Table::Backends => backends_of(&self.backends, family),
+            Table::RevNat => revnat_of(&self.revnat, family),
             Table::ClusterIps => self
                 .cluster_ips
                 .keys()
@@ -213,7 +205,7 @@ impl<M: LbMaps> Reconciler<M> {
 
         // One state per backend address: the backends map has a single entry for it, so the
         // most usable state any frontend gives it wins (active, then terminating, ...).
-        let mut states: HashMap<L4Addr, u8> = HashMap::new();
+        let mut states: HashMap<L4Addr, BackendState> = HashMap::new();
         for b in desired.services.values().flat_map(|e| &e.backends) {
             states
                 .entry(b.l4)
@@ -323,7 +315,7 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         entry: &ServiceEntry,
-        states: &HashMap<L4Addr, u8>,
+        states: &HashMap<L4Addr, BackendState>,
         cluster_ips: &BTreeMap<IpAddr, u32>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
@@ -341,7 +333,7 @@ impl<M: LbMaps> Reconciler<M> {
         let (mut backends, rest): (Vec<Backend>, Vec<Backend>) = entry
             .backends
             .iter()
-            .partition(|b| b.state == backend_state::ACTIVE);
+            .partition(|b| b.state == BackendState::Active);
         let active = backends.len();
         backends.extend(rest);
         let total = backends.len();

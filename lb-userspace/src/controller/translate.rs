@@ -26,9 +26,11 @@ use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
 };
-use lb_common::{scope, svc_flags};
+use lb_common::svc_flags;
 
-use crate::model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName};
+use crate::model::{
+    Backend, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry, ServicePortName,
+};
 
 /// Label naming the service an EndpointSlice belongs to.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -604,7 +606,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                 &mut state,
                                 &mut skipped,
                                 Frontend {
-                                    scope: scope::INTERNAL,
+                                    scope: Scope::Internal,
                                     ..fe
                                 },
                                 ServiceEntry {

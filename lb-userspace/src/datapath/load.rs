@@ -23,7 +23,8 @@ use lb_common::{
     Svc4Key, Svc6Key, SvcCidrValue, SvcValue, globals, map_names, map_sizes, prog_names,
 };
 
-use super::maps::{BpfMaps, Family, Table};
+use super::maps::{BpfMaps, Table};
+use crate::model::Family;
 
 /// The eBPF object, built from lb-ebpf by build.rs on every build.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));

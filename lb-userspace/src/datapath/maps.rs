@@ -4,31 +4,17 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
-use aya::maps::{HashMap, MapData, MapError};
+use anyhow::Context as _;
+use aya::maps::{HashMap, MapData, MapError, PerCpuArray};
 use lb_common::{
-    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, RevNat4, RevNat6, Svc4Key,
-    Svc6Key, SvcValue, backend_state, map_names, scope, svc_flags,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, MetricValue, RevNat4,
+    RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, svc_flags,
 };
 
-use crate::model::{Backend, Frontend, L4Addr, Proto};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Family {
-    V4,
-    V6,
-}
-
-impl Family {
-    pub fn of(addr: &IpAddr) -> Self {
-        match addr {
-            IpAddr::V4(_) => Family::V4,
-            IpAddr::V6(_) => Family::V6,
-        }
-    }
-}
+use crate::model::{Backend, BackendState, Family, Frontend, L4Addr, Proto, Scope, flag_names};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Table {
@@ -90,6 +76,42 @@ pub struct Dump {
     pub cluster_ips: BTreeMap<IpAddr, u32>,
 }
 
+impl Dump {
+    /// Entries `table` holds for `family`.
+    pub fn len(&self, table: Table, family: Family) -> usize {
+        match table {
+            Table::Services => self
+                .services
+                .keys()
+                .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
+                .count(),
+            Table::Backends => backends_of(&self.backends, family),
+            Table::RevNat => revnat_of(&self.revnat, family),
+            Table::ClusterIps => self
+                .cluster_ips
+                .keys()
+                .filter(|a| Family::of(a) == family)
+                .count(),
+        }
+    }
+}
+
+/// Backends of `family` in a backend id → backend table.
+pub fn backends_of(backends: &BTreeMap<u32, Backend>, family: Family) -> usize {
+    backends
+        .values()
+        .filter(|b| Family::of(&b.l4.addr) == family)
+        .count()
+}
+
+/// Rev-NAT entries of `family` in a rev-NAT id → frontend table.
+pub fn revnat_of(revnat: &BTreeMap<u32, (IpAddr, u16)>, family: Family) -> usize {
+    revnat
+        .values()
+        .filter(|(a, _)| Family::of(a) == family)
+        .count()
+}
+
 pub trait LbMaps {
     fn dump(&self) -> anyhow::Result<Dump>;
     /// The map's max_entries.
@@ -110,24 +132,26 @@ pub trait LbMaps {
     fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError>;
 }
 
-fn svc4_key(fe: &Frontend, addr: Ipv4Addr, slot: u16) -> Svc4Key {
+/// The `lb4_services` key of `fe`'s `slot`.
+pub fn svc4_key(fe: &Frontend, addr: Ipv4Addr, slot: u16) -> Svc4Key {
     Svc4Key {
         addr: addr.octets(),
         port: fe.l4.port,
         slot,
         proto: fe.l4.proto.number(),
-        scope: fe.scope,
+        scope: fe.scope as u8,
         pad: [0; 2],
     }
 }
 
-fn svc6_key(fe: &Frontend, addr: Ipv6Addr, slot: u16) -> Svc6Key {
+/// The `lb6_services` key of `fe`'s `slot`.
+pub fn svc6_key(fe: &Frontend, addr: Ipv6Addr, slot: u16) -> Svc6Key {
     Svc6Key {
         addr: addr.octets(),
         port: fe.l4.port,
         slot,
         proto: fe.l4.proto.number(),
-        scope: fe.scope,
+        scope: fe.scope as u8,
         pad: [0; 2],
     }
 }
@@ -156,7 +180,9 @@ impl LbMaps for BpfMaps {
                     port: b.port,
                     proto,
                 };
-                dump.backends.insert(id, Backend { l4, state: b.state });
+                let state = BackendState::try_from(b.state)
+                    .with_context(|| format!("{} entry {id}", map_names::BACKENDS4))?;
+                dump.backends.insert(id, Backend { l4, state });
             }
         }
         for item in self.backends6.iter() {
@@ -167,7 +193,9 @@ impl LbMaps for BpfMaps {
                     port: b.port,
                     proto,
                 };
-                dump.backends.insert(id, Backend { l4, state: b.state });
+                let state = BackendState::try_from(b.state)
+                    .with_context(|| format!("{} entry {id}", map_names::BACKENDS6))?;
+                dump.backends.insert(id, Backend { l4, state });
             }
         }
         for item in self.revnat4.iter() {
@@ -183,13 +211,15 @@ impl LbMaps for BpfMaps {
         for item in self.services4.iter() {
             let (k, v) = item?;
             if let Some(proto) = Proto::from_number(k.proto) {
+                let scope = Scope::try_from(k.scope)
+                    .with_context(|| format!("{} key {k:?}", map_names::SERVICES4))?;
                 let fe = Frontend {
                     l4: L4Addr {
                         addr: Ipv4Addr::from(k.addr).into(),
                         port: k.port,
                         proto,
                     },
-                    scope: k.scope,
+                    scope,
                 };
                 dump.services.insert((fe, k.slot), v);
             }
@@ -197,13 +227,15 @@ impl LbMaps for BpfMaps {
         for item in self.services6.iter() {
             let (k, v) = item?;
             if let Some(proto) = Proto::from_number(k.proto) {
+                let scope = Scope::try_from(k.scope)
+                    .with_context(|| format!("{} key {k:?}", map_names::SERVICES6))?;
                 let fe = Frontend {
                     l4: L4Addr {
                         addr: Ipv6Addr::from(k.addr).into(),
                         port: k.port,
                         proto,
                     },
-                    scope: k.scope,
+                    scope,
                 };
                 dump.services.insert((fe, k.slot), v);
             }
@@ -226,7 +258,11 @@ impl LbMaps for BpfMaps {
     }
 
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapOpError> {
-        let (proto, port, state) = (backend.l4.proto.number(), backend.l4.port, backend.state);
+        let (proto, port, state) = (
+            backend.l4.proto.number(),
+            backend.l4.port,
+            backend.state as u8,
+        );
         match backend.l4.addr {
             IpAddr::V4(a) => {
                 let v = Backend4 {
@@ -353,12 +389,134 @@ impl LbMaps for BpfMaps {
     }
 }
 
+/// Point lookups in the live maps, for views that must read what the datapath reads (trace).
+impl BpfMaps {
+    /// The entry at `slot` of `fe` (0: the master).
+    pub fn service(&self, fe: &Frontend, slot: u16) -> Option<SvcValue> {
+        match fe.l4.addr {
+            IpAddr::V4(a) => self.services4.get(&svc4_key(fe, a, slot), 0).ok(),
+            IpAddr::V6(a) => self.services6.get(&svc6_key(fe, a, slot), 0).ok(),
+        }
+    }
+
+    /// Backend `id`'s address and port.
+    pub fn backend(&self, family: Family, id: u32) -> Option<SocketAddr> {
+        match family {
+            Family::V4 => self.backends4.get(&id, 0).ok().map(|b| {
+                let addr = Ipv4Addr::from(b.addr);
+                SocketAddr::new(addr.into(), b.port)
+            }),
+            Family::V6 => self.backends6.get(&id, 0).ok().map(|b| {
+                let addr = Ipv6Addr::from(b.addr);
+                SocketAddr::new(addr.into(), b.port)
+            }),
+        }
+    }
+
+    /// The frontend rev-NAT id `id` stands for.
+    pub fn revnat(&self, family: Family, id: u32) -> Option<(IpAddr, u16)> {
+        match family {
+            Family::V4 => self.revnat4.get(&id, 0).ok().map(|r| {
+                let addr = Ipv4Addr::from(r.addr);
+                (addr.into(), r.port)
+            }),
+            Family::V6 => self.revnat6.get(&id, 0).ok().map(|r| {
+                let addr = Ipv6Addr::from(r.addr);
+                (addr.into(), r.port)
+            }),
+        }
+    }
+
+    /// The backends in `fe`'s slots `1..=count`: those a new flow can get.
+    pub fn active_backends(&self, fe: &Frontend) -> Vec<SocketAddr> {
+        let family = Family::of(&fe.l4.addr);
+        let count = self.service(fe, 0).map_or(0, |m| m.count);
+        (1..=count)
+            .filter_map(|slot| self.service(fe, slot))
+            .filter_map(|v| self.backend(family, v.backend_id))
+            .collect()
+    }
+}
+
 /// Deleting what is already gone is success.
 fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     match r {
         Err(MapError::KeyNotFound) => Ok(()),
         Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
         other => other,
+    }
+}
+
+/// One write or delete `MemMaps` performed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MapOp {
+    PutBackend {
+        id: u32,
+        backend: Backend,
+    },
+    DelBackend {
+        id: u32,
+    },
+    PutRevNat {
+        id: u32,
+        addr: IpAddr,
+        port: u16,
+    },
+    DelRevNat {
+        id: u32,
+    },
+    PutService {
+        frontend: Frontend,
+        slot: u16,
+        value: SvcValue,
+    },
+    DelService {
+        frontend: Frontend,
+        slot: u16,
+    },
+    PutClusterIp {
+        addr: IpAddr,
+        frontends: u32,
+    },
+    DelClusterIp {
+        addr: IpAddr,
+    },
+}
+
+impl MapOp {
+    pub fn is_write(&self) -> bool {
+        matches!(
+            self,
+            MapOp::PutBackend { .. }
+                | MapOp::PutRevNat { .. }
+                | MapOp::PutService { .. }
+                | MapOp::PutClusterIp { .. }
+        )
+    }
+}
+
+impl std::fmt::Display for MapOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MapOp::PutBackend { id, backend } => write!(f, "put backend {id} {}", backend.l4),
+            MapOp::DelBackend { id } => write!(f, "del backend {id}"),
+            MapOp::PutRevNat { id, addr, port } => write!(f, "put revnat {id} {addr}:{port}"),
+            MapOp::DelRevNat { id } => write!(f, "del revnat {id}"),
+            MapOp::PutService {
+                frontend,
+                slot,
+                value,
+            } => write!(
+                f,
+                "put service {frontend} slot {slot} backend {} count {}",
+                value.backend_id, value.count
+            ),
+            MapOp::DelService { frontend, slot } => write!(f, "del service {frontend} slot {slot}"),
+            MapOp::PutClusterIp { addr, frontends } => {
+                write!(f, "put cluster-ip {addr} frontends {frontends}")
+            }
+            MapOp::DelClusterIp { addr } => write!(f, "del cluster-ip {addr}"),
+        }
     }
 }
 
@@ -369,7 +527,7 @@ pub struct MemMaps {
     pub dump: Dump,
     pub capacities: BTreeMap<(Table, Family), u32>,
     /// Every write and delete, in order, for ordering assertions.
-    pub log: Vec<String>,
+    pub journal: Vec<MapOp>,
 }
 
 impl MemMaps {
@@ -391,37 +549,8 @@ impl MemMaps {
         }
     }
 
-    fn len(&self, table: Table, family: Family) -> usize {
-        match table {
-            Table::Services => self
-                .dump
-                .services
-                .keys()
-                .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
-                .count(),
-            Table::Backends => self
-                .dump
-                .backends
-                .values()
-                .filter(|b| Family::of(&b.l4.addr) == family)
-                .count(),
-            Table::RevNat => self
-                .dump
-                .revnat
-                .values()
-                .filter(|(a, _)| Family::of(a) == family)
-                .count(),
-            Table::ClusterIps => self
-                .dump
-                .cluster_ips
-                .keys()
-                .filter(|a| Family::of(a) == family)
-                .count(),
-        }
-    }
-
     fn check_room(&self, table: Table, family: Family, exists: bool) -> Result<(), MapOpError> {
-        if !exists && self.len(table, family) >= self.capacity(table, family) as usize {
+        if !exists && self.dump.len(table, family) >= self.capacity(table, family) as usize {
             return Err(MapOpError::Full {
                 map: table.map_name(family),
             });
@@ -446,13 +575,16 @@ impl LbMaps for MemMaps {
             family,
             self.dump.backends.contains_key(&id),
         )?;
-        self.log.push(format!("put backend {id} {}", backend.l4));
+        self.journal.push(MapOp::PutBackend {
+            id,
+            backend: *backend,
+        });
         self.dump.backends.insert(id, *backend);
         Ok(())
     }
 
     fn del_backend(&mut self, id: u32, _family: Family) -> Result<(), MapOpError> {
-        self.log.push(format!("del backend {id}"));
+        self.journal.push(MapOp::DelBackend { id });
         self.dump.backends.remove(&id);
         Ok(())
     }
@@ -460,13 +592,13 @@ impl LbMaps for MemMaps {
     fn put_revnat(&mut self, id: u32, addr: IpAddr, port: u16) -> Result<(), MapOpError> {
         let family = Family::of(&addr);
         self.check_room(Table::RevNat, family, self.dump.revnat.contains_key(&id))?;
-        self.log.push(format!("put revnat {id}"));
+        self.journal.push(MapOp::PutRevNat { id, addr, port });
         self.dump.revnat.insert(id, (addr, port));
         Ok(())
     }
 
     fn del_revnat(&mut self, id: u32, _family: Family) -> Result<(), MapOpError> {
-        self.log.push(format!("del revnat {id}"));
+        self.journal.push(MapOp::DelRevNat { id });
         self.dump.revnat.remove(&id);
         Ok(())
     }
@@ -480,16 +612,20 @@ impl LbMaps for MemMaps {
         let family = Family::of(&frontend.l4.addr);
         let exists = self.dump.services.contains_key(&(*frontend, slot));
         self.check_room(Table::Services, family, exists)?;
-        self.log.push(format!(
-            "put service {frontend} slot {slot} backend {} count {}",
-            value.backend_id, value.count
-        ));
+        self.journal.push(MapOp::PutService {
+            frontend: *frontend,
+            slot,
+            value: *value,
+        });
         self.dump.services.insert((*frontend, slot), *value);
         Ok(())
     }
 
     fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError> {
-        self.log.push(format!("del service {frontend} slot {slot}"));
+        self.journal.push(MapOp::DelService {
+            frontend: *frontend,
+            slot,
+        });
         self.dump.services.remove(&(*frontend, slot));
         Ok(())
     }
@@ -497,52 +633,15 @@ impl LbMaps for MemMaps {
     fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
         let exists = self.dump.cluster_ips.contains_key(&addr);
         self.check_room(Table::ClusterIps, Family::of(&addr), exists)?;
-        self.log
-            .push(format!("put cluster-ip {addr} frontends {frontends}"));
+        self.journal.push(MapOp::PutClusterIp { addr, frontends });
         self.dump.cluster_ips.insert(addr, frontends);
         Ok(())
     }
 
     fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
-        self.log.push(format!("del cluster-ip {addr}"));
+        self.journal.push(MapOp::DelClusterIp { addr });
         self.dump.cluster_ips.remove(&addr);
         Ok(())
-    }
-}
-
-/// Name of a `backend_state` value.
-pub fn state_name(state: u8) -> &'static str {
-    match state {
-        backend_state::ACTIVE => "active",
-        backend_state::TERMINATING => "terminating",
-        backend_state::QUARANTINED => "quarantined",
-        backend_state::MAINTENANCE => "maintenance",
-        _ => "unknown",
-    }
-}
-
-/// Names of the set `svc_flags` bits, `|`-joined.
-pub fn flag_names(flags: u16) -> String {
-    const NAMES: [(u16, &str); 9] = [
-        (svc_flags::CLUSTER_IP, "ClusterIP"),
-        (svc_flags::NODE_PORT, "NodePort"),
-        (svc_flags::EXTERNAL_IP, "ExternalIP"),
-        (svc_flags::LOAD_BALANCER, "LoadBalancer"),
-        (svc_flags::AFFINITY, "Affinity"),
-        (svc_flags::EXT_LOCAL, "ExtLocal"),
-        (svc_flags::INT_LOCAL, "IntLocal"),
-        (svc_flags::TWO_SCOPES, "TwoScopes"),
-        (svc_flags::SOURCE_RANGES, "SourceRanges"),
-    ];
-    let names: Vec<_> = NAMES
-        .iter()
-        .filter(|(bit, _)| flags & bit != 0)
-        .map(|(_, n)| *n)
-        .collect();
-    if names.is_empty() {
-        "-".into()
-    } else {
-        names.join("|")
     }
 }
 
@@ -558,7 +657,7 @@ pub fn render(dump: &Dump) -> String {
             continue;
         }
         referenced_revnat.insert(v.rev_nat_id);
-        let scope = if fe.scope == scope::INTERNAL {
+        let scope = if fe.scope == Scope::Internal {
             " scope=internal"
         } else {
             ""
@@ -583,7 +682,7 @@ pub fn render(dump: &Dump) -> String {
                     referenced_backends.insert(sv.backend_id);
                     match dump.backends.get(&sv.backend_id) {
                         Some(b) => {
-                            let _ = writeln!(out, "  slot {s}: {} {}", b.l4, state_name(b.state));
+                            let _ = writeln!(out, "  slot {s}: {} {}", b.l4, b.state.as_str());
                         }
                         None => {
                             let _ = writeln!(out, "  slot {s}: MISSING backend {}", sv.backend_id);
@@ -631,4 +730,34 @@ pub fn render(dump: &Dump) -> String {
         let _ = writeln!(out, "cluster-ip {addr} frontends={n}({check})");
     }
     out
+}
+
+/// Counts a hash map's keys by walking them, at most `max` (its capacity). Entries the datapath
+/// deletes during the walk can restart it from the first key, so the bound keeps it finite; the
+/// result is a snapshot, not exact under churn.
+pub fn count_keys<K: aya::Pod, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+    max: u32,
+) -> Result<u64, MapError> {
+    let mut n = 0u64;
+    for key in map.keys() {
+        key?;
+        n += 1;
+        if n >= u64::from(max) {
+            break;
+        }
+    }
+    Ok(n)
+}
+
+/// Packets and bytes of datapath counter `index` (a `lb_common::metrics` index), summed over
+/// CPUs; wrapping, as the kernel's per-CPU counters do.
+pub fn read_counter(
+    map: &PerCpuArray<MapData, MetricValue>,
+    index: u32,
+) -> Result<(u64, u64), MapError> {
+    let values = map.get(&index, 0)?;
+    Ok(values.iter().fold((0u64, 0u64), |(p, b), v| {
+        (p.wrapping_add(v.packets), b.wrapping_add(v.bytes))
+    }))
 }

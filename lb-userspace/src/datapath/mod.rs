@@ -1,5 +1,7 @@
 //! The kernel side as userspace sees it: loading lb's eBPF object, pinning and reusing its
 //! maps, attaching its programs (`load`), and typed access to the service, backend and rev-NAT
-//! maps (`maps`).
+//! maps (`maps`); opening what a running lb pinned (`pinned`); finding cgroup v2 (`cgroup`).
+pub mod cgroup;
 pub mod load;
 pub mod maps;
+pub mod pinned;

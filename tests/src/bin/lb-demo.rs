@@ -29,9 +29,9 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use aya::maps::{Map, MapData, PerCpuArray};
 use clap::Parser;
-use lb_common::{MetricValue, map_names, metrics};
+use lb::datapath::pinned;
+use lb_common::{map_names, metrics};
 use lb_tests::{
     bins,
     daemon::{LbDaemon, LbOptions},
@@ -655,18 +655,8 @@ type Counters = [u64; metrics::NAMES.len()];
 /// Reads the pinned `lb_metrics` map; all zero if it does not exist yet.
 fn read_counters(pin_dir: &Path) -> anyhow::Result<Counters> {
     let mut out = [0; metrics::NAMES.len()];
-    let path = pin_dir.join(map_names::METRICS);
-    if !path.exists() {
-        return Ok(out);
-    }
-    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-    let array = PerCpuArray::<MapData, MetricValue>::try_from(Map::PerCpuArray(data))
-        .with_context(|| format!("{} is not lb's metrics array", path.display()))?;
-    for (index, slot) in (0u32..).zip(out.iter_mut()) {
-        let per_cpu = array
-            .get(&index, 0)
-            .with_context(|| format!("reading {} [{index}]", path.display()))?;
-        *slot = per_cpu.iter().map(|v| v.packets).sum();
+    for (slot, counter) in out.iter_mut().zip(pinned::read_counters(pin_dir)?) {
+        *slot = counter.packets;
     }
     Ok(out)
 }

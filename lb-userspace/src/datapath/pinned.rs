@@ -1,0 +1,128 @@
+//! Opening the maps a running (or stopped) `lb run` pinned, for the read-only commands: the
+//! one place that turns a pin directory into typed maps, with the hints an operator needs when
+//! that fails, plus reading the datapath counters from them.
+use std::{collections::BTreeMap, fs, io, path::Path};
+
+use anyhow::{Context as _, bail};
+use aya::maps::{HashMap, Map, MapData, MapInfo, PerCpuArray};
+use lb_common::{
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, MetricValue, RevNat4,
+    RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, metrics,
+};
+
+use super::maps::{BpfMaps, Table, read_counter};
+use crate::model::Family;
+
+impl BpfMaps {
+    /// Opens the service, backend and rev-NAT maps pinned in `dir` by a running (or stopped)
+    /// `lb run`. aya checks key and value sizes, so maps of an incompatible layout are refused
+    /// rather than misread.
+    pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
+        check_pin_dir(dir)?;
+        let mut capacities = BTreeMap::new();
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::ClusterIps,
+        ] {
+            for f in [Family::V4, Family::V6] {
+                let name = t.map_name(f);
+                let path = dir.join(name);
+                let info = MapInfo::from_pin(&path).map_err(|e| pin_error(&path, e))?;
+                capacities.insert((t, f), info.max_entries());
+            }
+        }
+        Ok(BpfMaps {
+            services4: open_hash::<Svc4Key, SvcValue>(dir, map_names::SERVICES4)?,
+            backends4: open_hash::<u32, Backend4>(dir, map_names::BACKENDS4)?,
+            revnat4: open_hash::<u32, RevNat4>(dir, map_names::REVNAT4)?,
+            services6: open_hash::<Svc6Key, SvcValue>(dir, map_names::SERVICES6)?,
+            backends6: open_hash::<u32, Backend6>(dir, map_names::BACKENDS6)?,
+            revnat6: open_hash::<u32, RevNat6>(dir, map_names::REVNAT6)?,
+            cluster_ips4: open_hash::<ClusterIp4Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS4)?,
+            cluster_ips6: open_hash::<ClusterIp6Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS6)?,
+            capacities,
+        })
+    }
+}
+
+/// Fails with a hint when `dir` does not hold lb's maps.
+pub fn check_pin_dir(dir: &Path) -> anyhow::Result<()> {
+    match fs::metadata(dir.join(map_names::SERVICES4)) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => bail!(
+            "cannot read {}: permission denied (lb's pins are accessible to root only)",
+            dir.display()
+        ),
+        Err(_) => bail!(
+            "no pinned maps at {}: is `lb run` running? (--pin-dir)",
+            dir.display()
+        ),
+    }
+}
+
+/// `e` from opening the pin at `path`, with a hint when it is a permission problem.
+pub fn pin_error(path: &Path, e: aya::maps::MapError) -> anyhow::Error {
+    let hint = match &e {
+        aya::maps::MapError::SyscallError(s)
+            if matches!(s.io_error.raw_os_error(), Some(libc::EPERM | libc::EACCES)) =>
+        {
+            " (lb's pins are readable by root only)"
+        }
+        _ => "",
+    };
+    anyhow::Error::new(e).context(format!("opening pinned map {}{hint}", path.display()))
+}
+
+/// Opens the map pinned as `name` in `dir`.
+pub fn open_map(dir: &Path, name: &str) -> anyhow::Result<Map> {
+    let path = dir.join(name);
+    let data = MapData::from_pin(&path).map_err(|e| pin_error(&path, e))?;
+    Map::from_map_data(data).with_context(|| format!("pinned map {}", path.display()))
+}
+
+/// Opens the hash map pinned as `name` in `dir`; aya checks its key and value sizes.
+pub fn open_hash<K: aya::Pod, V: aya::Pod>(
+    dir: &Path,
+    name: &str,
+) -> anyhow::Result<HashMap<MapData, K, V>> {
+    HashMap::try_from(open_map(dir, name)?).with_context(|| {
+        format!(
+            "pinned map {} does not have the layout this lb expects (made by an incompatible lb?)",
+            dir.join(name).display()
+        )
+    })
+}
+
+/// One datapath counter (`lb_metrics`), summed over CPUs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counter {
+    /// A `lb_common::metrics::NAMES` entry.
+    pub name: &'static str,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Every datapath counter in the `lb_metrics` map pinned in `dir`, in `metrics::NAMES` order;
+/// none if the map is not pinned (yet).
+pub fn read_counters(dir: &Path) -> anyhow::Result<Vec<Counter>> {
+    let path = dir.join(map_names::METRICS);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let map: PerCpuArray<MapData, MetricValue> =
+        PerCpuArray::try_from(open_map(dir, map_names::METRICS)?)
+            .with_context(|| format!("pinned map {} has an unexpected layout", path.display()))?;
+    let mut out = Vec::with_capacity(metrics::NAMES.len());
+    for (index, name) in (0u32..).zip(metrics::NAMES) {
+        let (packets, bytes) = read_counter(&map, index)
+            .with_context(|| format!("reading {} index {index}", path.display()))?;
+        out.push(Counter {
+            name,
+            packets,
+            bytes,
+        });
+    }
+    Ok(out)
+}
