@@ -1715,7 +1715,11 @@ fn expect_reply(fx: &mut Fixture, pkt: &[u8], from: IpAddr, reason: u32) -> Repl
     assert_eq!(fx.counter(reason) - before, 1, "counted once");
     let r = parse_reply(&out);
     assert_eq!(r.macs, (MAC_B, MAC_A), "MACs swapped");
-    let client = parse_and_verify(pkt).src;
+    // The input's IP source (any protocol, so not through parse_and_verify).
+    let client: IpAddr = match u16::from_be_bytes([pkt[12], pkt[13]]) {
+        0x0800 => <[u8; 4]>::try_from(&pkt[26..30]).unwrap().into(),
+        _ => <[u8; 16]>::try_from(&pkt[22..38]).unwrap().into(),
+    };
     assert_eq!(
         (r.src, r.dst),
         (from, client),
@@ -1859,6 +1863,15 @@ fn unknown_port_of_a_cluster_ip_is_rejected() {
                 quoted: udp[14..].to_vec()
             }
         );
+        // SCTP gets what UDP gets: any protocol but TCP is answered with ICMP.
+        let sctp = sctp_packet(client, 40_014, vip, 81, Chunk::Init);
+        let kind = expect_reply(&mut fx, &sctp, vip, metrics::TC_REJECT_UNKNOWN_PORT);
+        assert_eq!(
+            kind,
+            ReplyKind::PortUnreachable {
+                quoted: sctp[14..].to_vec()
+            }
+        );
         let (verdict, out) = fx.ingress(&packet(client, 40_012, vip, VPORT, L4::TcpSyn));
         assert_eq!(verdict, TC_ACT_OK);
         assert!(backends_of(vip).contains(&parse_and_verify(&out).dst));
@@ -1932,5 +1945,42 @@ fn unallocated_service_cidr_address_is_dropped() {
             (TC_ACT_OK, pkt),
             "{addr}: no longer in a range"
         );
+    }
+}
+
+/// Socket LB's ECONNREFUSED is a branch on the frozen global `LB_HAS_SET_RETVAL`: with it 0
+/// the kernel drops the `bpf_set_retval` call as dead code before any pass checks the helper,
+/// which is what lets kernels without the helper for sock_addr programs load them (EPERM
+/// there). With the probe's 1 the call is in the loaded program.
+#[test]
+fn set_retval_call_is_dead_code_unless_the_probe_found_the_helper() {
+    for (no_set_retval, present) in [(true, false), (false, true)] {
+        let mut dp = Datapath::load(&LoadOptions {
+            no_set_retval,
+            ..LoadOptions::default()
+        })
+        .expect("load datapath (root?)");
+        assert_eq!(dp.sock_refuses_with_econnrefused(), present);
+        for name in [prog_names::CONNECT4, prog_names::SENDMSG6] {
+            let id = dp
+                .ebpf_mut()
+                .program(name)
+                .expect(name)
+                .info()
+                .expect("prog info")
+                .id();
+            let out = std::process::Command::new("bpftool")
+                .args(["prog", "dump", "xlated", "id", &id.to_string()])
+                .output()
+                .expect("bpftool");
+            assert!(out.status.success(), "{out:?}");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(text.contains("call "), "{name}: an xlated dump: {text}");
+            assert_eq!(
+                text.contains("set_retval"),
+                present,
+                "{name} (no_set_retval: {no_set_retval}):\n{text}"
+            );
+        }
     }
 }

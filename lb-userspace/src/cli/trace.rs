@@ -39,7 +39,9 @@ use crate::{
     state_dir,
 };
 
+const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
 
 /// Where the traced packet comes from, which decides the program it meets first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -126,7 +128,7 @@ impl Classifier {
 /// maps it used. The JSON form is stable (see the README): fields may be added, never removed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct TraceResult {
-    /// `forward`, `drop` or `pass`; `reject` once the datapath generates REJECTs.
+    /// `forward`, `drop`, `pass` or `reject`.
     pub verdict: &'static str,
     /// The counter the datapath bumped for the packet: the precise reason for the verdict
     /// (`tc_forward_new`, `tc_drop_no_backend`, ... from `lb_common::metrics::NAMES`).
@@ -150,6 +152,71 @@ pub struct TraceResult {
     pub candidates: Vec<String>,
     /// The program that ran (and how `node` traffic is emulated).
     pub hook: String,
+    /// What a `reject` sends back to the client (the program's output packet), else `null`.
+    pub reply: Option<Reply>,
+}
+
+/// The reply packet a REJECT sends back.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Reply {
+    /// `tcp-rst`, `icmp-port-unreachable` or `icmpv6-port-unreachable`.
+    pub proto: &'static str,
+    /// `ip:port` for a RST, `ip` for ICMP.
+    pub src: String,
+    pub dst: String,
+}
+
+impl Reply {
+    /// Reads the reply out of the program's output frame; `None` if it is none of the three.
+    fn parse(frame: &[u8]) -> Option<Self> {
+        let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+        let ip = frame.get(14..)?;
+        let (src, dst, proto, l4): (IpAddr, IpAddr, u8, &[u8]) = match ethertype {
+            0x0800 => {
+                let s: [u8; 4] = ip.get(12..16)?.try_into().ok()?;
+                let d: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
+                let ihl = usize::from(ip.first()? & 0xf) * 4;
+                (s.into(), d.into(), *ip.get(9)?, ip.get(ihl..)?)
+            }
+            0x86dd => {
+                let s: [u8; 16] = ip.get(8..24)?.try_into().ok()?;
+                let d: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
+                (s.into(), d.into(), *ip.get(6)?, ip.get(40..)?)
+            }
+            _ => return None,
+        };
+        let kind = (proto, *l4.first()?, *l4.get(1)?);
+        let port = |o: usize| Some(u16::from_be_bytes([*l4.get(o)?, *l4.get(o + 1)?]));
+        match kind {
+            (6, _, _) if l4.get(13)? & 0x04 != 0 => Some(Self {
+                proto: "tcp-rst",
+                src: SocketAddr::new(src, port(0)?).to_string(),
+                dst: SocketAddr::new(dst, port(2)?).to_string(),
+            }),
+            (1, 3, 3) => Some(Self {
+                proto: "icmp-port-unreachable",
+                src: src.to_string(),
+                dst: dst.to_string(),
+            }),
+            (58, 1, 4) => Some(Self {
+                proto: "icmpv6-port-unreachable",
+                src: src.to_string(),
+                dst: dst.to_string(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Reply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.proto {
+            "tcp-rst" => "TCP RST",
+            "icmp-port-unreachable" => "ICMP port unreachable",
+            _ => "ICMPv6 port unreachable",
+        };
+        write!(f, "{what} {} → {}", self.src, self.dst)
+    }
 }
 
 /// One packet to trace.
@@ -294,15 +361,32 @@ impl Tracer {
             trace_verdict::REJECT => "reject",
             v => bail!("the datapath left no decision for the packet (trace verdict {v})"),
         };
-        let shot = run.return_value == TC_ACT_SHOT;
-        if shot != (verdict == "drop") {
+        let expected = match verdict {
+            "drop" => TC_ACT_SHOT,
+            "reject" => TC_ACT_REDIRECT,
+            _ => TC_ACT_OK,
+        };
+        if run.return_value != expected {
             bail!(
                 "the datapath's record says {verdict} but the program returned {}",
                 run.return_value
             );
         }
-        let (src_after, _) = endpoints(&out).context("program returned a short packet")?;
         let src_before = SocketAddr::new(probe.src, probe.sport);
+        let reply = if verdict == "reject" {
+            Some(Reply::parse(&out).context("a reject left no RST or ICMP reply")?)
+        } else {
+            None
+        };
+        // A rejected packet goes nowhere: its source is as it was.
+        let src_after = match reply {
+            Some(_) => src_before,
+            None => {
+                endpoints(&out)
+                    .context("program returned a short packet")?
+                    .0
+            }
+        };
         let family = Family::of(&probe.src);
         let scope = Scope::try_from(record.scope)?;
         let maps = self.reconciler.maps();
@@ -348,6 +432,7 @@ impl Tracer {
             service,
             candidates,
             hook: hook.to_string(),
+            reply,
         })
     }
 
@@ -590,7 +675,11 @@ impl fmt::Display for TraceResult {
                 " (not masqueraded)"
             }
         )?;
-        write!(f, "candidates:  {}", self.candidates.join(" "))
+        write!(f, "candidates:  {}", self.candidates.join(" "))?;
+        if let Some(reply) = &self.reply {
+            write!(f, "\nreply:       {reply}")?;
+        }
+        Ok(())
     }
 }
 
@@ -633,6 +722,10 @@ pub struct TraceArgs {
     /// State dir of the running lb, for service names (live mode).
     #[arg(long, default_value = crate::state_dir::DEFAULT_STATE_DIR)]
     pub state_dir: std::path::PathBuf,
+    /// Service CIDRs, as `lb run --service-cidr` (with --manifests; a live trace uses the
+    /// running lb's).
+    #[arg(long, value_delimiter = ',', requires = "manifests")]
+    pub service_cidr: Vec<Cidr>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -677,7 +770,16 @@ pub fn run(
         TraceProto::Sctp => Proto::Sctp,
     };
     let mut tracer = match &args.manifests {
-        Some(dir) => Tracer::from_manifests(dir, &node_name()?)?,
+        Some(dir) => {
+            let mut t = Tracer::from_manifests(dir, &node_name()?)?;
+            let cidrs: Vec<(IpAddr, u8)> = args
+                .service_cidr
+                .iter()
+                .map(|c| (c.addr, c.prefix))
+                .collect();
+            t.datapath.set_service_cidrs(&cidrs)?;
+            t
+        }
         None => Tracer::live(&args.pin_dir, &args.state_dir)?,
     };
     let base = sport.unwrap_or(40_000);
