@@ -201,15 +201,30 @@ async fn fetch(addr: SocketAddr, path: &'static str) -> Response {
         .expect("client thread")
 }
 
-fn health_json(r: &Response) -> serde_json::Value {
+/// The healthz body, checked for kube-proxy's shape: `healthy` agrees with the status code,
+/// both families report, and the node is eligible unless `eligible` says otherwise.
+fn health_json_of(r: &Response, eligible: bool) -> serde_json::Value {
     assert_eq!(r.header("content-type"), Some("application/json"));
     let v: serde_json::Value = serde_json::from_str(&r.body).expect("healthz JSON");
-    assert_eq!(v["nodeEligible"], serde_json::Value::Bool(true), "{v}");
+    assert_eq!(v["nodeEligible"], serde_json::Value::Bool(eligible), "{v}");
+    assert_eq!(
+        v["healthy"],
+        serde_json::Value::Bool(r.status == 200),
+        "{v}"
+    );
     assert!(
         v["currentTime"].as_str().is_some_and(|t| t.ends_with('Z')),
         "{v}"
     );
+    for family in ["IPv4", "IPv6"] {
+        assert!(v["status"][family]["healthy"].is_boolean(), "{v}");
+        assert!(v["status"][family]["lastUpdated"].is_string(), "{v}");
+    }
     v
+}
+
+fn health_json(r: &Response) -> serde_json::Value {
+    health_json_of(r, true)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -247,6 +262,17 @@ async fn livez_and_healthz_follow_sync_state() {
     metrics.mark_synced();
     assert_eq!(fetch(health_addr, "/healthz").await.status, 200);
     assert_eq!(fetch(health_addr, "/livez").await.status, 200);
+
+    // A node being deleted (or tainted for deletion) fails healthz, so load balancers drain it,
+    // though the proxier itself is healthy.
+    metrics.set_node_eligible(false);
+    let draining = fetch(health_addr, "/healthz").await;
+    assert_eq!(draining.status, 503, "{}", draining.body);
+    let v = health_json_of(&draining, false);
+    assert_eq!(v["status"]["IPv4"]["healthy"], true, "{v}");
+    assert_eq!(v["lastUpdated"], v["status"]["IPv4"]["lastUpdated"], "{v}");
+    metrics.set_node_eligible(true);
+    assert_eq!(fetch(health_addr, "/healthz").await.status, 200);
 
     // The endpoints are split by listener, as kube-proxy's are.
     assert_eq!(fetch(metrics_addr, "/healthz").await.status, 404);

@@ -254,13 +254,19 @@ fn sample(metrics: &str, series: &str) -> Option<f64> {
     })
 }
 
+/// The node name the watched-directory test gives lb (and its Node manifest).
+const NODE_NAME: &str = "lb-test-node";
+
 #[test]
 fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     let mut tb = Testbed::create(1).expect("testbed");
     let dir = std::env::temp_dir().join(format!("lb-test-watch-{}", tb.id));
     let _cleanup = Manifests(dir.clone());
     // The directory does not exist yet: lb runs, cannot sync, and is not healthy.
-    let mut lb = spawn_lb(&mut tb, &dir, false);
+    let mut args = lb_args(&tb, &dir, false);
+    args.push(format!("--hostname-override={NODE_NAME}"));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut lb = LbDaemon::spawn(&mut tb, Path::new(LB), &args, "info").unwrap();
     lb.wait_for(
         |l| l.contains("cannot read manifests"),
         "manifest read error",
@@ -286,6 +292,42 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
     let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
     assert_eq!(status, 200, "healthy after the sync: {body}");
+
+    // This node's Node gets the autoscaler's deletion taint: healthz fails (load balancers
+    // drain the node) while services stay programmed; the taint goes, healthz recovers.
+    let node_file = dir.join("node.yaml");
+    let write_node = |taints: &str| {
+        let tmp = dir.join(".node.tmp");
+        fs::write(
+            &tmp,
+            format!("apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\nspec:\n  taints: {taints}\n"),
+        )
+        .unwrap();
+        fs::rename(&tmp, &node_file).unwrap();
+    };
+    write_node("[{key: ToBeDeletedByClusterAutoscaler, value: '1', effect: NoSchedule}]");
+    lb.wait_for(
+        |l| l.contains("synced") && l.contains("generation=2"),
+        "node sync",
+    )
+    .unwrap();
+    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    assert_eq!(status, 503, "tainted for deletion: {body}");
+    assert!(body.contains("\"nodeEligible\":false"), "{body}");
+    write_node("[]");
+    lb.wait_for(
+        |l| l.contains("synced") && l.contains("generation=3"),
+        "node sync",
+    )
+    .unwrap();
+    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    assert_eq!(status, 200, "taint removed: {body}");
+    fs::remove_file(&node_file).unwrap();
+    lb.wait_for(
+        |l| l.contains("synced") && l.contains("generation=4"),
+        "node removed",
+    )
+    .unwrap();
 
     // A file is added, then changed, then removed.
     let extra = dir.join("extra.yaml");

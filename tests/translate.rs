@@ -11,7 +11,7 @@ use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use lb::{
     controller::manifests::{Objects, parse_into},
     controller::translate::{
-        Ignored, NodeInfo, SkipReason, Skipped, Translation, desired_state, ignored,
+        Ignored, NodeInfo, SkipReason, Skipped, Translation, desired_state, ignored, node_eligible,
     },
     model::{BackendState, Frontend, Proto, Scope, ServiceEntry},
 };
@@ -1497,4 +1497,24 @@ fn headless_labelled_slices_are_ignored() {
         backends(&t, fe(v4("198.19.2.3"), 80, Proto::Tcp)),
         set(&["198.18.0.1:8080/TCP"])
     );
+}
+
+#[test]
+fn node_is_eligible_unless_being_deleted_or_tainted_for_deletion() {
+    let node = |yaml: &str| -> k8s_openapi::api::core::v1::Node {
+        serde_yaml::from_str(yaml).expect("Node YAML")
+    };
+    assert!(
+        node_eligible(None),
+        "no Node object yet: eligible, as kube-proxy starts"
+    );
+    assert!(node_eligible(Some(&node(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: n}\nspec:\n  taints: [{key: other, effect: NoSchedule}]\n"
+    ))));
+    assert!(!node_eligible(Some(&node(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: n}\nspec:\n  taints:\n    - {key: other, effect: NoSchedule}\n    - {key: ToBeDeletedByClusterAutoscaler, value: '1700000000', effect: NoSchedule}\n"
+    ))));
+    assert!(!node_eligible(Some(&node(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: n, deletionTimestamp: '2026-12-01T00:00:00Z', finalizers: [f]}\n"
+    ))));
 }

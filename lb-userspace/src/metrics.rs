@@ -24,14 +24,21 @@
 //! scrape.
 //!
 //! Health follows kube-proxy's healthz server: `/healthz` answers 200 once the maps have been
-//! programmed and no source change has waited longer than [`HEALTH_TIMEOUT`] to be applied, and
-//! 503 otherwise (also before the first sync). Its JSON body is
-//! `{"lastUpdated": "<RFC 3339 UTC>", "currentTime": "<RFC 3339 UTC>", "nodeEligible": true}`;
-//! `lastUpdated` is the time of the last applied sync (Go's zero time,
-//! `0001-01-01T00:00:00Z`, before the first one, as kube-proxy prints), and `nodeEligible` is
-//! always `true`: lb watches its Node (for topology) but does not yet act on its deletion or
-//! the cluster autoscaler's `ToBeDeletedByClusterAutoscaler` taint, as kube-proxy does.
-//! `/livez` answers 200 while the process serves.
+//! programmed, no source change has waited longer than [`HEALTH_TIMEOUT`] to be applied, and
+//! the node is eligible (its Node is not being deleted and has no
+//! `ToBeDeletedByClusterAutoscaler` taint); 503 otherwise, also before the first sync. The
+//! JSON body is kube-proxy's:
+//!
+//! ```json
+//! {"lastUpdated": "<RFC 3339 UTC>", "currentTime": "<RFC 3339 UTC>", "nodeEligible": true,
+//!  "healthy": true, "status": {"IPv4": {"lastUpdated": "…", "healthy": true},
+//!                              "IPv6": {"lastUpdated": "…", "healthy": true}}}
+//! ```
+//!
+//! As in kube-proxy, the top-level `lastUpdated` is the current time while healthy, and else
+//! the time of the last applied sync (Go's zero time, `0001-01-01T00:00:00Z`, before the first).
+//! Each family's `lastUpdated` is the last applied sync: lb programs both families in one sync,
+//! so they share it. `/livez` answers 200 while the process serves.
 use std::{
     fmt::Write as _,
     net::SocketAddr,
@@ -114,6 +121,8 @@ struct Health {
     last_synced: Option<(Instant, SystemTime)>,
     /// The oldest source change not applied yet.
     pending_since: Option<Instant>,
+    /// False while this node's Node is being deleted or tainted for deletion.
+    node_ineligible: bool,
 }
 
 impl Metrics {
@@ -293,16 +302,28 @@ impl Metrics {
         lock(&self.health).last_synced.map(|(_, t)| t)
     }
 
+    /// Whether this node should still get load-balancer traffic (`controller::translate::
+    /// node_eligible` of its Node); `/healthz` fails while it should not.
+    pub fn set_node_eligible(&self, eligible: bool) {
+        lock(&self.health).node_ineligible = !eligible;
+    }
+
     /// The `/healthz` answer at this moment: healthy (200) or not (503), and the JSON body.
     pub fn healthz(&self) -> (bool, String) {
-        let healthy = self.healthy(Instant::now());
+        let proxier_healthy = self.healthy(Instant::now());
+        let node_eligible = !lock(&self.health).node_ineligible;
+        let healthy = proxier_healthy && node_eligible;
+        let now = rfc3339(SystemTime::now());
         let last = self
             .last_synced()
             .map_or_else(|| GO_ZERO_TIME.to_owned(), rfc3339);
+        let family = serde_json::json!({ "lastUpdated": last, "healthy": proxier_healthy });
         let body = serde_json::json!({
-            "lastUpdated": last,
-            "currentTime": rfc3339(SystemTime::now()),
-            "nodeEligible": true,
+            "lastUpdated": if healthy { &now } else { &last },
+            "currentTime": now,
+            "nodeEligible": node_eligible,
+            "healthy": healthy,
+            "status": { "IPv4": family, "IPv6": family },
         });
         (healthy, body.to_string())
     }

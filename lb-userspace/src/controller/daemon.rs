@@ -184,6 +184,7 @@ pub fn sync<M: LbMaps>(
         tracing::warn!(problem = %p, "skipping manifest document");
         metrics.inc_skipped("Document", "unparsable");
     }
+    metrics.set_node_eligible(translate::node_eligible(snapshot.node.as_deref()));
     let node = NodeInfo::from_node(node_name, snapshot.node.as_deref());
     let translation = translate::desired_state(&snapshot.services, &snapshot.slices, &node);
     for s in &translation.skipped {

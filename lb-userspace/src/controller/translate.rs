@@ -64,6 +64,22 @@ impl NodeInfo {
     }
 }
 
+/// The taint the cluster autoscaler puts on a node it is about to delete.
+pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// Whether load balancers should still send traffic to this node (kube-proxy's `SyncNode`):
+/// not while its Node is being deleted or carries [`TAINT_TO_BE_DELETED`]. Without a Node
+/// object the node counts as eligible, as kube-proxy's starts out.
+pub fn node_eligible(node: Option<&Node>) -> bool {
+    let Some(node) = node else { return true };
+    node.metadata.deletion_timestamp.is_none()
+        && !node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED))
+}
+
 /// Why an object, or a part of one, was not applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SkipReason {
