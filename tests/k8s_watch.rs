@@ -73,6 +73,12 @@ impl Maps {
             } else if line.starts_with("orphan") {
                 maps.problems.push(line.to_string());
                 current = None;
+            } else if line.starts_with("cluster-ip ") {
+                // The ClusterIP set; its own consistency is checked by the rendering.
+                if !line.contains("(ok)") {
+                    maps.problems.push(line.to_string());
+                }
+                current = None;
             } else {
                 let fe = line
                     .split_whitespace()

@@ -97,6 +97,15 @@ impl Manifests {
     }
 }
 
+impl Manifests {
+    /// Adds the manifest file `name` (atomically).
+    fn add(&self, name: &str, text: &str) {
+        let tmp = self.0.join(format!(".{name}.tmp"));
+        fs::write(&tmp, text).unwrap();
+        fs::rename(&tmp, self.0.join(name)).unwrap();
+    }
+}
+
 impl Drop for Manifests {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
@@ -340,7 +349,8 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     .unwrap();
     write(svc("198.19.0.78"));
     lb.wait_for(
-        |l| l.contains("synced") && l.contains("services=5") && l.contains("writes=2"),
+        // rev-NAT and master of the new address, and the address into the ClusterIP set.
+        |l| l.contains("synced") && l.contains("services=5") && l.contains("writes=3"),
         "changed file applied",
     )
     .unwrap();
@@ -443,10 +453,11 @@ fn pinned_counter(pin_dir: &Path, index: u32) -> u64 {
 }
 
 /// A master entry whose slots are gone has no backend for socket LB either: connect() fails
-/// with EPERM and counts sock_drop_no_backend, as the tc path drops and counts, instead of
-/// going out untranslated to the VIP.
+/// with ECONNREFUSED (this kernel has `bpf_set_retval` for sock_addr programs; EPERM before)
+/// and counts sock_drop_no_backend, as the tc path rejects and counts, instead of going out
+/// untranslated to the VIP.
 #[test]
-fn socket_lb_denies_a_frontend_whose_slots_are_gone() {
+fn socket_lb_refuses_a_frontend_whose_slots_are_gone() {
     let mut tb = Testbed::create(1).expect("testbed");
     let manifests = Manifests::new(&tb.id);
     let lb = start_lb(&mut tb, &manifests.0, true);
@@ -479,8 +490,8 @@ fn socket_lb_denies_a_frontend_whose_slots_are_gone() {
     assert_eq!(o.errors.len(), REQUESTS, "every connect() fails: {o:?}");
     for e in &o.errors {
         assert!(
-            e.contains("os error 1)"),
-            "EPERM from the connect4 hook: {e}"
+            e.contains("os error 111)"),
+            "ECONNREFUSED from the connect4 hook: {e}"
         );
     }
     assert_eq!(
@@ -757,5 +768,131 @@ fn socket_lb_hairpin_reaches_itself_without_masquerade() {
             );
         }
     }
+    drop(lb);
+}
+
+/// A dual-stack ClusterIP service no EndpointSlice serves.
+const NO_ENDPOINTS: &str = "apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: demo}
+spec:
+  ipFamilyPolicy: PreferDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 198.19.0.20
+  clusterIPs: [198.19.0.20, \"2001:db8:ffff::20\"]
+  ports:
+    - {name: tcp, protocol: TCP, port: 80}
+    - {name: udp, protocol: UDP, port: 53}
+";
+
+/// Every request of `o` failed with ECONNREFUSED: a REJECT answered at once, not a timeout
+/// (which would be ETIMEDOUT or EAGAIN).
+fn assert_refused(o: &Outcome, what: &str) {
+    assert_eq!(
+        o.errors.len(),
+        REQUESTS,
+        "{what}: every request fails: {o:?}"
+    );
+    for e in &o.errors {
+        assert!(e.contains("os error 111)"), "{what}: ECONNREFUSED, got {e}");
+    }
+}
+
+/// kube-proxy's REJECT through real sockets: without endpoints, or on a port the ClusterIP does
+/// not have, TCP gets a RST and connected UDP an ICMP port unreachable from the tc path, and
+/// both surface as ECONNREFUSED; an unallocated address of `--service-cidr` is dropped.
+#[test]
+fn tc_path_rejects_like_kube_proxy() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    manifests.add("empty.yaml", NO_ENDPOINTS);
+    let mut args = lb_args(&tb, &manifests.0, false);
+    args.extend([
+        "--service-cidr".into(),
+        "198.19.0.0/16,2001:db8:ffff::/96".into(),
+    ]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut lb = LbDaemon::spawn(&mut tb, Path::new(LB), &args, "info").unwrap();
+    lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
+
+    let before = pinned_counter(&lb.pin_dir, metrics::TC_REJECT_NO_BACKEND);
+    for target in ["198.19.0.20:80", "[2001:db8:ffff::20]:80"] {
+        assert_refused(&client(&mut tb, false, target, "tcp", &[]), target);
+    }
+    for target in ["198.19.0.20:53", "[2001:db8:ffff::20]:53"] {
+        let o = client(&mut tb, false, target, "udp", &["--connected-udp"]);
+        assert_refused(&o, target);
+    }
+    assert_eq!(
+        pinned_counter(&lb.pin_dir, metrics::TC_REJECT_NO_BACKEND) - before,
+        4 * REQUESTS as u64
+    );
+
+    let before = pinned_counter(&lb.pin_dir, metrics::TC_REJECT_UNKNOWN_PORT);
+    for target in ["198.19.0.10:81", "[2001:db8:ffff::10]:81"] {
+        assert_refused(&client(&mut tb, false, target, "tcp", &[]), target);
+        let o = client(&mut tb, false, target, "udp", &["--connected-udp"]);
+        assert_refused(&o, target);
+    }
+    assert_eq!(
+        pinned_counter(&lb.pin_dir, metrics::TC_REJECT_UNKNOWN_PORT) - before,
+        4 * REQUESTS as u64
+    );
+
+    // Unallocated: nothing answers, the datagrams are counted as dropped.
+    let before = pinned_counter(&lb.pin_dir, metrics::TC_DROP_UNALLOCATED);
+    for target in ["198.19.0.99:53", "[2001:db8:ffff::99]:53"] {
+        let o = client(&mut tb, false, target, "udp", &["--timeout-ms", "100"]);
+        assert_eq!(o.errors.len(), REQUESTS, "{target}: no answer: {o:?}");
+        assert!(
+            o.errors.iter().all(|e| !e.contains("os error 111)")),
+            "{target}: dropped, not rejected: {o:?}"
+        );
+    }
+    assert_eq!(
+        pinned_counter(&lb.pin_dir, metrics::TC_DROP_UNALLOCATED) - before,
+        2 * REQUESTS as u64
+    );
+    // The service itself is unaffected.
+    let o = client(&mut tb, false, "198.19.0.10:80", "tcp", &[]);
+    assert!(o.errors.is_empty(), "{o:?}");
+    assert_eq!(o.per_backend.len(), 3, "{o:?}");
+    drop(lb);
+}
+
+/// The same through socket LB: connect() (TCP, and UDP's connect) and unconnected sendto()
+/// fail at once with ECONNREFUSED, for a service without endpoints and for an unknown port.
+#[test]
+fn socket_lb_refuses_like_kube_proxy() {
+    let mut tb = Testbed::create(1).expect("testbed");
+    let manifests = Manifests::new(&tb.id);
+    manifests.add("empty.yaml", NO_ENDPOINTS);
+    let lb = start_lb(&mut tb, &manifests.0, true);
+
+    let before = pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND);
+    for target in ["198.19.0.20:80", "[2001:db8:ffff::20]:80"] {
+        assert_refused(&client(&mut tb, true, target, "tcp", &[]), target);
+    }
+    for target in ["198.19.0.20:53", "[2001:db8:ffff::20]:53"] {
+        let o = client(&mut tb, true, target, "udp", &["--connected-udp"]);
+        assert_refused(&o, target);
+        assert_refused(&client(&mut tb, true, target, "udp", &[]), target);
+    }
+    assert_eq!(
+        pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND) - before,
+        6 * REQUESTS as u64
+    );
+
+    let before = pinned_counter(&lb.pin_dir, metrics::SOCK_REJECT_UNKNOWN_PORT);
+    for target in ["198.19.0.10:81", "[2001:db8:ffff::10]:81"] {
+        assert_refused(&client(&mut tb, true, target, "tcp", &[]), target);
+        assert_refused(&client(&mut tb, true, target, "udp", &[]), target);
+    }
+    assert_eq!(
+        pinned_counter(&lb.pin_dir, metrics::SOCK_REJECT_UNKNOWN_PORT) - before,
+        4 * REQUESTS as u64
+    );
     drop(lb);
 }

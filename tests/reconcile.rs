@@ -110,6 +110,8 @@ enum Op {
         fe: String,
         slot: u16,
     },
+    PutClusterIp(String),
+    DelClusterIp(String),
 }
 
 /// The journal entry in the form the assertions match on.
@@ -133,6 +135,8 @@ fn op_of(m: &MapOp) -> Op {
             fe: frontend.to_string(),
             slot: *slot,
         },
+        MapOp::PutClusterIp { addr, .. } => Op::PutClusterIp(addr.to_string()),
+        MapOp::DelClusterIp { addr } => Op::DelClusterIp(addr.to_string()),
     }
 }
 
@@ -232,6 +236,12 @@ fn check_visible_consistency(dump: &Dump) -> Result<(), String> {
                 return Err(format!("{fe}: slot {s} names {} of the other family", b.l4));
             }
         }
+        // Else a packet to this frontend's address on another port would pass instead of
+        // being rejected.
+        if master.flags & svc_flags::CLUSTER_IP != 0 && !dump.cluster_ips.contains_key(&fe.l4.addr)
+        {
+            return Err(format!("{fe}: ClusterIP not in the ClusterIP set"));
+        }
     }
     Ok(())
 }
@@ -315,6 +325,18 @@ fn assert_converged(dump: &Dump, d: &DesiredState) {
     );
     assert!(!backend_ids.contains(&0), "backend id 0 is reserved");
     assert!(!revnat_ids.contains(&0), "rev-NAT id 0 is reserved");
+    let mut cluster_ips: BTreeMap<IpAddr, u32> = BTreeMap::new();
+    for (fe, e) in &d.services {
+        if e.flags & svc_flags::CLUSTER_IP != 0 {
+            *cluster_ips.entry(fe.l4.addr).or_default() += 1;
+        }
+    }
+    assert_eq!(
+        dump.cluster_ips,
+        cluster_ips,
+        "the ClusterIP set holds exactly the ClusterIPs, with their frontend counts\n{}",
+        render(dump)
+    );
     assert_render_matches(dump, d);
 }
 
@@ -513,6 +535,21 @@ impl LbMaps for Checked {
         let r = self.inner.del_service(frontend, slot);
         self.after(r)
     }
+
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
+        self.should_fail(
+            &format!("put cluster-ip {addr}"),
+            Table::ClusterIps,
+            Family::of(&addr),
+        )?;
+        let r = self.inner.put_cluster_ip(addr, frontends);
+        self.after(r)
+    }
+
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        let r = self.inner.del_cluster_ip(addr);
+        self.after(r)
+    }
 }
 
 fn checked(capacity: u32) -> Reconciler<Checked> {
@@ -551,8 +588,9 @@ fn fresh_apply_programs_every_frontend() {
     assert_eq!(dump.backends.len(), 6);
     assert_eq!(rec.backend_count(), 6);
     assert_eq!(rec.service_count(), 4);
-    // Writes: 6 backends + 4 rev-NAT + (1 + 3) + (1 + 2) + 1 + (1 + 2) service entries.
-    assert_eq!(report.writes, 6 + 4 + 4 + 3 + 1 + 3);
+    // Writes: 6 backends + 4 rev-NAT + (1 + 3) + (1 + 2) + 1 + (1 + 2) service entries + 4
+    // ClusterIPs.
+    assert_eq!(report.writes, 6 + 4 + 4 + 3 + 1 + 3 + 4);
     // Each frontend its own rev-NAT id.
     let ids: BTreeSet<u32> = d.services.keys().map(|fe| revnat_id(dump, fe)).collect();
     assert_eq!(ids.len(), 4);
@@ -595,7 +633,9 @@ fn usage_reports_what_the_maps_hold_per_map_and_family() {
         .into_iter()
         .map(|(name, used, cap)| (name, (used, cap)))
         .collect();
-    assert_eq!(usage.len(), 6, "{usage:?}");
+    assert_eq!(usage.len(), 8, "{usage:?}");
+    assert_eq!(usage["lb4_cluster_ips"], (2, 100));
+    assert_eq!(usage["lb6_cluster_ips"], (1, 100));
     assert_eq!(usage["lb4_services"], (count_services(true), 100));
     assert_eq!(usage["lb6_services"], (count_services(false), 100));
     assert_eq!(usage["lb4_backends"], (count_backends(true), 100));
@@ -981,7 +1021,14 @@ fn removing_a_service_deletes_master_then_slots_then_revnat_and_backends() {
     );
     assert!(!ops.contains(&Op::DelRevNat(keep_rid)));
     assert!(!ops.iter().any(|o| touches(o, &fe4(2))), "{ops:#?}");
-    assert_eq!(ops.len(), 1 + 3 + 1 + 2, "{ops:#?}");
+    let ip = position(&ops, "ClusterIP delete", |o| {
+        *o == Op::DelClusterIp(vip4(1).to_string())
+    });
+    assert!(
+        slots.iter().all(|s| *s < ip),
+        "ClusterIP after the frontend: {ops:#?}"
+    );
+    assert_eq!(ops.len(), 1 + 3 + 1 + 2 + 1, "{ops:#?}");
     assert_converged(dump_of(&rec), &d);
 }
 
@@ -995,7 +1042,7 @@ fn removing_everything_leaves_empty_maps() {
     ]));
     let (report, _) = apply_logged(&mut rec, &DesiredState::default());
     assert!(report.errors.is_empty());
-    assert_eq!(report.deletes, 3 + 2 + 1 + 3 + 3);
+    assert_eq!(report.deletes, 3 + 2 + 1 + 3 + 3 + 3);
     let dump = dump_of(&rec);
     assert_eq!(dump, &Dump::default(), "{}", render(dump));
     assert_eq!(render(dump), "");
@@ -1131,6 +1178,8 @@ fn stray_state_found_on_start_is_cleaned_by_the_first_apply() {
     maps.dump.backends.insert(901, be6(99));
     maps.dump.revnat.insert(700, (vip4(77), VPORT));
     maps.dump.revnat.insert(701, (vip6(77), VPORT));
+    // A ClusterIP entry whose frontends are gone.
+    maps.dump.cluster_ips.insert(vip4(77), 1);
     let text = render(&maps.dump);
     assert!(
         text.contains("orphan"),
@@ -1157,10 +1206,11 @@ fn stray_state_found_on_start_is_cleaned_by_the_first_apply() {
         Op::DelBackend(901),
         Op::DelRevNat(700),
         Op::DelRevNat(701),
+        Op::DelClusterIp(vip4(77).to_string()),
     ] {
         assert!(ops.contains(&op), "{op:?} missing from {ops:#?}");
     }
-    assert_eq!(ops.len(), 6, "{ops:#?}");
+    assert_eq!(ops.len(), 7, "{ops:#?}");
     assert_converged(dump_of(&rec), &d);
     let (report, ops) = apply_logged(&mut rec, &d);
     assert_eq!((report.writes, report.deletes), (0, 0), "{ops:#?}");
@@ -1265,6 +1315,12 @@ fn failed_surplus_delete_then_growth_keeps_the_slot() {
                 });
             }
             self.inner.del_service(fe, s)
+        }
+        fn put_cluster_ip(&mut self, a: IpAddr, n: u32) -> Result<(), MapOpError> {
+            self.inner.put_cluster_ip(a, n)
+        }
+        fn del_cluster_ip(&mut self, a: IpAddr) -> Result<(), MapOpError> {
+            self.inner.del_cluster_ip(a)
         }
     }
     let mut rec = Reconciler::new(FailDel {
@@ -1730,5 +1786,85 @@ fn missing_revnat_with_the_highest_id_is_repaired() {
     let report = rec.apply(&d);
     assert!(report.errors.is_empty());
     // Replies from fe4(2)'s backends cannot be reverse-NATed while this entry is missing.
+    assert_converged(dump_of(&rec), &d);
+}
+
+/// The ClusterIP set brackets the frontends at an address: written before the first master,
+/// deleted after the last is gone, and holding ClusterIPs only (kube-proxy's `cluster-ips`).
+#[test]
+fn cluster_ip_set_brackets_the_frontends_of_an_address() {
+    let mut rec = checked(64);
+    let http = fe4(1);
+    let https = Frontend::new(vip4(1), 443, Proto::Tcp);
+    let dns = Frontend::new(vip6(1), 53, Proto::Udp);
+    let external = Frontend::new(vip4(5), VPORT, Proto::Tcp);
+    let mut d = desired(&[(http, &[be4(1)]), (https, &[be4(2)]), (dns, &[be6(1)])]);
+    let mut ext = entry("ext", &[be4(3)]);
+    ext.flags = svc_flags::EXTERNAL_IP;
+    d.services.insert(external, ext);
+
+    let (report, ops) = apply_logged(&mut rec, &d);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_no_violations(&rec);
+    let put = position(&ops, "put of the ClusterIP", |o| {
+        *o == Op::PutClusterIp(vip4(1).to_string())
+    });
+    assert!(
+        put < master_put(&ops, &http) && put < master_put(&ops, &https),
+        "{ops:#?}"
+    );
+    assert!(
+        !ops.contains(&Op::PutClusterIp(vip4(5).to_string())),
+        "an ExternalIP is no ClusterIP: {ops:#?}"
+    );
+    assert_eq!(dump_of(&rec).cluster_ips.get(&vip4(1)), Some(&2));
+    assert_eq!(
+        dump_of(&rec).cluster_ips.len(),
+        2,
+        "{}",
+        render(dump_of(&rec))
+    );
+
+    // One port fewer: the address stays, its count drops.
+    d.services.remove(&https);
+    d.services.remove(&external);
+    let (_, ops) = apply_logged(&mut rec, &d);
+    assert!(
+        !ops.iter().any(|o| matches!(o, Op::DelClusterIp(_))),
+        "{ops:#?}"
+    );
+    assert_converged(dump_of(&rec), &d);
+
+    // The last frontend of the address goes: its master first, then the ClusterIP.
+    d.services.remove(&http);
+    let (_, ops) = apply_logged(&mut rec, &d);
+    let master_del = position(&ops, "master delete", |o| {
+        *o == Op::DelSlot {
+            fe: http.to_string(),
+            slot: 0,
+        }
+    });
+    let ip_del = position(&ops, "ClusterIP delete", |o| {
+        *o == Op::DelClusterIp(vip4(1).to_string())
+    });
+    assert!(master_del < ip_del, "{ops:#?}");
+    assert_no_violations(&rec);
+    assert_converged(dump_of(&rec), &d);
+}
+
+/// A ClusterIP entry that cannot be written costs only the unknown-port REJECT of that address:
+/// the frontends are programmed, and the next apply writes the entry.
+#[test]
+fn failed_cluster_ip_write_is_retried_and_does_not_block_the_service() {
+    let mut rec = checked(64);
+    let d = desired(&[(fe4(1), &[be4(1)])]);
+    rec.maps().fail_on(Some("put cluster-ip"));
+    let report = rec.apply(&d);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert!(dump_of(&rec).services.contains_key(&(fe4(1), 0)));
+    assert!(dump_of(&rec).cluster_ips.is_empty());
+    rec.maps().fail_on(None);
+    let (report, ops) = apply_logged(&mut rec, &d);
+    assert_eq!(report.writes, 1, "{ops:#?}");
     assert_converged(dump_of(&rec), &d);
 }

@@ -237,12 +237,12 @@ fn trace_agrees_with_real_traffic() {
 }
 
 #[test]
-fn trace_reports_drops_misses_and_hooks() {
+fn trace_reports_rejects_drops_misses_and_hooks() {
     let dir = std::env::temp_dir().join(format!("lb-trace-manifests-{}", std::process::id()));
     fs::create_dir_all(&dir).unwrap();
     fs::write(
         dir.join("empty.yaml"),
-        "apiVersion: v1\nkind: Service\nmetadata: {name: empty, namespace: t}\nspec:\n  clusterIP: 198.19.1.1\n  ports: [{name: p, protocol: TCP, port: 80}]\n",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: empty, namespace: t}\nspec:\n  clusterIP: 198.19.1.1\n  clusterIPs: [198.19.1.1, \"2001:db8:ffff:1::1\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: PreferDualStack\n  ports: [{name: p, protocol: TCP, port: 80}]\n",
     )
     .unwrap();
     let d = dir.to_str().unwrap();
@@ -254,8 +254,15 @@ fn trace_reports_drops_misses_and_hooks() {
         "--dst",
         "198.19.1.1:80",
     ]);
-    assert_eq!(no_backend[0]["verdict"], "drop");
-    assert_eq!(no_backend[0]["reason"], "tc_drop_no_backend");
+    // A DROP before lb answered like kube-proxy's REJECT.
+    assert_eq!(no_backend[0]["verdict"], "reject");
+    assert_eq!(no_backend[0]["reason"], "tc_reject_no_backend");
+    assert_eq!(
+        no_backend[0]["reply"],
+        serde_json::json!({"proto": "tcp-rst", "src": "198.19.1.1:80", "dst": "198.18.10.2:40000"})
+    );
+    assert_eq!(no_backend[0]["source_after"], "198.18.10.2:40000");
+    assert_eq!(no_backend[0]["masquerade"], false);
     assert_eq!(no_backend[0]["conntrack"], serde_json::Value::Null);
     assert_eq!(no_backend[0]["slot"], serde_json::Value::Null);
     assert_eq!(no_backend[0]["scope"], "external");
@@ -283,6 +290,65 @@ fn trace_reports_drops_misses_and_hooks() {
     assert_eq!(miss[0]["backend"], serde_json::Value::Null);
     assert_eq!(miss[0]["source_after"], "198.18.10.2:1234");
     assert!(miss[0]["hook"].as_str().unwrap().starts_with("socket LB"));
+
+    assert_eq!(miss[0]["reply"], serde_json::Value::Null);
+
+    // UDP to the same ClusterIP: no UDP frontend there, so an ICMP port unreachable from it.
+    let unknown_port = trace(&[
+        "--manifests",
+        d,
+        "--src",
+        "198.18.10.2",
+        "--dst",
+        "198.19.1.1:53",
+        "--proto",
+        "udp",
+    ]);
+    assert_eq!(unknown_port[0]["verdict"], "reject");
+    assert_eq!(unknown_port[0]["reason"], "tc_reject_unknown_port");
+    assert_eq!(unknown_port[0]["service"], serde_json::Value::Null);
+    assert_eq!(
+        unknown_port[0]["reply"],
+        serde_json::json!({"proto": "icmp-port-unreachable", "src": "198.19.1.1", "dst": "198.18.10.2"})
+    );
+    let v6 = trace(&[
+        "--manifests",
+        d,
+        "--src",
+        "2001:db8:0:10::2",
+        "--dst",
+        "[2001:db8:ffff:1::1]:53",
+        "--proto",
+        "udp",
+    ]);
+    assert_eq!(v6[0]["verdict"], "reject", "{v6:?}");
+    assert_eq!(
+        v6[0]["reply"],
+        serde_json::json!({"proto": "icmpv6-port-unreachable", "src": "2001:db8:ffff:1::1", "dst": "2001:db8:0:10::2"})
+    );
+
+    // With --service-cidr, an unallocated address in it is dropped; outside it passes.
+    for (dst, verdict, reason) in [
+        ("198.19.9.9:80", "drop", "tc_drop_unallocated_service_ip"),
+        ("198.20.9.9:80", "pass", "tc_pass_no_service"),
+    ] {
+        let r = trace(&[
+            "--manifests",
+            d,
+            "--service-cidr",
+            "198.19.0.0/16,2001:db8:ffff::/64",
+            "--src",
+            "198.18.10.2",
+            "--dst",
+            dst,
+        ]);
+        assert_eq!(
+            (&r[0]["verdict"], &r[0]["reason"]),
+            (&verdict.into(), &reason.into()),
+            "{dst}"
+        );
+        assert_eq!(r[0]["reply"], serde_json::Value::Null);
+    }
 
     let out = Command::new(LB)
         .args([

@@ -35,12 +35,20 @@ pub mod map_names {
     /// Cluster CIDRs (`--cluster-cidr`), LPM tries: sources inside are pods.
     pub const CLUSTER_CIDR4: &str = "lb4_clustercidr";
     pub const CLUSTER_CIDR6: &str = "lb6_clustercidr";
+    /// Addresses that are a ClusterIP of some frontend (kube-proxy's `cluster-ips` set): a
+    /// packet to one on a port no frontend has is rejected.
+    pub const CLUSTER_IPS4: &str = "lb4_cluster_ips";
+    pub const CLUSTER_IPS6: &str = "lb6_cluster_ips";
+    /// `--service-cidr` ranges (LPM tries): a packet to an address in one that is no ClusterIP
+    /// is dropped. Written at start-up, before the programs attach.
+    pub const SVC_CIDR4: &str = "lb4_svc_cidr";
+    pub const SVC_CIDR6: &str = "lb6_svc_cidr";
     /// The decision record of traced loads (`TraceRecord`). Never pinned, so not in `ALL`: each
     /// load owns its own, and a trace load cannot touch a running lb's.
     pub const TRACE: &str = "lb_trace";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 18] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
@@ -55,6 +63,10 @@ pub mod map_names {
         CONFIG,
         CLUSTER_CIDR4,
         CLUSTER_CIDR6,
+        CLUSTER_IPS4,
+        CLUSTER_IPS6,
+        SVC_CIDR4,
+        SVC_CIDR6,
     ];
 }
 
@@ -99,6 +111,10 @@ pub mod map_sizes {
     pub const METRICS: u32 = crate::metrics::MAX as u32;
     /// Cluster CIDRs per family (kube-proxy takes a handful; this is generous).
     pub const CLUSTER_CIDR: u32 = 64;
+    /// Distinct ClusterIPs of one family.
+    pub const CLUSTER_IPS: u32 = 1 << 17;
+    /// `--service-cidr` ranges of one family.
+    pub const SVC_CIDR: u32 = 64;
 }
 
 /// Names of the read-only globals userspace may set at load time.
@@ -106,6 +122,11 @@ pub mod globals {
     /// `u8`, non-zero: the tc programs write a `TraceRecord` into `lb_trace` for every packet.
     /// Zero (the default) leaves the branch dead, and the verifier prunes it.
     pub const TRACE: &str = "LB_TRACE";
+    /// `u8`, non-zero: the kernel lets cgroup sock_addr programs call `bpf_set_retval`, so a
+    /// refused connect()/sendmsg() fails with ECONNREFUSED instead of EPERM. The loader sets
+    /// it after probing; zero leaves the helper call in a branch the verifier never walks, so
+    /// kernels without the helper (before 5.18) still load the programs.
+    pub const HAS_SET_RETVAL: &str = "LB_HAS_SET_RETVAL";
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -448,6 +469,41 @@ pub struct SkRevNat6Value {
     pub rev_nat_id: u32,
 }
 
+/// Map key of `lb4_cluster_ips`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ClusterIp4Key {
+    pub addr: [u8; 4],
+}
+
+/// Map key of `lb6_cluster_ips`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ClusterIp6Key {
+    pub addr: [u8; 16],
+}
+
+/// Map value of `lb4_cluster_ips` and `lb6_cluster_ips`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct ClusterIpValue {
+    /// Frontends (port, protocol, scope) programmed at this address; informational, the
+    /// datapath only needs the entry to exist.
+    pub frontends: u32,
+}
+
+/// Map value of `lb4_svc_cidr` and `lb6_svc_cidr`, keyed by an LPM key (`u32` prefix length,
+/// then the address bytes): the prefix length again, so a lookup tells which range matched.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SvcCidrValue {
+    pub prefix_len: u32,
+}
+
 /// `TraceRecord::verdict` values: what a tc program did with the packet.
 pub mod trace_verdict {
     /// No record written (tracing off, or no packet run yet).
@@ -460,7 +516,8 @@ pub mod trace_verdict {
     pub const PASS: u8 = 3;
     /// Dropped (no backend, or a rewrite helper failed).
     pub const DROP: u8 = 4;
-    /// Reserved for an ICMP/RST reject answering a service without backends.
+    /// Answered with a TCP RST or an ICMP/ICMPv6 port unreachable, sent back out the device the
+    /// packet came in on (a service without backends, or a ClusterIP port it does not have).
     pub const REJECT: u8 = 5;
 }
 
@@ -554,6 +611,10 @@ mod user {
     unsafe impl aya::Pod for super::SkRevNat6Value {}
     unsafe impl aya::Pod for super::MetricValue {}
     unsafe impl aya::Pod for super::TraceRecord {}
+    unsafe impl aya::Pod for super::ClusterIp4Key {}
+    unsafe impl aya::Pod for super::ClusterIp6Key {}
+    unsafe impl aya::Pod for super::ClusterIpValue {}
+    unsafe impl aya::Pod for super::SvcCidrValue {}
 }
 
 // The sizes are part of the ABI with pinned maps: a change here needs a map migration.
@@ -576,6 +637,10 @@ const _: () = {
     assert!(size_of::<SkRevNat6Value>() == 24);
     assert!(size_of::<MetricValue>() == 16);
     assert!(size_of::<TraceRecord>() == 20);
+    assert!(size_of::<ClusterIp4Key>() == 4);
+    assert!(size_of::<ClusterIp6Key>() == 16);
+    assert!(size_of::<ClusterIpValue>() == 4);
+    assert!(size_of::<SvcCidrValue>() == 4);
     // `TraceRecord::reason` holds a metrics index in a u8.
     assert!(metrics::MAX <= 256);
 };

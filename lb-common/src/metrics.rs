@@ -11,7 +11,8 @@ pub const TC_REVNAT: u32 = 2;
 pub const TC_PASS_NO_SERVICE: u32 = 3;
 /// tc: not fully parsed (non-IP, fragment, unknown L4, truncated); passed untouched.
 pub const TC_PASS_UNPARSED: u32 = 4;
-/// tc: service with no backend; dropped.
+/// tc: service with no backend; dropped. Retired: such packets are rejected now
+/// (`TC_REJECT_NO_BACKEND`); the index stays so the others keep theirs.
 pub const TC_DROP_NO_BACKEND: u32 = 5;
 /// tc: a rewrite helper failed; dropped rather than forwarded half-rewritten.
 pub const TC_DROP_REWRITE: u32 = 6;
@@ -21,7 +22,8 @@ pub const TC_CT_INSERT_FAILED: u32 = 7;
 pub const SOCK_FWD: u32 = 8;
 /// Socket LB: recvmsg() or getpeername() translated back to the frontend.
 pub const SOCK_REVNAT: u32 = 9;
-/// Socket LB: service with no backend; the call fails with EPERM.
+/// Socket LB: service with no backend, or a ClusterIP port no frontend has; the call fails
+/// with ECONNREFUSED (EPERM on kernels without `bpf_set_retval` for sock_addr programs).
 pub const SOCK_DROP_NO_BACKEND: u32 = 10;
 /// Socket LB: reverse entry insert failed; replies will show the backend address.
 pub const SOCK_REVNAT_INSERT_FAILED: u32 = 11;
@@ -34,12 +36,23 @@ pub const TC_SNAT_NO_NODE_IP: u32 = 14;
 /// tc: no FIB route to forward a masqueraded packet past the stack; left to the stack, which
 /// drops IPv4 packets carrying a local source address.
 pub const TC_SNAT_NO_ROUTE: u32 = 15;
+/// tc: service with no backend; answered with a TCP RST or ICMP port unreachable (a TCP RST
+/// is only dropped: RSTs are never answered).
+pub const TC_REJECT_NO_BACKEND: u32 = 16;
+/// tc: a ClusterIP on a port/protocol none of its frontends has; answered like
+/// `TC_REJECT_NO_BACKEND`.
+pub const TC_REJECT_UNKNOWN_PORT: u32 = 17;
+/// tc: an address in a `--service-cidr` that is no ClusterIP; dropped.
+pub const TC_DROP_UNALLOCATED: u32 = 18;
+/// Socket LB: connect()/sendmsg() to a ClusterIP on a port none of its frontends has; the call
+/// fails like `SOCK_DROP_NO_BACKEND`.
+pub const SOCK_REJECT_UNKNOWN_PORT: u32 = 19;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 16] = [
+pub const NAMES: [&str; 20] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -56,4 +69,8 @@ pub const NAMES: [&str; 16] = [
     "tc_snat_port_exhausted",
     "tc_snat_no_node_ip",
     "tc_snat_no_route",
+    "tc_reject_no_backend",
+    "tc_reject_unknown_port",
+    "tc_drop_unallocated_service_ip",
+    "sock_reject_unknown_port",
 ];

@@ -7,14 +7,14 @@
 //! value copied out is never half-written.
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, RevNat4, RevNat6,
-    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcValue,
-    config_flags,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
+    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key,
+    SvcValue, config_flags,
 };
 
 use crate::maps::{
-    BACKENDS4, BACKENDS6, CLUSTER_CIDR4, CLUSTER_CIDR6, CT4, CT6, REVNAT4, REVNAT6, SERVICES4,
-    SERVICES6, SK_REVNAT4, SK_REVNAT6, scratch,
+    BACKENDS4, BACKENDS6, CLUSTER_CIDR4, CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT4, CT6,
+    REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SVC_CIDR4, SVC_CIDR6, scratch,
 };
 
 /// Which scratch slot (`maps::Scratch::keys`) a conntrack key is built in: the two keys a step
@@ -79,6 +79,10 @@ pub trait Af {
     fn service(addr: Self::Addr, port: u16, proto: u8, slot: u16, scope: u8) -> Option<SvcValue>;
     fn backend(id: u32) -> Option<Endpoint<Self::Addr>>;
     fn revnat(id: u32) -> Option<Endpoint<Self::Addr>>;
+    /// Whether `addr` is the ClusterIP of some frontend (on whatever port).
+    fn is_cluster_ip(addr: Self::Addr) -> bool;
+    /// Whether `addr` lies in a `--service-cidr` range.
+    fn in_service_cidr(addr: Self::Addr) -> bool;
 
     /// Builds a conntrack key in this CPU's scratch `slot` (`None` only if the scratch map
     /// lookup failed, which it cannot for index 0). The key stays valid until the slot is
@@ -178,6 +182,16 @@ impl Af for V4 {
                 port: r.port,
             }
         })
+    }
+
+    #[inline(always)]
+    fn is_cluster_ip(addr: [u8; 4]) -> bool {
+        CLUSTER_IPS4.get_ptr(&ClusterIp4Key { addr }).is_some()
+    }
+
+    #[inline(always)]
+    fn in_service_cidr(addr: [u8; 4]) -> bool {
+        SVC_CIDR4.get(&Key::new(32, addr)).is_some()
     }
 
     #[inline(always)]
@@ -341,6 +355,16 @@ impl Af for V6 {
                 port: r.port,
             }
         })
+    }
+
+    #[inline(always)]
+    fn is_cluster_ip(addr: [u8; 16]) -> bool {
+        CLUSTER_IPS6.get_ptr(&ClusterIp6Key { addr }).is_some()
+    }
+
+    #[inline(always)]
+    fn in_service_cidr(addr: [u8; 16]) -> bool {
+        SVC_CIDR6.get(&Key::new(128, addr)).is_some()
     }
 
     #[inline(always)]

@@ -4,8 +4,10 @@
 //! (`pull_data` is a no-op there), and `store`/csum become direct writes plus `bpf_csum_diff`.
 use aya_ebpf::{
     EbpfContext,
-    bindings::bpf_fib_lookup,
-    helpers::{bpf_fib_lookup as fib_lookup_helper, bpf_redirect, bpf_redirect_neigh},
+    bindings::{bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, bpf_fib_lookup},
+    helpers::{
+        bpf_fib_lookup as fib_lookup_helper, bpf_redirect, bpf_redirect_neigh, bpf_skb_change_tail,
+    },
     programs::TcContext,
 };
 
@@ -43,6 +45,18 @@ pub trait PacketCtx: EbpfContext {
     fn redirect(&self, ifindex: u32) -> i32;
     /// Sends the packet out of `ifindex`, resolving the next hop's MAC on the way.
     fn redirect_neigh(&self, ifindex: u32) -> i32;
+
+    // What building a reply in place needs (`reject`). Failures are `Error::Rewrite`: the
+    // packet may be half rebuilt, so it is dropped. (Its header reads go through `load`, all
+    // before the first write, so a failed read still leaves the packet untouched.)
+
+    /// Cuts the packet to `len` bytes, or zero-fills it up to `len`.
+    fn change_tail(&self, len: u32) -> Result<(), Error>;
+    /// Inserts `len` zero bytes between the Ethernet header and the IP header.
+    fn grow_after_mac(&self, len: u32) -> Result<(), Error>;
+    /// Queues the packet to leave through the device it came in on; returns the verdict that
+    /// makes it so.
+    fn bounce(&self) -> Result<i32, Error>;
 }
 
 impl PacketCtx for TcContext {
@@ -109,5 +123,30 @@ impl PacketCtx for TcContext {
         // SAFETY: no params (the FIB picks the next hop). 5.10's helper takes (ifindex, flags);
         // the NULL lands in flags as 0 and the rest is ignored there.
         unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+    }
+
+    #[inline(always)]
+    fn change_tail(&self, len: u32) -> Result<(), Error> {
+        // SAFETY: the helper takes any skb context.
+        let r = unsafe { bpf_skb_change_tail(self.skb.skb.cast(), len, 0) };
+        if r == 0 { Ok(()) } else { Err(Error::Rewrite) }
+    }
+
+    #[inline(always)]
+    fn grow_after_mac(&self, len: u32) -> Result<(), Error> {
+        self.adjust_room(len as i32, BPF_ADJ_ROOM_MAC, 0)
+            .map_err(|_| Error::Rewrite)
+    }
+
+    #[inline(always)]
+    fn bounce(&self) -> Result<i32, Error> {
+        // On tc ingress `ifindex` is the device the packet arrived on; `redirect` sends it to
+        // that device's egress: TC_ACT_REDIRECT on success, TC_ACT_SHOT otherwise.
+        let r = self.redirect(self.ifindex());
+        if r == aya_ebpf::bindings::TC_ACT_REDIRECT as i32 {
+            Ok(r)
+        } else {
+            Err(Error::Rewrite)
+        }
     }
 }

@@ -11,15 +11,14 @@
 //! `ctx` (what packet code needs from a program context), `parse`, `rewrite` (NAT with
 //! incremental checksums, `crc32c` for SCTP's), `conntrack`, `select` (the one backend choice
 //! of every hook), `af` (per-family map access), `maps`, `trace` (the decision record of traced
-//! loads).
+//! loads), `reject` (TCP RST / ICMP port unreachable built in place and sent back).
 //!
 //! `nat` (masquerade: when, and which port) and `fwd` (forwarding masqueraded packets past
 //! the stack's routing) serve the tc hooks beside `conntrack`.
 //!
-//! Where what comes next goes: REJECT
-//! generation (ICMP unreachable / TCP RST for frontends without backends) in `reject.rs`; an
-//! XDP entry in `xdp.rs`, implementing `ctx::PacketCtx` for `XdpContext`; session affinity
-//! and Maglev in `select`; socket destroy of flows to removed backends as its own program.
+//! Where what comes next goes: an XDP entry in `xdp.rs`, implementing `ctx::PacketCtx` for
+//! `XdpContext`; session affinity and Maglev in `select`; socket destroy of flows to removed
+//! backends as its own program.
 #![no_std]
 #![no_main]
 
@@ -31,6 +30,7 @@ mod fwd;
 mod maps;
 mod nat;
 mod parse;
+mod reject;
 mod rewrite;
 mod select;
 mod sock;

@@ -7,9 +7,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    Backend4, Backend6, ClusterCidr4, ClusterCidr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
-    MetricValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value,
-    Svc4Key, Svc6Key, SvcValue, TraceRecord, map_sizes,
+    Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcCidrValue, SvcValue,
+    TraceRecord, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -45,6 +46,27 @@ pub static CT6: LruHashMap<Ct6Key, Ct6Value, { map_sizes::CT as usize }> = LruHa
 #[btf_map(name = "lb6_sk_revnat")]
 pub static SK_REVNAT6: LruHashMap<SkRevNat6Key, SkRevNat6Value, { map_sizes::SK_REVNAT as usize }> =
     LruHashMap::new();
+
+#[btf_map(name = "lb4_cluster_ips")]
+pub static CLUSTER_IPS4: HashMap<
+    ClusterIp4Key,
+    ClusterIpValue,
+    { map_sizes::CLUSTER_IPS as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+#[btf_map(name = "lb6_cluster_ips")]
+pub static CLUSTER_IPS6: HashMap<
+    ClusterIp6Key,
+    ClusterIpValue,
+    { map_sizes::CLUSTER_IPS as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+#[btf_map(name = "lb4_svc_cidr")]
+pub static SVC_CIDR4: LpmTrie<[u8; 4], SvcCidrValue, { map_sizes::SVC_CIDR as usize }> =
+    LpmTrie::new();
+#[btf_map(name = "lb6_svc_cidr")]
+pub static SVC_CIDR6: LpmTrie<[u8; 16], SvcCidrValue, { map_sizes::SVC_CIDR as usize }> =
+    LpmTrie::new();
 
 #[btf_map(name = "lb_metrics")]
 pub static METRICS: PerCpuArray<MetricValue, { map_sizes::METRICS as usize }> = PerCpuArray::new();

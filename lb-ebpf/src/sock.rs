@@ -6,7 +6,7 @@
 //! frontend the application asked for. IPv4-mapped IPv6 destinations (`::ffff:a.b.c.d`) on
 //! IPv6 sockets use the IPv4 services.
 use aya_ebpf::{
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
@@ -21,6 +21,26 @@ use crate::{
 /// Verdicts of cgroup sock_addr programs.
 const ALLOW: i32 = 1;
 const DENY: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+
+/// Set by the loader (`lb_common::globals::HAS_SET_RETVAL`) when the kernel offers
+/// `bpf_set_retval` to sock_addr programs. In .rodata, frozen: with 0 the verifier knows the
+/// helper call is dead and never checks it, so kernels without the helper load the program.
+#[unsafe(no_mangle)]
+static LB_HAS_SET_RETVAL: u8 = 0;
+
+/// Fails the connect()/sendmsg() as a REJECT would: ECONNREFUSED where the kernel lets the
+/// program choose the error, EPERM (a plain deny) before.
+#[inline(always)]
+fn refuse() -> i32 {
+    // SAFETY: a plain read of a static; volatile so the loader's value is what is read.
+    if unsafe { core::ptr::read_volatile(&LB_HAS_SET_RETVAL) } != 0 {
+        // SAFETY: helper with a plain integer argument; its result only says whether the
+        // value was accepted, and DENY fails the call either way.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+    }
+    DENY
+}
 
 /// How a translation picks its backend.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -130,15 +150,25 @@ fn balance<A: Af>(
     selected
 }
 
-/// The sock_addr verdict of a selection; counts it. `rewrite` puts the backend in the context.
+/// The sock_addr verdict of a selection to `frontend`; counts it. `rewrite` puts the backend
+/// in the context.
 #[inline(always)]
-fn verdict<A>(selected: Selected<A>, rewrite: impl FnOnce(Endpoint<A>)) -> i32 {
+fn verdict<A: Af>(
+    frontend: Endpoint<A::Addr>,
+    selected: Selected<A::Addr>,
+    rewrite: impl FnOnce(Endpoint<A::Addr>),
+) -> i32 {
     match selected {
+        // A ClusterIP on a port it does not have is refused like kube-proxy's REJECT.
+        Selected::NotAService if A::is_cluster_ip(frontend.addr) => {
+            count(metrics::SOCK_REJECT_UNKNOWN_PORT, 0);
+            refuse()
+        }
         Selected::NotAService => ALLOW,
-        // connect()/sendmsg() fail with EPERM rather than reach a VIP nothing answers on.
+        // connect()/sendmsg() fail at once rather than reach a VIP nothing answers on.
         Selected::NoBackend => {
             count(metrics::SOCK_DROP_NO_BACKEND, 0);
-            DENY
+            refuse()
         }
         Selected::Backend(c) => {
             rewrite(c.backend);
@@ -161,10 +191,14 @@ fn forward4(ctx: &SockAddrContext, pick: Pick) -> i32 {
             addr: (*sa).user_ip4.to_ne_bytes(),
             port: port_from_ctx((*sa).user_port),
         };
-        verdict(balance::<V4>(ctx, frontend, proto, pick), |backend| {
-            (*sa).user_ip4 = u32::from_ne_bytes(backend.addr);
-            (*sa).user_port = port_to_ctx(backend.port);
-        })
+        verdict::<V4>(
+            frontend,
+            balance::<V4>(ctx, frontend, proto, pick),
+            |backend| {
+                (*sa).user_ip4 = u32::from_ne_bytes(backend.addr);
+                (*sa).user_port = port_to_ctx(backend.port);
+            },
+        )
     }
 }
 
@@ -258,14 +292,16 @@ fn forward6(ctx: &SockAddrContext, pick: Pick) -> i32 {
         let addr = read_ip6(&words);
         let port = port_from_ctx((*sa).user_port);
         match v4_mapped(&addr) {
-            Some(v4) => verdict(
+            Some(v4) => verdict::<V4>(
+                Endpoint { addr: v4, port },
                 balance::<V4>(ctx, Endpoint { addr: v4, port }, proto, pick),
                 |b| {
                     write_ip6(ctx, mapped(b.addr));
                     (*sa).user_port = port_to_ctx(b.port);
                 },
             ),
-            None => verdict(
+            None => verdict::<V6>(
+                Endpoint { addr, port },
                 balance::<V6>(ctx, Endpoint { addr, port }, proto, pick),
                 |b| {
                     write_ip6(ctx, b.addr);

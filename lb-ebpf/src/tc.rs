@@ -2,8 +2,10 @@
 //!
 //! Ingress (`lb_tc_ingress` on external-facing devices, `lb_tc_pod` on the host side of pod
 //! veths): a packet to a frontend is DNATed to its flow's conntrack backend, or to a backend
-//! chosen for the new flow; a backend's reply gets its source turned back into the frontend.
-//! Egress does the reverse NAT only. What does not parse is passed untouched.
+//! chosen for the new flow, or rejected (TCP RST / ICMP port unreachable, `reject`) when the
+//! frontend has no backend or its ClusterIP not that port; a packet to an unallocated address
+//! of a `--service-cidr` is dropped; a backend's reply gets its source turned back into the
+//! frontend. Egress does the reverse NAT only. What does not parse is passed untouched.
 //!
 //! A flow that is masqueraded (`nat`) gets its source rewritten too, right after the DNAT, and
 //! is forwarded by `fwd` rather than the stack; its replies, which come back to the node IP,
@@ -28,6 +30,7 @@ use crate::{
     maps::{config, count, scratch},
     nat,
     parse::{self, L3, Packet, ParseAf},
+    reject::{self, RejectAf},
     rewrite,
     select::{self, Chosen, Origin, Service, Unserved},
     trace,
@@ -108,12 +111,17 @@ const _: () = {
     assert!(size_of::<conntrack::Flow<[u8; 16]>>() <= 64);
 };
 
-/// A packet to a frontend is balanced (ingress only); anything else may be a reply.
+/// A packet to a frontend is balanced (ingress only); one to a ClusterIP on a port it does not
+/// have is rejected, one to an unallocated address of a `--service-cidr` dropped (kube-proxy's
+/// `cluster-ips-check`); anything else may be a reply.
 // BPF subprograms (`inline(never)`) keep the IPv4 and IPv6 paths, and the new, established
 // and reply paths within them, in frames of their own: inlined together they overflow the
 // 512-byte stack, which the verifier counts along the deepest call chain.
 #[inline(never)]
-fn handle<C: PacketCtx, A: FwdAf + ParseAf>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
+fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf>(
+    ctx: &C,
+    hook: Hook,
+) -> Result<Decision, Error> {
     let s = scratch().ok_or(Error::Unparsed)?;
     // SAFETY: this CPU's scratch entry, alive for this run; each area is written by one step
     // and only read after it (see `maps::Scratch`; sizes checked below).
@@ -140,6 +148,29 @@ fn handle<C: PacketCtx, A: FwdAf + ParseAf>(ctx: &C, hook: Hook) -> Result<Decis
         }
         return new_flow::<C, A>(ctx, p, svc, now);
     }
+    if origin.is_some() {
+        match unserved::<A>(p) {
+            UNSERVED_CLUSTER_IP => {
+                let action = reject_packet::<C, A>(ctx, p)?;
+                trace::record(|r| {
+                    r.verdict = reject_verdict(action);
+                    r.reason = metrics::TC_REJECT_UNKNOWN_PORT as u8;
+                });
+                return Ok(Decision {
+                    action,
+                    reason: metrics::TC_REJECT_UNKNOWN_PORT,
+                });
+            }
+            UNSERVED_SERVICE_CIDR => {
+                return Ok(untouched(
+                    TC_ACT_SHOT,
+                    trace_verdict::DROP,
+                    metrics::TC_DROP_UNALLOCATED,
+                ));
+            }
+            _ => {}
+        }
+    }
     if reply::<A>(p, flow) {
         from_backend::<C, A>(ctx, p, flow)
     } else {
@@ -148,6 +179,49 @@ fn handle<C: PacketCtx, A: FwdAf + ParseAf>(ctx: &C, hook: Hook) -> Result<Decis
             trace_verdict::PASS,
             metrics::TC_PASS_NO_SERVICE,
         ))
+    }
+}
+
+/// `unserved`: the address is a ClusterIP (on another port or protocol).
+const UNSERVED_CLUSTER_IP: u8 = 1;
+/// `unserved`: the address is in a `--service-cidr` but no ClusterIP.
+const UNSERVED_SERVICE_CIDR: u8 = 2;
+
+/// Whether the destination of `p`, which matched no frontend, is still a service address:
+/// `UNSERVED_CLUSTER_IP`, `UNSERVED_SERVICE_CIDR`, or 0.
+// A subprogram, like `lookup`: the hash and LPM keys stay out of `handle`'s frame.
+#[inline(never)]
+fn unserved<A: Af>(p: &Packet<A::Addr>) -> u8 {
+    if A::is_cluster_ip(p.daddr) {
+        UNSERVED_CLUSTER_IP
+    } else if A::in_service_cidr(p.daddr) {
+        UNSERVED_SERVICE_CIDR
+    } else {
+        0
+    }
+}
+
+/// Turns the packet into its reject reply and sends it back out the device it came in on
+/// (`reject`); a TCP RST gets no answer and is dropped (`TC_ACT_SHOT`), counted under the same
+/// reason, as a REJECT rule counts the RSTs it swallows. Returns the verdict.
+// A subprogram: the reply's headers are built in a frame of their own, beside (not below)
+// the new-flow and forwarding frames. It reads the packet pointers from `ctx` itself, fresh
+// after each resize.
+#[inline(never)]
+fn reject_packet<C: PacketCtx, A: RejectAf>(ctx: &C, p: &Packet<A::Addr>) -> Result<i32, Error> {
+    if !reject::answerable(p) {
+        return Ok(TC_ACT_SHOT);
+    }
+    reject::reply::<C, A>(ctx, p)
+}
+
+/// The trace verdict of `reject_packet`'s action.
+#[inline(always)]
+fn reject_verdict(action: i32) -> u8 {
+    if action == TC_ACT_SHOT {
+        trace_verdict::DROP
+    } else {
+        trace_verdict::REJECT
     }
 }
 
@@ -225,7 +299,7 @@ fn established_flow<C: PacketCtx, A: FwdAf>(
 /// A new flow: a backend is chosen, the flow recorded (with a NAT port if it is masqueraded,
 /// see `nat`) and the packet DNATed (and SNATed) to it.
 #[inline(always)]
-fn new_flow<C: PacketCtx, A: FwdAf>(
+fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
     ctx: &C,
     p: &Packet<A::Addr>,
     svc: &Service<A::Addr>,
@@ -236,10 +310,12 @@ fn new_flow<C: PacketCtx, A: FwdAf>(
     let c = unsafe { &mut *(*s).chosen.as_mut_ptr().cast::<Chosen<A::Addr>>() };
     match choose::<A>(svc, c) {
         Ok(()) => {}
+        // kube-proxy's no-endpoint-services: REJECT.
         Err(n) => {
+            let action = reject_packet::<C, A>(ctx, p)?;
             trace::record(|r| {
-                r.verdict = trace_verdict::DROP;
-                r.reason = metrics::TC_DROP_NO_BACKEND as u8;
+                r.verdict = reject_verdict(action);
+                r.reason = metrics::TC_REJECT_NO_BACKEND as u8;
                 r.scope = n.scope;
                 r.ct_state = trace_ct::NONE;
                 r.slot = n.slot;
@@ -248,8 +324,8 @@ fn new_flow<C: PacketCtx, A: FwdAf>(
                 r.rev_nat_id = n.rev_nat_id;
             });
             return Ok(Decision {
-                action: TC_ACT_SHOT,
-                reason: metrics::TC_DROP_NO_BACKEND,
+                action,
+                reason: metrics::TC_REJECT_NO_BACKEND,
             });
         }
     };

@@ -92,7 +92,9 @@ pub struct NodeFactsArgs {
     /// --masquerade-all) no ClusterIP traffic is masqueraded, as with kube-proxy.
     #[arg(long, value_delimiter = ',')]
     pub cluster_cidr: Vec<Cidr>,
-    /// Service CIDRs (repeatable, comma-separated); reported by `lb trace`.
+    /// Service CIDRs (repeatable, comma-separated): on the tc path a packet to an address in
+    /// one that is no ClusterIP is dropped (kube-proxy's `cluster-ips-check`); reported by
+    /// `lb trace`.
     #[arg(long, value_delimiter = ',')]
     pub service_cidr: Vec<Cidr>,
     /// Masquerade all traffic to ClusterIPs.

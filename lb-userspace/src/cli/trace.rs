@@ -41,6 +41,7 @@ use crate::{
 };
 
 const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
 
 /// Where the traced packet comes from, which decides the program it meets first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -89,7 +90,7 @@ impl Classifier {
 /// maps it used. The JSON form is stable (see the README): fields may be added, never removed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct TraceResult {
-    /// `forward`, `drop` or `pass`; `reject` once the datapath generates REJECTs.
+    /// `forward`, `drop`, `pass` or `reject`.
     pub verdict: &'static str,
     /// The counter the datapath bumped for the packet: the precise reason for the verdict
     /// (`tc_forward_new`, `tc_drop_no_backend`, ... from `lb_common::metrics::NAMES`).
@@ -115,6 +116,71 @@ pub struct TraceResult {
     pub hook: String,
     /// The node facts the trace ran with; `null` when they are the running lb's own.
     pub node: Option<NodeFacts>,
+    /// What a `reject` sends back to the client (the program's output packet), else `null`.
+    pub reply: Option<Reply>,
+}
+
+/// The reply packet a REJECT sends back.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Reply {
+    /// `tcp-rst`, `icmp-port-unreachable` or `icmpv6-port-unreachable`.
+    pub proto: &'static str,
+    /// `ip:port` for a RST, `ip` for ICMP.
+    pub src: String,
+    pub dst: String,
+}
+
+impl Reply {
+    /// Reads the reply out of the program's output frame; `None` if it is none of the three.
+    fn parse(frame: &[u8]) -> Option<Self> {
+        let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+        let ip = frame.get(14..)?;
+        let (src, dst, proto, l4): (IpAddr, IpAddr, u8, &[u8]) = match ethertype {
+            0x0800 => {
+                let s: [u8; 4] = ip.get(12..16)?.try_into().ok()?;
+                let d: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
+                let ihl = usize::from(ip.first()? & 0xf) * 4;
+                (s.into(), d.into(), *ip.get(9)?, ip.get(ihl..)?)
+            }
+            0x86dd => {
+                let s: [u8; 16] = ip.get(8..24)?.try_into().ok()?;
+                let d: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
+                (s.into(), d.into(), *ip.get(6)?, ip.get(40..)?)
+            }
+            _ => return None,
+        };
+        let kind = (proto, *l4.first()?, *l4.get(1)?);
+        let port = |o: usize| Some(u16::from_be_bytes([*l4.get(o)?, *l4.get(o + 1)?]));
+        match kind {
+            (6, _, _) if l4.get(13)? & 0x04 != 0 => Some(Self {
+                proto: "tcp-rst",
+                src: SocketAddr::new(src, port(0)?).to_string(),
+                dst: SocketAddr::new(dst, port(2)?).to_string(),
+            }),
+            (1, 3, 3) => Some(Self {
+                proto: "icmp-port-unreachable",
+                src: src.to_string(),
+                dst: dst.to_string(),
+            }),
+            (58, 1, 4) => Some(Self {
+                proto: "icmpv6-port-unreachable",
+                src: src.to_string(),
+                dst: dst.to_string(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Reply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.proto {
+            "tcp-rst" => "TCP RST",
+            "icmp-port-unreachable" => "ICMP port unreachable",
+            _ => "ICMPv6 port unreachable",
+        };
+        write!(f, "{what} {} → {}", self.src, self.dst)
+    }
 }
 
 /// One packet to trace.
@@ -228,6 +294,13 @@ impl Tracer {
             .find(|n| n.metadata.name.as_deref() == Some(node_name));
         let resolved = NodeFacts::resolve(facts, node, host_ips);
         datapath.write_node_facts(&resolved)?;
+        // The private copy's service CIDR tries (a live trace uses the running lb's).
+        let cidrs: Vec<(IpAddr, u8)> = resolved
+            .service_cidrs
+            .iter()
+            .map(|c| (c.addr, c.prefix))
+            .collect();
+        datapath.set_service_cidrs(&cidrs)?;
         let node = NodeInfo::from_node(node_name, node);
         let t = translate::desired_state(&objects.services, &objects.slices, &node);
         for s in &t.skipped {
@@ -290,15 +363,34 @@ impl Tracer {
             trace_verdict::REJECT => "reject",
             v => bail!("the datapath left no decision for the packet (trace verdict {v})"),
         };
-        let shot = run.return_value == TC_ACT_SHOT;
-        if shot != (verdict == "drop") {
+        // A forward of a masqueraded flow is a redirect too (`fwd`), so only drop and reject
+        // have one verdict each.
+        let consistent = match verdict {
+            "drop" => run.return_value == TC_ACT_SHOT,
+            "reject" => run.return_value == TC_ACT_REDIRECT,
+            _ => run.return_value != TC_ACT_SHOT,
+        };
+        if !consistent {
             bail!(
                 "the datapath's record says {verdict} but the program returned {}",
                 run.return_value
             );
         }
-        let (src_after, _) = endpoints(&out).context("program returned a short packet")?;
         let src_before = SocketAddr::new(probe.src, probe.sport);
+        let reply = if verdict == "reject" {
+            Some(Reply::parse(&out).context("a reject left no RST or ICMP reply")?)
+        } else {
+            None
+        };
+        // A rejected packet goes nowhere: its source is as it was.
+        let src_after = match reply {
+            Some(_) => src_before,
+            None => {
+                endpoints(&out)
+                    .context("program returned a short packet")?
+                    .0
+            }
+        };
         // The record and the packet must agree: masqueraded means the source left as the NAT
         // port, not masqueraded means a forwarded packet kept its source.
         let masqueraded = record.masquerade != 0;
@@ -357,6 +449,7 @@ impl Tracer {
             candidates,
             hook: hook.to_string(),
             node: self.facts.clone(),
+            reply,
         })
     }
 
@@ -617,7 +710,11 @@ impl fmt::Display for TraceResult {
                 n.masquerade_all
             )?;
         }
-        write!(f, "candidates:  {}", self.candidates.join(" "))
+        write!(f, "candidates:  {}", self.candidates.join(" "))?;
+        if let Some(reply) = &self.reply {
+            write!(f, "\nreply:       {reply}")?;
+        }
+        Ok(())
     }
 }
 

@@ -53,7 +53,9 @@ pub struct RunOptions {
     pub state_dir: PathBuf,
     /// max_entries overrides per map name.
     pub map_max: std::collections::BTreeMap<String, u32>,
-    /// `--node-ip`, `--cluster-cidr`, `--service-cidr`, `--masquerade-all`.
+    /// `--node-ip`, `--cluster-cidr`, `--service-cidr`, `--masquerade-all`. The service CIDRs
+    /// also feed the datapath: addresses in them that are no ClusterIP are dropped on the tc
+    /// path.
     pub node_facts: NodeFactsArgs,
 }
 
@@ -70,7 +72,27 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         only_pinned: None,
         max_entries: opts.map_max.clone(),
         trace: false,
+        no_set_retval: false,
     })?;
+    // Before anything attaches: the pinned tries may hold an earlier run's ranges.
+    let service_cidrs: Vec<(std::net::IpAddr, u8)> = opts
+        .node_facts
+        .service_cidr
+        .iter()
+        .map(|c| (c.addr, c.prefix))
+        .collect();
+    datapath
+        .set_service_cidrs(&service_cidrs)
+        .context("writing the service CIDRs")?;
+    tracing::info!(
+        service_cidrs = service_cidrs.len(),
+        sock_refused_errno = if datapath.sock_refuses_with_econnrefused() {
+            "ECONNREFUSED"
+        } else {
+            "EPERM (no bpf_set_retval for sock_addr programs)"
+        },
+        "datapath reject settings"
+    );
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;
     datapath.export_metrics(&metrics)?;

@@ -10,6 +10,11 @@
 //!    go last;
 //! 3. slots and backends that shrinking left unreferenced.
 //!
+//! The ClusterIP set (`lb*_cluster_ips`, which turns a packet to a ClusterIP on a port no
+//! frontend has into a REJECT) brackets this: an address is added before the first of its
+//! frontends is written, and removed only after the last one is gone, so a packet to a
+//! frontend's port never meets "unknown port" while the frontend exists.
+//!
 //! Before writing a service it checks the maps have room for it; a service that does not fit, or
 //! whose write fails, is reported and keeps its previous state. The reconciler starts from a
 //! dump of the (pinned) maps, so a restart converges without flushing anything.
@@ -18,7 +23,7 @@ use std::{
     net::IpAddr,
 };
 
-use lb_common::{SvcValue, lb_alg};
+use lb_common::{SvcValue, lb_alg, svc_flags};
 
 use crate::{
     datapath::maps::{Dump, LbMaps, MapOpError, Table, backends_of, revnat_of},
@@ -58,6 +63,8 @@ pub struct Reconciler<M> {
     services: BTreeMap<Frontend, Installed>,
     /// Slot entries found on start that no master covers; deleted by the next apply.
     stray_slots: BTreeSet<(Frontend, u16)>,
+    /// The ClusterIP set as written: address → frontends at it.
+    cluster_ips: BTreeMap<IpAddr, u32>,
     next_backend_id: u32,
     next_revnat_id: u32,
 }
@@ -107,6 +114,7 @@ impl<M: LbMaps> Reconciler<M> {
             revnat_ids,
             services,
             stray_slots,
+            cluster_ips: dump.cluster_ips,
             next_backend_id,
             next_revnat_id,
         }
@@ -127,7 +135,12 @@ impl<M: LbMaps> Reconciler<M> {
     /// Fill of every map the reconciler owns: (map name, entries, max_entries).
     pub fn usage(&self) -> Vec<(&'static str, usize, u32)> {
         let mut out = Vec::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::ClusterIps,
+        ] {
             for f in [Family::V4, Family::V6] {
                 out.push((t.map_name(f), self.used(t, f), self.maps.capacity(t, f)));
             }
@@ -152,6 +165,11 @@ impl<M: LbMaps> Reconciler<M> {
             }
             Table::Backends => backends_of(&self.backends, family),
             Table::RevNat => revnat_of(&self.revnat, family),
+            Table::ClusterIps => self
+                .cluster_ips
+                .keys()
+                .filter(|a| Family::of(a) == family)
+                .count(),
         }
     }
 
@@ -195,6 +213,8 @@ impl<M: LbMaps> Reconciler<M> {
                 .or_insert(b.state);
         }
 
+        let wanted_ips = cluster_ip_counts(desired.services.iter().map(|(fe, e)| (fe, e.flags)));
+
         let mut room: BTreeMap<(Table, Family), i64> = BTreeMap::new();
         for t in [Table::Services, Table::Backends, Table::RevNat] {
             for f in [Family::V4, Family::V6] {
@@ -203,7 +223,9 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
         for (fe, entry) in &desired.services {
-            if let Err(error) = self.apply_service(fe, entry, &states, &mut room, &mut report) {
+            let ips = &wanted_ips;
+            if let Err(error) = self.apply_service(fe, entry, &states, ips, &mut room, &mut report)
+            {
                 report.errors.push(ServiceError {
                     frontend: *fe,
                     service: entry.name.to_string(),
@@ -215,7 +237,46 @@ impl<M: LbMaps> Reconciler<M> {
         // Slots dropped by shrinking services leave their backends unreferenced.
         self.delete_stray_slots(&mut report);
         self.collect_garbage(&BTreeSet::new(), &mut report);
+        self.sync_cluster_ips(&mut report);
         report
+    }
+
+    /// Writes `addr` into the ClusterIP set. A failure only costs the unknown-port REJECT for
+    /// that address (its frontends work), so it is logged, and retried by the next apply.
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32, report: &mut ApplyReport) {
+        match self.maps.put_cluster_ip(addr, frontends) {
+            Ok(()) => {
+                report.writes += 1;
+                self.cluster_ips.insert(addr, frontends);
+            }
+            Err(e) => tracing::warn!(%addr, error = %e, "cannot write ClusterIP entry"),
+        }
+    }
+
+    /// Makes the ClusterIP set match the frontends installed now: addresses without any are
+    /// removed (their last frontend is gone), counts are brought up to date.
+    fn sync_cluster_ips(&mut self, report: &mut ApplyReport) {
+        let installed = cluster_ip_counts(self.services.iter().map(|(fe, i)| (fe, i.master.flags)));
+        let stale: Vec<IpAddr> = self
+            .cluster_ips
+            .keys()
+            .filter(|a| !installed.contains_key(a))
+            .copied()
+            .collect();
+        for addr in stale {
+            match self.maps.del_cluster_ip(addr) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.cluster_ips.remove(&addr);
+                }
+                Err(e) => tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry"),
+            }
+        }
+        for (addr, n) in installed {
+            if self.cluster_ips.get(&addr) != Some(&n) {
+                self.put_cluster_ip(addr, n, report);
+            }
+        }
     }
 
     fn delete_stray_slots(&mut self, report: &mut ApplyReport) {
@@ -255,6 +316,7 @@ impl<M: LbMaps> Reconciler<M> {
         fe: &Frontend,
         entry: &ServiceEntry,
         states: &HashMap<L4Addr, BackendState>,
+        cluster_ips: &BTreeMap<IpAddr, u32>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
     ) -> Result<(), String> {
@@ -357,6 +419,11 @@ impl<M: LbMaps> Reconciler<M> {
             *room.entry((table, family)).or_default() -= needed;
         }
 
+        // 0. A new ClusterIP, before anything of its first frontend (see the module docs).
+        if entry.flags & svc_flags::CLUSTER_IP != 0 && !self.cluster_ips.contains_key(&fe.l4.addr) {
+            let n = cluster_ips.get(&fe.l4.addr).copied().unwrap_or(1);
+            self.put_cluster_ip(fe.l4.addr, n, report);
+        }
         // 1. Backends (new ones, and known ones whose state changed).
         for (b, id) in backends.iter().zip(&planned_ids) {
             let b = global(b);
@@ -581,4 +648,17 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
     }
+}
+
+/// Frontends per ClusterIP address among `frontends` (frontend, `svc_flags`).
+fn cluster_ip_counts<'a>(
+    frontends: impl Iterator<Item = (&'a Frontend, u16)>,
+) -> BTreeMap<IpAddr, u32> {
+    let mut out = BTreeMap::new();
+    for (fe, flags) in frontends {
+        if flags & svc_flags::CLUSTER_IP != 0 {
+            *out.entry(fe.l4.addr).or_insert(0) += 1;
+        }
+    }
+    out
 }

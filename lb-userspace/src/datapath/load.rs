@@ -1,6 +1,6 @@
 //! Loading lb's eBPF object, pinning and reusing its maps, attaching its programs.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs::{self, File},
     net::IpAddr,
     os::unix::fs::PermissionsExt as _,
@@ -11,13 +11,17 @@ use anyhow::{Context as _, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, MapData, MapInfo, MapType, lpm_trie::Key as LpmKey},
-    programs::{CgroupAttachMode, CgroupSockAddr, Program, SchedClassifier, TcAttachType, tc},
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, Program, ProgramType, SchedClassifier, TcAttachType, tc,
+    },
+    sys::{BpfHelper, is_helper_supported},
     util::KernelVersion,
 };
 use lb_common::{
-    Backend4, Backend6, ClusterCidr4, ClusterCidr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
-    MetricValue, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value,
-    Svc4Key, Svc6Key, SvcValue, globals, map_names, map_sizes, prog_names,
+    Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcCidrValue, SvcValue,
+    globals, map_names, map_sizes, prog_names,
 };
 
 use super::maps::{BpfMaps, Table};
@@ -57,7 +61,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 14] = [
+const MAP_SPECS: [MapSpec; 18] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
@@ -88,6 +92,26 @@ const MAP_SPECS: [MapSpec; 14] = [
         MapType::LpmTrie,
         map_sizes::CLUSTER_CIDR,
     ),
+    spec::<ClusterIp4Key, ClusterIpValue>(
+        map_names::CLUSTER_IPS4,
+        MapType::Hash,
+        map_sizes::CLUSTER_IPS,
+    ),
+    spec::<ClusterIp6Key, ClusterIpValue>(
+        map_names::CLUSTER_IPS6,
+        MapType::Hash,
+        map_sizes::CLUSTER_IPS,
+    ),
+    spec::<LpmKey<[u8; 4]>, SvcCidrValue>(
+        map_names::SVC_CIDR4,
+        MapType::LpmTrie,
+        map_sizes::SVC_CIDR,
+    ),
+    spec::<LpmKey<[u8; 16]>, SvcCidrValue>(
+        map_names::SVC_CIDR6,
+        MapType::LpmTrie,
+        map_sizes::SVC_CIDR,
+    ),
 ];
 
 /// Where a tc program is attached, which decides the frontends' scope it uses.
@@ -117,6 +141,9 @@ pub struct LoadOptions {
     /// The tc programs write each packet's decision into `lb_trace` (a `TraceRecord`), for
     /// `lb trace` and tests. `lb_trace` is never pinned, so each load reads only its own.
     pub trace: bool,
+    /// Refuse socket-LB calls with EPERM even where the kernel would let them fail with
+    /// ECONNREFUSED (tests of the fallback older kernels get).
+    pub no_set_retval: bool,
 }
 
 impl LoadOptions {
@@ -148,20 +175,37 @@ impl LoadOptions {
 }
 
 /// The maps that describe services: what a read-only tool shares with a running lb.
-pub const SERVICE_MAPS: [&str; 6] = [
+pub const SERVICE_MAPS: [&str; 10] = [
     map_names::SERVICES4,
     map_names::BACKENDS4,
     map_names::REVNAT4,
     map_names::SERVICES6,
     map_names::BACKENDS6,
     map_names::REVNAT6,
+    map_names::CLUSTER_IPS4,
+    map_names::CLUSTER_IPS6,
+    map_names::SVC_CIDR4,
+    map_names::SVC_CIDR6,
 ];
+
+/// Whether cgroup sock_addr programs may call `bpf_set_retval` (5.18+ for some hooks, every
+/// connect/sendmsg hook on current kernels), probed by loading a tiny program that calls it.
+pub fn sock_set_retval_supported() -> bool {
+    match is_helper_supported(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_set_retval) {
+        Ok(yes) => yes,
+        Err(e) => {
+            tracing::debug!(error = %e, "bpf_set_retval probe failed; assuming absent");
+            false
+        }
+    }
+}
 
 /// The loaded programs and maps. Dropping it detaches everything it attached.
 pub struct Datapath {
     ebpf: Ebpf,
     attachments: Vec<String>,
     max_entries: BTreeMap<String, u32>,
+    set_retval: bool,
 }
 
 impl Datapath {
@@ -197,6 +241,11 @@ impl Datapath {
             // prunes the tracing code from production loads.
             loader.override_global(globals::TRACE, &1u8, true);
         }
+        let set_retval = !opts.no_set_retval && sock_set_retval_supported();
+        if set_retval {
+            // Frozen like LB_TRACE: with 0 the helper call stays unverified dead code.
+            loader.override_global(globals::HAS_SET_RETVAL, &1u8, true);
+        }
         let pins: Vec<(&str, PathBuf)> = match &opts.pin_dir {
             Some(dir) => pinned.iter().map(|n| (*n, dir.join(n))).collect(),
             None => Vec::new(),
@@ -229,7 +278,36 @@ impl Datapath {
             ebpf,
             attachments: Vec::new(),
             max_entries,
+            set_retval,
         })
+    }
+
+    /// Whether refused socket-LB calls fail with ECONNREFUSED (else EPERM).
+    pub fn sock_refuses_with_econnrefused(&self) -> bool {
+        self.set_retval
+    }
+
+    /// Makes the `--service-cidr` tries hold exactly `cidrs` (host bits are cleared). Pinned
+    /// tries keep what an earlier run wrote until this rewrites them, so call it before
+    /// attaching.
+    pub fn set_service_cidrs(&mut self, cidrs: &[(IpAddr, u8)]) -> anyhow::Result<()> {
+        let mut want4 = BTreeSet::new();
+        let mut want6 = BTreeSet::new();
+        for (addr, prefix) in cidrs {
+            match addr {
+                IpAddr::V4(a) if *prefix <= 32 => {
+                    let mask = u32::MAX.checked_shl(32 - u32::from(*prefix)).unwrap_or(0);
+                    want4.insert((u32::from(*prefix), (u32::from(*a) & mask).to_be_bytes()));
+                }
+                IpAddr::V6(a) if *prefix <= 128 => {
+                    let mask = u128::MAX.checked_shl(128 - u32::from(*prefix)).unwrap_or(0);
+                    want6.insert((u32::from(*prefix), (u128::from(*a) & mask).to_be_bytes()));
+                }
+                _ => bail!("bad service CIDR {addr}/{prefix}"),
+            }
+        }
+        sync_trie(&mut self.ebpf, map_names::SVC_CIDR4, &want4)?;
+        sync_trie(&mut self.ebpf, map_names::SVC_CIDR6, &want6)
     }
 
     /// Attaches the tc program for `hook` to `iface` (TCX on 6.6+, a clsact qdisc filter
@@ -333,7 +411,12 @@ impl Datapath {
     /// Moves the service, backend and rev-NAT maps out, for the reconciler.
     pub fn take_lb_maps(&mut self) -> anyhow::Result<BpfMaps> {
         let mut capacities = BTreeMap::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::ClusterIps,
+        ] {
             for f in [Family::V4, Family::V6] {
                 let name = t.map_name(f);
                 let max = self.max_entries.get(name).copied().unwrap_or(0);
@@ -347,6 +430,8 @@ impl Datapath {
             services6: self.take(map_names::SERVICES6)?,
             backends6: self.take(map_names::BACKENDS6)?,
             revnat6: self.take(map_names::REVNAT6)?,
+            cluster_ips4: self.take(map_names::CLUSTER_IPS4)?,
+            cluster_ips6: self.take(map_names::CLUSTER_IPS6)?,
             capacities,
         })
     }
@@ -405,6 +490,37 @@ impl Datapath {
     pub fn ebpf_mut(&mut self) -> &mut Ebpf {
         &mut self.ebpf
     }
+}
+
+/// Makes the LPM trie `name` hold exactly `want` (prefix length, address bytes).
+fn sync_trie<const N: usize>(
+    ebpf: &mut Ebpf,
+    name: &str,
+    want: &BTreeSet<(u32, [u8; N])>,
+) -> anyhow::Result<()>
+where
+    [u8; N]: aya::Pod,
+{
+    let map = ebpf
+        .map_mut(name)
+        .with_context(|| format!("map {name} missing"))?;
+    let mut trie: LpmTrie<&mut MapData, [u8; N], SvcCidrValue> =
+        LpmTrie::try_from(map).with_context(|| format!("map {name} has an unexpected type"))?;
+    let have: Vec<LpmKey<[u8; N]>> = trie.keys().filter_map(Result::ok).collect();
+    for key in have {
+        if !want.contains(&(key.prefix_len(), key.data())) {
+            trie.remove(&key)
+                .with_context(|| format!("removing a stale range from {name}"))?;
+        }
+    }
+    for (prefix_len, data) in want {
+        let value = SvcCidrValue {
+            prefix_len: *prefix_len,
+        };
+        trie.insert(&LpmKey::new(*prefix_len, *data), value, 0)
+            .with_context(|| format!("writing {name}"))?;
+    }
+    Ok(())
 }
 
 /// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; later ones to the memory cgroup.

@@ -10,7 +10,8 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray};
 use lb_common::{
-    Backend4, Backend6, MetricValue, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, map_names,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, MetricValue, RevNat4,
+    RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, svc_flags,
 };
 
 use crate::model::{Backend, BackendState, Family, Frontend, L4Addr, Proto, Scope, flag_names};
@@ -20,6 +21,8 @@ pub enum Table {
     Services,
     Backends,
     RevNat,
+    /// The ClusterIP set (`lb*_cluster_ips`).
+    ClusterIps,
 }
 
 impl Table {
@@ -31,6 +34,8 @@ impl Table {
             (Table::Services, Family::V6) => map_names::SERVICES6,
             (Table::Backends, Family::V6) => map_names::BACKENDS6,
             (Table::RevNat, Family::V6) => map_names::REVNAT6,
+            (Table::ClusterIps, Family::V4) => map_names::CLUSTER_IPS4,
+            (Table::ClusterIps, Family::V6) => map_names::CLUSTER_IPS6,
         }
     }
 }
@@ -67,6 +72,8 @@ pub struct Dump {
     pub revnat: BTreeMap<u32, (IpAddr, u16)>,
     /// (frontend, slot) → value; slot 0 is the master entry.
     pub services: BTreeMap<(Frontend, u16), SvcValue>,
+    /// ClusterIP → number of frontends at it.
+    pub cluster_ips: BTreeMap<IpAddr, u32>,
 }
 
 impl Dump {
@@ -80,6 +87,11 @@ impl Dump {
                 .count(),
             Table::Backends => backends_of(&self.backends, family),
             Table::RevNat => revnat_of(&self.revnat, family),
+            Table::ClusterIps => self
+                .cluster_ips
+                .keys()
+                .filter(|a| Family::of(a) == family)
+                .count(),
         }
     }
 }
@@ -115,6 +127,9 @@ pub trait LbMaps {
         value: &SvcValue,
     ) -> Result<(), MapOpError>;
     fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError>;
+    /// Marks `addr` as a ClusterIP with `frontends` frontends.
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError>;
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError>;
 }
 
 /// The `lb4_services` key of `fe`'s `slot`.
@@ -149,6 +164,8 @@ pub struct BpfMaps {
     pub services6: HashMap<MapData, Svc6Key, SvcValue>,
     pub backends6: HashMap<MapData, u32, Backend6>,
     pub revnat6: HashMap<MapData, u32, RevNat6>,
+    pub cluster_ips4: HashMap<MapData, ClusterIp4Key, ClusterIpValue>,
+    pub cluster_ips6: HashMap<MapData, ClusterIp6Key, ClusterIpValue>,
     pub capacities: BTreeMap<(Table, Family), u32>,
 }
 
@@ -222,6 +239,16 @@ impl LbMaps for BpfMaps {
                 };
                 dump.services.insert((fe, k.slot), v);
             }
+        }
+        for item in self.cluster_ips4.iter() {
+            let (k, v) = item?;
+            dump.cluster_ips
+                .insert(Ipv4Addr::from(k.addr).into(), v.frontends);
+        }
+        for item in self.cluster_ips6.iter() {
+            let (k, v) = item?;
+            dump.cluster_ips
+                .insert(Ipv6Addr::from(k.addr).into(), v.frontends);
         }
         Ok(dump)
     }
@@ -331,6 +358,35 @@ impl LbMaps for BpfMaps {
                 .map_err(|e| MapOpError::from_aya(map_names::SERVICES6, e)),
         }
     }
+
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
+        let v = ClusterIpValue { frontends };
+        match addr {
+            IpAddr::V4(a) => self
+                .cluster_ips4
+                .insert(ClusterIp4Key { addr: a.octets() }, v, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS4, e)),
+            IpAddr::V6(a) => self
+                .cluster_ips6
+                .insert(ClusterIp6Key { addr: a.octets() }, v, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS6, e)),
+        }
+    }
+
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        match addr {
+            IpAddr::V4(a) => ignore_missing(
+                self.cluster_ips4
+                    .remove(&ClusterIp4Key { addr: a.octets() }),
+            )
+            .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS4, e)),
+            IpAddr::V6(a) => ignore_missing(
+                self.cluster_ips6
+                    .remove(&ClusterIp6Key { addr: a.octets() }),
+            )
+            .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS6, e)),
+        }
+    }
 }
 
 /// Point lookups in the live maps, for views that must read what the datapath reads (trace).
@@ -418,13 +474,23 @@ pub enum MapOp {
         frontend: Frontend,
         slot: u16,
     },
+    PutClusterIp {
+        addr: IpAddr,
+        frontends: u32,
+    },
+    DelClusterIp {
+        addr: IpAddr,
+    },
 }
 
 impl MapOp {
     pub fn is_write(&self) -> bool {
         matches!(
             self,
-            MapOp::PutBackend { .. } | MapOp::PutRevNat { .. } | MapOp::PutService { .. }
+            MapOp::PutBackend { .. }
+                | MapOp::PutRevNat { .. }
+                | MapOp::PutService { .. }
+                | MapOp::PutClusterIp { .. }
         )
     }
 }
@@ -446,6 +512,10 @@ impl std::fmt::Display for MapOp {
                 value.backend_id, value.count
             ),
             MapOp::DelService { frontend, slot } => write!(f, "del service {frontend} slot {slot}"),
+            MapOp::PutClusterIp { addr, frontends } => {
+                write!(f, "put cluster-ip {addr} frontends {frontends}")
+            }
+            MapOp::DelClusterIp { addr } => write!(f, "del cluster-ip {addr}"),
         }
     }
 }
@@ -463,7 +533,12 @@ pub struct MemMaps {
 impl MemMaps {
     pub fn with_capacity(n: u32) -> Self {
         let mut capacities = BTreeMap::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::ClusterIps,
+        ] {
             for f in [Family::V4, Family::V6] {
                 capacities.insert((t, f), n);
             }
@@ -554,6 +629,20 @@ impl LbMaps for MemMaps {
         self.dump.services.remove(&(*frontend, slot));
         Ok(())
     }
+
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
+        let exists = self.dump.cluster_ips.contains_key(&addr);
+        self.check_room(Table::ClusterIps, Family::of(&addr), exists)?;
+        self.journal.push(MapOp::PutClusterIp { addr, frontends });
+        self.dump.cluster_ips.insert(addr, frontends);
+        Ok(())
+    }
+
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        self.journal.push(MapOp::DelClusterIp { addr });
+        self.dump.cluster_ips.remove(&addr);
+        Ok(())
+    }
 }
 
 /// A stable, human-readable rendering of the maps: one block per frontend with its slots
@@ -624,6 +713,21 @@ pub fn render(dump: &Dump) -> String {
         if !referenced_revnat.contains(id) {
             let _ = writeln!(out, "orphan revnat {id}: {a}:{p}");
         }
+    }
+    for (addr, n) in &dump.cluster_ips {
+        let at = dump
+            .services
+            .iter()
+            .filter(|((fe, slot), v)| {
+                *slot == 0 && fe.l4.addr == *addr && v.flags & svc_flags::CLUSTER_IP != 0
+            })
+            .count();
+        let check = if at == *n as usize {
+            "ok".to_string()
+        } else {
+            format!("MISMATCH {at} ClusterIP frontends")
+        };
+        let _ = writeln!(out, "cluster-ip {addr} frontends={n}({check})");
     }
     out
 }

@@ -6,8 +6,8 @@ use std::{collections::BTreeMap, fs, io, path::Path};
 use anyhow::{Context as _, bail};
 use aya::maps::{HashMap, Map, MapData, MapInfo, PerCpuArray};
 use lb_common::{
-    Backend4, Backend6, MetricValue, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, map_names,
-    metrics,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, MetricValue, RevNat4,
+    RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, metrics,
 };
 
 use super::maps::{BpfMaps, Table, read_counter};
@@ -20,7 +20,12 @@ impl BpfMaps {
     pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
         check_pin_dir(dir)?;
         let mut capacities = BTreeMap::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::ClusterIps,
+        ] {
             for f in [Family::V4, Family::V6] {
                 let name = t.map_name(f);
                 let path = dir.join(name);
@@ -35,6 +40,8 @@ impl BpfMaps {
             services6: open_hash::<Svc6Key, SvcValue>(dir, map_names::SERVICES6)?,
             backends6: open_hash::<u32, Backend6>(dir, map_names::BACKENDS6)?,
             revnat6: open_hash::<u32, RevNat6>(dir, map_names::REVNAT6)?,
+            cluster_ips4: open_hash::<ClusterIp4Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS4)?,
+            cluster_ips6: open_hash::<ClusterIp6Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS6)?,
             capacities,
         })
     }
