@@ -135,12 +135,7 @@ impl<M: LbMaps> Reconciler<M> {
     /// Fill of every map the reconciler owns: (map name, entries, max_entries).
     pub fn usage(&self) -> Vec<(&'static str, usize, u32)> {
         let mut out = Vec::new();
-        for t in [
-            Table::Services,
-            Table::Backends,
-            Table::RevNat,
-            Table::ClusterIps,
-        ] {
+        for t in Table::ALL {
             for f in [Family::V4, Family::V6] {
                 out.push((t.map_name(f), self.used(t, f), self.maps.capacity(t, f)));
             }

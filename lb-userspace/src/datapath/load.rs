@@ -411,12 +411,7 @@ impl Datapath {
     /// Moves the service, backend and rev-NAT maps out, for the reconciler.
     pub fn take_lb_maps(&mut self) -> anyhow::Result<BpfMaps> {
         let mut capacities = BTreeMap::new();
-        for t in [
-            Table::Services,
-            Table::Backends,
-            Table::RevNat,
-            Table::ClusterIps,
-        ] {
+        for t in Table::ALL {
             for f in [Family::V4, Family::V6] {
                 let name = t.map_name(f);
                 let max = self.max_entries.get(name).copied().unwrap_or(0);

@@ -26,6 +26,14 @@ pub enum Table {
 }
 
 impl Table {
+    /// Every table the reconciler owns, in a stable order.
+    pub const ALL: [Table; 4] = [
+        Table::Services,
+        Table::Backends,
+        Table::RevNat,
+        Table::ClusterIps,
+    ];
+
     pub fn map_name(self, family: Family) -> &'static str {
         match (self, family) {
             (Table::Services, Family::V4) => map_names::SERVICES4,
@@ -533,12 +541,7 @@ pub struct MemMaps {
 impl MemMaps {
     pub fn with_capacity(n: u32) -> Self {
         let mut capacities = BTreeMap::new();
-        for t in [
-            Table::Services,
-            Table::Backends,
-            Table::RevNat,
-            Table::ClusterIps,
-        ] {
+        for t in Table::ALL {
             for f in [Family::V4, Family::V6] {
                 capacities.insert((t, f), n);
             }

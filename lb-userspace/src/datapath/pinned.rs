@@ -20,12 +20,7 @@ impl BpfMaps {
     pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
         check_pin_dir(dir)?;
         let mut capacities = BTreeMap::new();
-        for t in [
-            Table::Services,
-            Table::Backends,
-            Table::RevNat,
-            Table::ClusterIps,
-        ] {
+        for t in Table::ALL {
             for f in [Family::V4, Family::V6] {
                 let name = t.map_name(f);
                 let path = dir.join(name);
