@@ -9,7 +9,7 @@
 //! `target/tools/kube-src` requires the release and replaces each staging module named in that
 //! release's go.mod with its published `v0.<minor>.<patch>`. Downloads and compiled packages go
 //! to Go's own caches (`go env GOMODCACHE GOCACHE`, outside the checkout), so a fresh clone on a
-//! machine that built them before only relinks.
+//! machine that built them before mostly relinks.
 //! Background: /work/shared/notes/real-apiserver.md.
 
 use std::{
@@ -55,7 +55,8 @@ pub fn kube_tools() -> Result<()> {
     let go = go_binary()?;
     println!(
         "installing: kube-apiserver, kube-controller-manager, kubectl {KUBERNETES_VERSION} and \
-         etcd {ETCD_VERSION} into {} with {} (cold: ~700 MB of modules, several minutes)",
+         etcd {ETCD_VERSION} into {} with {} (cold: ~100 MB of downloads, ~13 CPU minutes, \
+         up to 2.5 GiB of memory)",
         bin.display(),
         go.display()
     );
