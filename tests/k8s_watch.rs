@@ -5,11 +5,7 @@
 //! connections, label and field selectors. No root needed.
 mod support;
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::BTreeSet, sync::Arc, time::Duration};
 
 use k8s_openapi::api::core::v1::Service;
 use kube::{Api, api::ListParams};
@@ -24,7 +20,9 @@ use lb::{
 use support::{
     Ep,
     apiserver::{ApiServer, Kind, KubeconfigFile},
-    labelled, node, service, slice,
+    labelled,
+    maps::Maps,
+    node, service, slice,
 };
 
 const NODE: &str = "node-a";
@@ -37,78 +35,8 @@ const B1: &str = "198.18.11.2";
 const B2: &str = "198.18.12.2";
 const B3: &str = "198.18.13.2";
 
-fn be(addr: &str) -> String {
-    format!("{addr}:8080/TCP")
-}
-
 fn echo_service() -> Service {
     service(NS, "echo", VIP, 80, 8080)
-}
-
-/// `render` output, parsed: frontend → its backends in slot order (`addr:port/PROTO`, with the
-/// state appended when not active), plus anything inconsistent (orphans, missing entries,
-/// rev-NAT mismatches).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Maps {
-    frontends: BTreeMap<String, Vec<String>>,
-    problems: Vec<String>,
-    text: String,
-}
-
-impl Maps {
-    fn parse(text: String) -> Self {
-        let mut maps = Maps::default();
-        let mut current: Option<String> = None;
-        for line in text.lines() {
-            if let Some(slot) = line.strip_prefix("  slot ") {
-                let (_, rest) = slot.split_once(": ").unwrap_or(("", slot));
-                if rest.starts_with("MISSING") {
-                    maps.problems.push(line.to_string());
-                    continue;
-                }
-                let backend = rest.strip_suffix(" active").unwrap_or(rest).to_string();
-                if let Some(fe) = &current {
-                    maps.frontends.entry(fe.clone()).or_default().push(backend);
-                }
-            } else if line.starts_with("orphan") {
-                maps.problems.push(line.to_string());
-                current = None;
-            } else if line.starts_with("cluster-ip ") {
-                // The ClusterIP set; its own consistency is checked by the rendering.
-                if !line.contains("(ok)") {
-                    maps.problems.push(line.to_string());
-                }
-                current = None;
-            } else {
-                let fe = line
-                    .split_whitespace()
-                    .next()
-                    .unwrap_or_default()
-                    .to_string();
-                if !line.contains("(ok)") {
-                    maps.problems.push(line.to_string());
-                }
-                maps.frontends.insert(fe.clone(), Vec::new());
-                current = Some(fe);
-            }
-        }
-        maps.text = text;
-        maps
-    }
-
-    /// Exactly these frontends → backends, and nothing left over.
-    fn is(&self, want: &[(&str, &[&str])]) -> bool {
-        let want: BTreeMap<String, BTreeSet<String>> = want
-            .iter()
-            .map(|(fe, bs)| (fe.to_string(), bs.iter().map(|b| be(b)).collect()))
-            .collect();
-        let have: BTreeMap<String, BTreeSet<String>> = self
-            .frontends
-            .iter()
-            .map(|(fe, bs)| (fe.clone(), bs.iter().cloned().collect()))
-            .collect();
-        have == want && self.problems.is_empty()
-    }
 }
 
 /// `k8s::watch` against a fake API server, with the daemon's translate + reconcile steps

@@ -70,3 +70,17 @@ impl AsRef<OsStr> for Bin {
         self.cached().as_os_str()
     }
 }
+
+/// A tool `cargo xtask setup` builds into `target/tools/bin` (kube-apiserver, etcd, kubectl, …;
+/// see xtask/src/setup/kube.rs).
+pub fn kube_tool(name: &str) -> anyhow::Result<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/tools/bin")
+        .join(name);
+    ensure!(
+        path.is_file(),
+        "{} not found; `cargo xtask setup` builds it (`cargo xtask test` runs setup first)",
+        path.display()
+    );
+    Ok(path)
+}

@@ -4,8 +4,10 @@
 //! * [`testbed`]: a throw-away network-namespace topology (node, client, backends, cgroup);
 //! * [`daemon`]: [`daemon::LbDaemon`], `lb run` in a testbed's node netns;
 //! * [`netns`]: the `ip` runner and entering a netns from a child or a thread;
-//! * [`bins`]: where the workspace's binaries are.
+//! * [`bins`]: where the workspace's binaries (and the tools setup builds) are;
+//! * [`controlplane`]: a real etcd + kube-apiserver + EndpointSlice controller.
 pub mod bins;
+pub mod controlplane;
 pub mod daemon;
 pub mod netns;
 pub mod testbed;

@@ -2,6 +2,19 @@
 //! EndpointSlices and Nodes, so the kube-rs reflectors in `controller::k8s` can be tested without a
 //! cluster.
 //!
+//! Behaviour against the real thing is tested in tests/k8s_real.rs (etcd + kube-apiserver +
+//! the EndpointSlice controller). This fake stays for the faults and observations a real server
+//! does not give deterministically, used by tests/k8s_watch.rs and tests/k8s_e2e.rs:
+//!
+//! * a BOOKMARK exactly when the test asks ([`ApiServer::bookmark`]);
+//! * a `410 Expired` ERROR event on an already open watch
+//!   ([`ApiServer::expire_watches_with_410`]), and history dropped at once
+//!   ([`ApiServer::compact`]);
+//! * every open watch connection dropped at a chosen moment ([`ApiServer::drop_watches`]);
+//! * lists, watches and 410s counted per kind (proving "no relist", "one initial list");
+//! * small pages (`limit`/`continue`) over a consistent snapshot;
+//! * starting in a netns in this process, in milliseconds (the netns end-to-end test).
+//!
 //! * Plain HTTP on `127.0.0.1:<ephemeral>`, no authentication; [`ApiServer::kubeconfig_file`]
 //!   writes a kubeconfig pointing at it.
 //! * `GET /api/v1/services`, `/apis/discovery.k8s.io/v1/endpointslices`, `/api/v1/nodes` (and

@@ -1,6 +1,7 @@
 //! Shared helpers of the Kubernetes API tests: the fake API server and object builders.
 //! Documentation addresses only: service IPs in 198.19.0.0/16, endpoints in 198.18.0.0/16.
 pub mod apiserver;
+pub mod maps;
 
 use k8s_openapi::api::{
     core::v1::{Node, Service},

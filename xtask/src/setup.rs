@@ -4,6 +4,8 @@
 //! Background: /work/shared/notes/toolchain.md (rustup's toolchains have no rust-src here, so
 //! the eBPF crate is built by Debian's rustc, and bpf-linker must use the same LLVM).
 
+mod kube;
+
 use std::{
     fs,
     io::{self, BufRead as _, BufReader, Write as _},
@@ -38,6 +40,7 @@ pub fn setup() -> Result<()> {
     debian_rustc()?;
     rust_src()?;
     bpf_linker()?;
+    kube::kube_tools()?;
     rustup_toolchain()?;
     bpffs(root)
 }
@@ -66,6 +69,8 @@ fn packages() -> Vec<String> {
         "iproute2".to_owned(),
         "bpftool".to_owned(),
         "util-linux".to_owned(),
+        // Certificates and keys of the tests' Kubernetes control plane.
+        "openssl".to_owned(),
         // kube-proxy's rule layouts, for the benchmark and its quick test.
         "iptables".to_owned(),
         "nftables".to_owned(),
