@@ -25,7 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install and check what building and testing need (Debian packages, bpf-linker, bpffs).
+    /// Install and check what building and testing need (Debian packages, bpf-linker, bpffs,
+    /// the Kubernetes control plane the tests use).
     Setup,
     /// Set up, then build the default workspace members (lb-ebpf comes through lb-userspace).
     Build {
@@ -60,7 +61,7 @@ fn main() -> ExitCode {
 
 fn run_task(task: Task) -> Result<ExitCode> {
     match task {
-        Task::Setup => setup::setup()?,
+        Task::Setup => setup::setup_for_tests()?,
         Task::Build { release } => build(release)?,
         Task::Test { args } => test(&args)?,
         Task::Demo { args } => demo(&args)?,
@@ -96,7 +97,7 @@ fn test(args: &[OsString]) -> Result<()> {
 }
 
 fn test_phases(phases: &mut Phases, args: &[OsString]) -> Result<()> {
-    phases.time("setup", setup::setup)?;
+    phases.time("setup", setup::setup_for_tests)?;
     // The tests start target/debug/{lb,lb-echo,lb-demo}, which `cargo test` does not build.
     phases.time("build", || run(cargo().args(["build", "--bins"])))?;
     phases.time("test", || {

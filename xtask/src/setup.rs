@@ -31,6 +31,7 @@ const RUST_SRC_CORE: &str = "/usr/lib/rustlib/src/rust/library/core";
 const RUSTUP_TOOLCHAIN: &str = "lb-debian";
 const BPFFS: &str = "/sys/fs/bpf";
 
+/// What building lb and running it need (every task).
 pub fn setup() -> Result<()> {
     let root = is_root()?;
     if !root {
@@ -40,9 +41,15 @@ pub fn setup() -> Result<()> {
     debian_rustc()?;
     rust_src()?;
     bpf_linker()?;
-    kube::kube_tools()?;
     rustup_toolchain()?;
     bpffs(root)
+}
+
+/// `setup`, plus the real Kubernetes control plane the tests run against. Kept out of the
+/// other tasks: it is a long Go build the demo, lint and bench never use.
+pub fn setup_for_tests() -> Result<()> {
+    setup()?;
+    kube::kube_tools()
 }
 
 /// Whether this process runs with effective uid 0.
