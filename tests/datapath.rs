@@ -8,7 +8,7 @@ use std::{
 
 use aya::{
     maps::{Array, HashMap, IterableMap as _, Map, MapData, PerCpuArray},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use etherparse::{
     Icmpv4Type, Icmpv6Type, LinkHeader, NetHeaders, PacketBuilder, PacketHeaders, TransportHeader,
@@ -65,6 +65,8 @@ struct Ct {
 struct Fixture {
     datapath: Datapath,
     _reconciler: Reconciler<BpfMaps>,
+    /// What the reconciler was given, for tests that add to it.
+    desired: DesiredState,
 }
 
 fn service(vip: IpAddr, proto: Proto, backends: &[IpAddr]) -> (Frontend, ServiceEntry) {
@@ -145,6 +147,7 @@ fn fixture_with(opts: &LoadOptions) -> Fixture {
     Fixture {
         datapath,
         _reconciler: reconciler,
+        desired,
     }
 }
 
@@ -176,6 +179,32 @@ impl Fixture {
 
     fn ingress(&mut self, pkt: &[u8]) -> (u32, Vec<u8>) {
         self.run(prog_names::TC_INGRESS, pkt)
+    }
+
+    /// `pkt` through `lb_xdp`: its verdict and the frame it leaves.
+    fn xdp(&mut self, pkt: &[u8]) -> (u32, Vec<u8>) {
+        let program: &mut Xdp = self
+            .datapath
+            .ebpf_mut()
+            .program_mut(prog_names::XDP)
+            .expect("program")
+            .try_into()
+            .expect("xdp");
+        let mut out = vec![0u8; pkt.len() + 256];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(pkt);
+        opts.data_out = Some(&mut out);
+        let result = program.test_run(opts).expect("BPF_PROG_TEST_RUN");
+        out.truncate(result.data_size_out as usize);
+        (result.return_value, out)
+    }
+
+    /// `pkt` through the external hook `hook` stands for.
+    fn external(&mut self, hook: Ext, pkt: &[u8]) -> (u32, Vec<u8>) {
+        match hook {
+            Ext::Tc => self.ingress(pkt),
+            Ext::Xdp => self.xdp(pkt),
+        }
     }
 
     fn ct4(&mut self) -> HashMap<&mut MapData, Ct4Key, Ct4Value> {
@@ -436,16 +465,41 @@ fn backends_of(vip: IpAddr) -> Vec<IpAddr> {
 
 // ---------------------------------------------------------------------------------------------
 
+/// The programs of an external device: tc ingress, or XDP (which runs the same pipeline).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ext {
+    Tc,
+    Xdp,
+}
+
+impl Ext {
+    /// The verdict that hands a packet on to the stack.
+    fn pass(self) -> u32 {
+        match self {
+            Ext::Tc => TC_ACT_OK,
+            Ext::Xdp => XDP_PASS,
+        }
+    }
+}
+
+const XDP_PASS: u32 = 2;
+const XDP_DROP: u32 = 1;
+
 /// New flows are DNATed to a backend with valid checksums; further packets of the flow stay on
 /// it; the backend's reply is reverse-NATed to come from the VIP; new flows reach every backend.
 fn forward_and_reply(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
+    forward_and_reply_on(Ext::Tc, client, vip, first, then);
+}
+
+/// `forward_and_reply` through the external hook `hook`.
+fn forward_and_reply_on(hook: Ext, client: IpAddr, vip: IpAddr, first: L4, then: L4) {
     let mut fx = fixture();
     let backends = backends_of(vip);
     let mut seen = BTreeSet::new();
     for sport in 40_000..40_060u16 {
         let syn = packet(client, sport, vip, VPORT, first);
-        let (verdict, out) = fx.ingress(&syn);
-        assert_eq!(verdict, TC_ACT_OK);
+        let (verdict, out) = fx.external(hook, &syn);
+        assert_eq!(verdict, hook.pass());
         assert_eq!(out.len(), syn.len());
         let p = parse_and_verify(&out);
         assert_eq!((p.src, p.sport), (client, sport), "source untouched");
@@ -458,15 +512,15 @@ fn forward_and_reply(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
         seen.insert(p.dst);
 
         for _ in 0..3 {
-            let (verdict, again) = fx.ingress(&packet(client, sport, vip, VPORT, then));
-            assert_eq!(verdict, TC_ACT_OK);
+            let (verdict, again) = fx.external(hook, &packet(client, sport, vip, VPORT, then));
+            assert_eq!(verdict, hook.pass());
             let q = parse_and_verify(&again);
             assert_eq!((q.dst, q.dport), (p.dst, BPORT), "flow keeps its backend");
         }
 
         let reply = packet(p.dst, BPORT, client, sport, then);
-        let (verdict, out) = fx.ingress(&reply);
-        assert_eq!(verdict, TC_ACT_OK);
+        let (verdict, out) = fx.external(hook, &reply);
+        assert_eq!(verdict, hook.pass());
         let r = parse_and_verify(&out);
         assert_eq!((r.src, r.sport), (vip, VPORT), "reply comes from the VIP");
         assert_eq!(
@@ -485,6 +539,130 @@ fn forward_and_reply(client: IpAddr, vip: IpAddr, first: L4, then: L4) {
 #[test]
 fn ipv4_tcp_forward_established_and_reverse_nat() {
     forward_and_reply(CLIENT4.into(), VIP4.into(), L4::TcpSyn, L4::TcpAck);
+}
+
+/// XDP rewrites with its own checksum code (no skb helpers): every case tc passes, it passes
+/// too, checked by full recomputation.
+#[test]
+fn xdp_forwards_and_reverse_nats_with_valid_checksums() {
+    for (client, vip) in [
+        (IpAddr::from(CLIENT4), IpAddr::from(VIP4)),
+        (CLIENT6.into(), VIP6.into()),
+    ] {
+        forward_and_reply_on(Ext::Xdp, client, vip, L4::TcpSyn, L4::TcpAck);
+        forward_and_reply_on(Ext::Xdp, client, vip, L4::Udp, L4::Udp);
+    }
+}
+
+/// XDP never changes what is not a service packet it fully parsed: other destinations, other
+/// protocols, truncated and non-IP frames leave byte for byte as they came, with XDP_PASS.
+#[test]
+fn xdp_passes_everything_else_untouched() {
+    let mut fx = fixture();
+    let mut frames = vec![
+        packet(
+            CLIENT4.into(),
+            40_000,
+            Ipv4Addr::new(198, 18, 77, 7).into(),
+            VPORT,
+            L4::TcpSyn,
+        ),
+        packet(
+            CLIENT6.into(),
+            40_000,
+            "2001:db8:77::7".parse().unwrap(),
+            VPORT,
+            L4::Udp,
+        ),
+        packet(CLIENT4.into(), 40_000, VIP4.into(), VPORT + 1, L4::Udp),
+    ];
+    let full = packet(CLIENT4.into(), 40_000, VIP4.into(), VPORT, L4::TcpSyn);
+    // BPF_PROG_TEST_RUN refuses XDP frames shorter than an Ethernet header.
+    for cut in [14, 20, 33, 40] {
+        frames.push(full[..cut].to_vec());
+    }
+    let mut arp = full.clone();
+    arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    frames.push(arp);
+    for f in &frames {
+        let (verdict, out) = fx.xdp(f);
+        assert_eq!(verdict, XDP_PASS, "{f:02x?}");
+        assert_eq!(&out, f, "untouched");
+    }
+}
+
+/// kube-proxy's DROPs on the external path, in XDP and tc alike: a LoadBalancer IP's
+/// `loadBalancerSourceRanges` (other sources dropped, sources inside served), and an eTP=Local
+/// NodePort whose endpoints are all on other nodes (dropped, not rejected).
+#[test]
+fn source_ranges_and_no_local_endpoint_drop_on_xdp_and_tc() {
+    let mut fx = fixture();
+    let lb_ip = IpAddr::from(Ipv4Addr::new(198, 19, 1, 42));
+    let node_ip = IpAddr::from(Ipv4Addr::new(198, 18, 10, 1));
+    let b4: Vec<IpAddr> = BACKENDS4.iter().map(|a| (*a).into()).collect();
+    let (fe, mut ranged) = service(lb_ip, Proto::Tcp, &b4);
+    ranged.flags = svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES;
+    ranged.source_ranges = ["198.18.99.0/24", "198.19.1.42/32"]
+        .iter()
+        .map(|c| c.parse().unwrap())
+        .collect();
+    let (np, mut elsewhere) = service_ports(node_ip, 30_080, Proto::Tcp, &[], BPORT);
+    elsewhere.flags =
+        svc_flags::NODE_PORT | svc_flags::EXT_LOCAL | svc_flags::EMPTY_DROP | svc_flags::LOCAL_ADDR;
+    let mut desired = fx.desired.clone();
+    desired.services.insert(fe, ranged);
+    desired.services.insert(np, elsewhere);
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+
+    for hook in [Ext::Xdp, Ext::Tc] {
+        let drop = match hook {
+            Ext::Xdp => XDP_DROP,
+            Ext::Tc => TC_ACT_SHOT,
+        };
+        let before = fx.counter(metrics::TC_DROP_SOURCE_RANGE);
+        let syn = packet(CLIENT4.into(), 41_000, lb_ip, VPORT, L4::TcpSyn);
+        assert_eq!(
+            fx.external(hook, &syn).0,
+            drop,
+            "{hook:?}: outside the ranges"
+        );
+        assert_eq!(fx.counter(metrics::TC_DROP_SOURCE_RANGE), before + 1);
+        let inside = IpAddr::from(Ipv4Addr::new(198, 18, 99, 5));
+        let (verdict, out) = fx.external(hook, &packet(inside, 41_000, lb_ip, VPORT, L4::TcpSyn));
+        assert_eq!(verdict, hook.pass(), "{hook:?}: inside the ranges");
+        assert!(b4.contains(&parse_and_verify(&out).dst), "{hook:?}: DNAT");
+
+        let before = fx.counter(metrics::TC_DROP_NO_LOCAL_BACKEND);
+        let syn = packet(CLIENT4.into(), 41_001, node_ip, 30_080, L4::TcpSyn);
+        assert_eq!(
+            fx.external(hook, &syn).0,
+            drop,
+            "{hook:?}: no local endpoint"
+        );
+        assert_eq!(fx.counter(metrics::TC_DROP_NO_LOCAL_BACKEND), before + 1);
+    }
+}
+
+/// XDP builds no replies: a packet kube-proxy would REJECT leaves XDP untouched, counted as
+/// handed to tc, and tc ingress on the same device answers it.
+#[test]
+fn xdp_leaves_rejects_to_tc_ingress() {
+    let mut fx = fixture();
+    for (client, vip) in [
+        (IpAddr::from(CLIENT4), IpAddr::from(EMPTY_VIP4)),
+        (CLIENT6.into(), EMPTY_VIP6.into()),
+    ] {
+        let before = fx.counter(metrics::XDP_PASS_TO_TC);
+        let syn = packet(client, 40_000, vip, VPORT, L4::TcpSyn);
+        let (verdict, out) = fx.xdp(&syn);
+        assert_eq!((verdict, &out), (XDP_PASS, &syn), "{vip}: untouched for tc");
+        assert_eq!(fx.counter(metrics::XDP_PASS_TO_TC), before + 1);
+        let (verdict, rst) = fx.ingress(&out);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{vip}: tc rejects it");
+        let r = parse_and_verify(&rst);
+        assert_eq!((r.src, r.dst, r.proto), (vip, client, 6), "{vip}: the RST");
+    }
 }
 
 #[test]
@@ -838,6 +1016,7 @@ fn full_service_map_is_reported_and_previous_state_kept() {
     let mut fx = Fixture {
         datapath,
         _reconciler: reconciler,
+        desired,
     };
     let run = |fx: &mut Fixture, dst: IpAddr, sport: u16| {
         fx.ingress(&packet(CLIENT4.into(), sport, dst, VPORT, L4::TcpSyn))
@@ -1661,6 +1840,7 @@ fn masq_fixture(opts: &LoadOptions, cidrs: &[&str], masquerade_all: bool) -> Fix
         cluster_cidr: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
         service_cidr: Vec::new(),
         masquerade_all,
+        ..NodeFactsArgs::default()
     };
     let facts = NodeFacts::resolve(&args, None, Vec::new);
     fx.datapath

@@ -106,6 +106,11 @@ pub struct NodeFactsArgs {
     /// Masquerade all traffic to ClusterIPs.
     #[arg(long)]
     pub masquerade_all: bool,
+    /// The addresses NodePorts answer on: `primary` (the node IP of each family, the default)
+    /// and/or CIDRs selecting host addresses (repeatable, comma-separated). Loopback addresses
+    /// only when a CIDR covers them.
+    #[arg(long, value_delimiter = ',')]
+    pub nodeport_addresses: Vec<NodePortAddress>,
 }
 
 impl NodeFactsArgs {
@@ -235,6 +240,90 @@ pub fn is_global_unicast(ip: &IpAddr) -> bool {
     }
 }
 
+/// One of `--nodeport-addresses`: the node's primary IP of each family, or a range of the
+/// host's addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodePortAddress {
+    Primary,
+    Cidr(Cidr),
+}
+
+impl std::str::FromStr for NodePortAddress {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "primary" {
+            Ok(Self::Primary)
+        } else {
+            s.parse()
+                .map(Self::Cidr)
+                .map_err(|e| format!("{e} (--nodeport-addresses takes `primary` or CIDRs)"))
+        }
+    }
+}
+
+/// The addresses NodePorts answer on, kube-proxy's `--nodeport-addresses`: with `primary`
+/// (or nothing) the first node IP of each family; with CIDRs every host address inside one
+/// (loopback only if a CIDR covers it), each once, in `host` order.
+pub fn nodeport_ips(
+    want: &[NodePortAddress],
+    facts: &NodeFacts,
+    host: &[(String, IpAddr)],
+) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = Vec::new();
+    let mut push = |ip: IpAddr| {
+        if !out.contains(&ip) {
+            out.push(ip);
+        }
+    };
+    if want.is_empty() || want.contains(&NodePortAddress::Primary) {
+        let (v4, v6) = facts.snat_ips();
+        v4.map(IpAddr::V4)
+            .into_iter()
+            .chain(v6.map(IpAddr::V6))
+            .for_each(&mut push);
+    }
+    for w in want {
+        if let NodePortAddress::Cidr(c) = w {
+            host.iter()
+                .map(|(_, ip)| *ip)
+                .filter(|ip| c.contains(ip))
+                .for_each(&mut push);
+        }
+    }
+    out
+}
+
+/// Every address of the host's interfaces, with the interface's name; empty if the interfaces
+/// cannot be listed.
+pub fn host_addrs() -> Vec<(String, IpAddr)> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    addrs
+        .filter_map(|ifa| {
+            let sa = ifa.address?;
+            let ip = if let Some(v4) = sa.as_sockaddr_in() {
+                IpAddr::V4(v4.ip())
+            } else {
+                IpAddr::V6(sa.as_sockaddr_in6()?.ip())
+            };
+            Some((ifa.interface_name, ip))
+        })
+        .collect()
+}
+
+/// The interfaces holding any of `ips` (`--devices`' default: those holding the node IPs),
+/// each once, in `host` order.
+pub fn devices_holding(ips: &[IpAddr], host: &[(String, IpAddr)]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for (name, ip) in host {
+        if ips.contains(ip) && !out.contains(name) {
+            out.push(name.clone());
+        }
+    }
+    out
+}
+
 /// The host's first global unicast address of each family, in interface order; empty if the
 /// interfaces cannot be listed.
 pub fn host_ips() -> Vec<IpAddr> {
@@ -331,6 +420,7 @@ mod tests {
             cluster_cidr: vec!["198.18.16.0/20".parse().unwrap()],
             service_cidr: vec!["198.19.0.0/16".parse().unwrap()],
             masquerade_all: false,
+            ..NodeFactsArgs::default()
         };
         let c = NodeFacts::resolve(&args, None, Vec::new).datapath_config();
         assert_eq!(c.node_ip4, [198, 18, 0, 5]);
@@ -393,5 +483,46 @@ mod tests {
         let c: Cidr = "0.0.0.0/0".parse().unwrap();
         assert!(c.contains(&"198.18.0.1".parse().unwrap()));
         assert_eq!(c.network(), "0.0.0.0".parse::<IpAddr>().unwrap());
+    }
+
+    #[test]
+    fn nodeport_addresses_are_the_primary_ips_or_host_addresses_in_the_cidrs() {
+        let args = NodeFactsArgs {
+            node_ip: vec![
+                "198.18.0.5".parse().unwrap(),
+                "2001:db8::5".parse().unwrap(),
+            ],
+            ..NodeFactsArgs::default()
+        };
+        let facts = NodeFacts::resolve(&args, None, Vec::new);
+        let host: Vec<(String, IpAddr)> = [
+            ("lo", "127.0.0.1"),
+            ("lo", "::1"),
+            ("eth0", "198.18.0.5"),
+            ("eth0", "2001:db8::5"),
+            ("eth1", "198.18.7.1"),
+        ]
+        .iter()
+        .map(|(n, a)| (n.to_string(), a.parse().unwrap()))
+        .collect();
+        let ips = |want: &[&str]| -> Vec<String> {
+            let want: Vec<NodePortAddress> = want.iter().map(|w| w.parse().unwrap()).collect();
+            nodeport_ips(&want, &facts, &host)
+                .iter()
+                .map(ToString::to_string)
+                .collect()
+        };
+        // The default and `primary`: the node IPs, never loopback.
+        assert_eq!(ips(&[]), ["198.18.0.5", "2001:db8::5"]);
+        assert_eq!(ips(&["primary"]), ["198.18.0.5", "2001:db8::5"]);
+        // CIDRs pick host addresses, loopback only when covered.
+        assert_eq!(ips(&["198.18.7.0/24"]), ["198.18.7.1"]);
+        assert_eq!(ips(&["127.0.0.0/8", "::1/128"]), ["127.0.0.1", "::1"]);
+        assert_eq!(
+            ips(&["primary", "198.18.0.0/15"]),
+            ["198.18.0.5", "2001:db8::5", "198.18.7.1"]
+        );
+        assert!("bogus".parse::<NodePortAddress>().is_err());
+        assert_eq!(devices_holding(&facts.node_ips, &host), ["eth0"]);
     }
 }

@@ -121,3 +121,65 @@ impl Enter {
         }
     }
 }
+
+/// Turns GRO on or off for `ifname` in the calling thread's netns (the `ethtool -K IF gro`
+/// ioctl; there is no ethtool binary on the test machines). A veth's peer needs NAPI, which GRO
+/// gives it, before XDP frames redirected or sent back to it arrive (veth drops them otherwise).
+pub fn set_gro(ifname: &str, on: bool) -> anyhow::Result<()> {
+    const ETHTOOL_SGRO: u32 = 0x2c;
+    ethtool_set(ifname, ETHTOOL_SGRO, on)
+}
+
+/// Turns transmit checksum offload on or off for `ifname` (`ethtool -K IF tx`). Off, the
+/// kernel sends every packet with its checksum complete, as a packet from another machine
+/// arrives: a veth otherwise hands its peer CHECKSUM_PARTIAL skbs, which XDP cannot tell apart.
+pub fn set_tx_checksum(ifname: &str, on: bool) -> anyhow::Result<()> {
+    const ETHTOOL_STXCSUM: u32 = 0x17;
+    ethtool_set(ifname, ETHTOOL_STXCSUM, on)
+}
+
+/// One `SIOCETHTOOL` set command with an `ethtool_value`.
+fn ethtool_set(ifname: &str, cmd: u32, on: bool) -> anyhow::Result<()> {
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    #[repr(C)]
+    struct IfReq {
+        name: [libc::c_char; libc::IFNAMSIZ],
+        data: *mut EthtoolValue,
+        pad: [u8; 16],
+    }
+    let bytes = ifname.as_bytes();
+    if bytes.len() >= libc::IFNAMSIZ {
+        bail!("interface name {ifname:?} too long");
+    }
+    let mut value = EthtoolValue {
+        cmd,
+        data: u32::from(on),
+    };
+    let mut req = IfReq {
+        name: [0; libc::IFNAMSIZ],
+        data: &mut value,
+        pad: [0; 16],
+    };
+    for (d, s) in req.name.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: a plain datagram socket, closed below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error()).context("socket for SIOCETHTOOL");
+    }
+    // SAFETY: `req` is a valid ifreq whose data points at a live ethtool_value.
+    let r = unsafe { libc::ioctl(fd, SIOCETHTOOL, &mut req) };
+    let err = io::Error::last_os_error();
+    // SAFETY: `fd` is ours.
+    unsafe { libc::close(fd) };
+    if r < 0 {
+        return Err(err).with_context(|| format!("ethtool command {cmd:#x} on {ifname}"));
+    }
+    Ok(())
+}

@@ -15,7 +15,7 @@ use crate::{
         daemon::{self, RunOptions, SourceConfig},
         k8s,
     },
-    datapath::cgroup::cgroup2_root,
+    datapath::{cgroup::cgroup2_root, load::XdpMode},
 };
 
 #[derive(Parser)]
@@ -76,6 +76,8 @@ struct RunArgs {
     /// Interfaces whose tc egress gets reverse NAT of replies.
     #[arg(long, value_delimiter = ',')]
     tc_egress: Vec<String>,
+    #[command(flatten)]
+    devices: DeviceArgs,
     /// Prometheus metrics address (kube-proxy's default); "off" disables metrics and health.
     #[arg(long, default_value = "127.0.0.1:10249")]
     metrics_bind_address: String,
@@ -91,6 +93,20 @@ struct RunArgs {
     bpf_map_max: Vec<(String, u32)>,
     #[command(flatten)]
     node_facts: crate::node_facts::NodeFactsArgs,
+}
+
+/// The external devices and how XDP runs on them; `lb run` attaches there, `lb trace` runs
+/// external packets through the same programs.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct DeviceArgs {
+    /// External devices (comma-separated or repeated): `lb_xdp` (per --xdp) and tc ingress
+    /// balance NodePort, LoadBalancer and external-IP traffic arriving there [default: the
+    /// devices holding the node IPs, unless any --tc-* device is given].
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Vec<String>,
+    /// XDP on the external devices; a device where native XDP cannot attach keeps tc only.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub xdp: XdpMode,
 }
 
 fn parse_map_max(s: &str) -> Result<(String, u32), String> {
@@ -162,6 +178,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 tc_ingress: args.tc_ingress,
                 tc_pod: args.tc_pod,
                 tc_egress: args.tc_egress,
+                devices: args.devices.devices,
+                xdp: args.devices.xdp,
                 metrics_addr,
                 healthz_addr,
                 state_dir: args.state_dir,

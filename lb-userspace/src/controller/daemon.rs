@@ -15,12 +15,12 @@ use super::{
 };
 use crate::{
     datapath::{
-        load::{Datapath, LoadOptions, TcHook},
+        load::{Datapath, LoadOptions, TcHook, XdpMode},
         maps::LbMaps,
     },
     healthcheck::{self, HealthServers},
     metrics::{self, Metrics},
-    node_facts::{NodeFacts, NodeFactsArgs, host_ips},
+    node_facts::{self, NodeFacts, NodeFactsArgs, host_ips},
     state_dir,
 };
 
@@ -46,6 +46,10 @@ pub struct RunOptions {
     /// Pod-facing devices (host side of pod veths): tc ingress NAT, internal scope.
     pub tc_pod: Vec<String>,
     pub tc_egress: Vec<String>,
+    /// External devices (`--devices`): XDP per `xdp` plus tc ingress; empty: the devices
+    /// holding the node IPs, unless a `tc_*` list is given.
+    pub devices: Vec<String>,
+    pub xdp: XdpMode,
     /// Prometheus endpoint; `None` disables it.
     pub metrics_addr: Option<SocketAddr>,
     /// `/healthz` and `/livez`; `None` disables them.
@@ -145,13 +149,14 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     log_node_facts(&now);
                     facts = Some(now);
                 }
-                let synced = sync(&mut reconciler, &snapshot, &opts.node_name, generation, &metrics);
+                let base = node_base(&opts, facts.as_ref());
+                let synced = sync_node(&mut reconciler, &snapshot, &base, generation, &metrics);
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
                 }
                 if generation == 1 {
                     // Attach only once the maps hold the full state, so no packet sees less.
-                    attach(&mut datapath, &opts)?;
+                    attach(&mut datapath, &opts, facts.as_ref())?;
                     tracing::info!(attached = ?datapath.attachments(), "ready");
                 }
                 // After the attach: load balancers send traffic once a port answers 200.
@@ -168,7 +173,54 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn attach(datapath: &mut Datapath, opts: &RunOptions) -> anyhow::Result<()> {
+/// This node's name and addresses for the translation: the NodePort addresses
+/// (`--nodeport-addresses` over the node IPs and the host's addresses) and every local address.
+fn node_base(opts: &RunOptions, facts: Option<&NodeFacts>) -> NodeInfo {
+    let host = node_facts::host_addrs();
+    let nodeport_ips = facts.map_or_else(Vec::new, |f| {
+        node_facts::nodeport_ips(&opts.node_facts.nodeport_addresses, f, &host)
+    });
+    NodeInfo {
+        name: opts.node_name.clone(),
+        zone: None,
+        nodeport_ips,
+        local_ips: host.into_iter().map(|(_, ip)| ip).collect(),
+    }
+}
+
+/// The external devices: `--devices`, else those holding the node IPs when no `--tc-*` list
+/// lays the hooks out by hand.
+fn external_devices(opts: &RunOptions, facts: Option<&NodeFacts>) -> Vec<String> {
+    if !opts.devices.is_empty() {
+        return opts.devices.clone();
+    }
+    if !(opts.tc_ingress.is_empty() && opts.tc_pod.is_empty() && opts.tc_egress.is_empty()) {
+        return Vec::new();
+    }
+    let ips = facts.map_or_else(Vec::new, |f| f.node_ips.clone());
+    node_facts::devices_holding(&ips, &node_facts::host_addrs())
+}
+
+fn attach(
+    datapath: &mut Datapath,
+    opts: &RunOptions,
+    facts: Option<&NodeFacts>,
+) -> anyhow::Result<()> {
+    let devices = external_devices(opts, facts);
+    for iface in &devices {
+        // XDP first, tc ingress beside it: tc finishes what XDP hands on, and serves alone
+        // where XDP cannot attach.
+        if let Err(e) = datapath.attach_xdp(iface, opts.xdp) {
+            tracing::warn!(
+                iface,
+                error = format!("{e:#}"),
+                "XDP not attached; tc ingress only"
+            );
+        }
+        if !opts.tc_ingress.contains(iface) {
+            datapath.attach_tc(iface, TcHook::External)?;
+        }
+    }
     for iface in &opts.tc_ingress {
         datapath.attach_tc(iface, TcHook::External)?;
     }
@@ -212,11 +264,27 @@ fn log_node_facts(f: &NodeFacts) {
     }
 }
 
-/// Translates a snapshot and applies it, logging and counting what it skipped or failed.
+/// Translates a snapshot and applies it, logging and counting what it skipped or failed, for
+/// a node without NodePort addresses (see `sync_node`).
 pub fn sync<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     snapshot: &Snapshot,
     node_name: &str,
+    generation: u64,
+    metrics: &Metrics,
+) -> Synced {
+    let base = NodeInfo {
+        name: node_name.to_string(),
+        ..NodeInfo::default()
+    };
+    sync_node(reconciler, snapshot, &base, generation, metrics)
+}
+
+/// `sync` for the node `base` describes (its zone comes from the snapshot's Node object).
+pub fn sync_node<M: LbMaps>(
+    reconciler: &mut Reconciler<M>,
+    snapshot: &Snapshot,
+    base: &NodeInfo,
     generation: u64,
     metrics: &Metrics,
 ) -> Synced {
@@ -226,7 +294,10 @@ pub fn sync<M: LbMaps>(
         metrics.inc_skipped("Document", "unparsable");
     }
     metrics.set_node_eligible(translate::node_eligible(snapshot.node.as_deref()));
-    let node = NodeInfo::from_node(node_name, snapshot.node.as_deref());
+    let node = NodeInfo {
+        zone: NodeInfo::from_node(&base.name, snapshot.node.as_deref()).zone,
+        ..base.clone()
+    };
     let translation = translate::desired_state(&snapshot.services, &snapshot.slices, &node);
     for s in &translation.skipped {
         tracing::warn!(skipped = %s, "skipping object");

@@ -126,14 +126,38 @@ const MAP_SPECS: [MapSpec; 20] = [
 ];
 
 /// How `lb_xdp` is attached to external devices (`--xdp`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum XdpMode {
+    /// Native on physical devices, none (tc only) on virtual ones such as veth, where an XDP
+    /// redirect or TX only arrives if the peer has NAPI (GRO on, or an XDP program of its
+    /// own), which lb cannot see.
+    #[default]
+    Auto,
     /// In the driver (the fast path; veth, virtio-net and most NICs have it).
     Native,
     /// On the skb, for devices without native XDP (no faster than tc, but the same code).
     Generic,
     /// No XDP: tc ingress alone.
     Off,
+}
+
+impl XdpMode {
+    /// The mode `iface` gets: `Auto` is native on a physical device (one sysfs links to a
+    /// bus device), off on a virtual one.
+    pub fn resolve(self, iface: &str) -> XdpMode {
+        match self {
+            XdpMode::Auto
+                if Path::new("/sys/class/net")
+                    .join(iface)
+                    .join("device")
+                    .exists() =>
+            {
+                XdpMode::Native
+            }
+            XdpMode::Auto => XdpMode::Off,
+            m => m,
+        }
+    }
 }
 
 /// Where a tc program is attached, which decides the frontends' scope it uses.
@@ -362,10 +386,10 @@ impl Datapath {
     /// attaches nothing. The caller attaches `lb_tc_ingress` beside it: XDP hands it what it
     /// cannot finish.
     pub fn attach_xdp(&mut self, iface: &str, mode: XdpMode) -> anyhow::Result<()> {
-        let flags = match mode {
+        let flags = match mode.resolve(iface) {
             XdpMode::Native => AyaXdpMode::Driver,
             XdpMode::Generic => AyaXdpMode::Skb,
-            XdpMode::Off => return Ok(()),
+            XdpMode::Off | XdpMode::Auto => return Ok(()),
         };
         let prog: &mut Xdp = self
             .ebpf
@@ -374,8 +398,8 @@ impl Datapath {
             .try_into()?;
         prog.attach(iface, flags)
             .with_context(|| format!("attaching {} ({mode:?}) to {iface}", prog_names::XDP))?;
-        let mode = match mode {
-            XdpMode::Native => "native",
+        let mode = match flags {
+            AyaXdpMode::Driver => "native",
             _ => "generic",
         };
         self.attachments

@@ -1,0 +1,617 @@
+//! North-south end to end: an external client reaches NodePorts and LoadBalancer IPs of a node
+//! running `lb run`, whose endpoints are partly local pods and partly behind a second node;
+//! kube-proxy's rules for that traffic, checked by which backend answered and which source
+//! address it saw, for TCP and UDP over IPv4 and IPv6. Run once with the tc path alone on the
+//! external device (`--xdp off`) and once with native XDP in front of it. Needs root.
+//!
+//! ```text
+//!   client ── l<id>c ─┐                       ┌─ l<id>b1 ── b1   (pod on node-a)
+//!   198.18.10.2       │  node-a (lb)          ├─ l<id>b2 ── b2   (pod on node-a)
+//!                     └─ 198.18.10.1 ─────────┴─ l<id>b3 ── b3 = node-b ── podb  (pod on node-b)
+//!                        NodePort address                     198.18.13.2    198.18.70.2
+//! ```
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    fs,
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use aya::maps::{Map, MapData, PerCpuArray};
+use lb_common::{MetricValue, map_names, metrics};
+use lb_tests::{
+    bins::{LB, LB_ECHO},
+    daemon::LbDaemon,
+    netns::{in_netns, ip, set_gro, set_tx_checksum},
+    testbed::{HOST_IF, Testbed},
+};
+
+const ECHO_PORT: u16 = 8080;
+const NODE_A: &str = "node-a";
+const NODE_B: &str = "node-b";
+/// The pod behind node-b.
+const REMOTE4: &str = "198.18.70.2";
+const REMOTE6: &str = "2001:db8:0:70::2";
+
+/// The second node (backend netns b3 turned into a router) and the pod behind it; the pod's
+/// netns is removed on drop (the testbed removes b3's, and with it the veth).
+struct NodeB {
+    pod_ns: String,
+}
+
+impl NodeB {
+    fn create(tb: &mut Testbed) -> Self {
+        let b3 = tb.backends[2].clone();
+        let pod_ns = format!("lb-{}-podb", tb.id);
+        ip(&["netns", "add", &pod_ns]).unwrap();
+        let node_b = Self { pod_ns };
+        in_netns(&node_b.pod_ns, || {
+            fs::write("/proc/sys/net/ipv6/conf/default/accept_dad", "0")?;
+            fs::write("/proc/sys/net/ipv6/conf/all/accept_dad", "0")?;
+            Ok(())
+        })
+        .unwrap();
+        let (a, b) = (format!("r{}a", tb.id), format!("r{}b", tb.id));
+        ip(&[
+            "link",
+            "add",
+            &a,
+            "netns",
+            &b3.ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &b,
+            "netns",
+            &node_b.pod_ns,
+        ])
+        .unwrap();
+        let run = |ns: &str, args: &[&str]| {
+            let mut full = vec!["-n", ns];
+            full.extend_from_slice(args);
+            ip(&full).unwrap();
+        };
+        // node-b: routes between node-a's link and its pod.
+        run(&b3.ns, &["addr", "add", "198.18.70.1/24", "dev", &a]);
+        run(
+            &b3.ns,
+            &[
+                "-6",
+                "addr",
+                "add",
+                "2001:db8:0:70::1/64",
+                "dev",
+                &a,
+                "nodad",
+            ],
+        );
+        run(&b3.ns, &["link", "set", &a, "up"]);
+        in_netns(&b3.ns, || {
+            fs::write("/proc/sys/net/ipv4/ip_forward", "1")?;
+            fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
+            Ok(())
+        })
+        .unwrap();
+        // The pod: everything in the test ranges via node-b, no default route.
+        let pod = node_b.pod_ns.clone();
+        run(&pod, &["link", "set", "lo", "up"]);
+        run(&pod, &["addr", "add", &format!("{REMOTE4}/24"), "dev", &b]);
+        run(
+            &pod,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{REMOTE6}/64"),
+                "dev",
+                &b,
+                "nodad",
+            ],
+        );
+        run(&pod, &["link", "set", &b, "up"]);
+        run(
+            &pod,
+            &["route", "add", "198.18.0.0/15", "via", "198.18.70.1"],
+        );
+        run(
+            &pod,
+            &[
+                "-6",
+                "route",
+                "add",
+                "2001:db8::/32",
+                "via",
+                "2001:db8:0:70::1",
+            ],
+        );
+        // node-a: node-b's pod range via node-b.
+        let node = tb.node_ns.clone();
+        run(
+            &node,
+            &[
+                "route",
+                "add",
+                "198.18.70.0/24",
+                "via",
+                &b3.ipv4.to_string(),
+            ],
+        );
+        run(
+            &node,
+            &[
+                "-6",
+                "route",
+                "add",
+                "2001:db8:0:70::/64",
+                "via",
+                &b3.ipv6.to_string(),
+            ],
+        );
+        // The pod's echo server answers as `remote`.
+        let mut cmd = Command::new(LB_ECHO);
+        cmd.args([
+            "serve",
+            "--name",
+            "remote",
+            "--port",
+            &ECHO_PORT.to_string(),
+        ])
+        .stdout(Stdio::piped());
+        let mut child = tb.spawn(&pod, None, cmd).unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.starts_with("ready"), "remote echo: {line:?}");
+        node_b
+    }
+}
+
+impl Drop for NodeB {
+    fn drop(&mut self) {
+        if let Err(e) = ip(&["netns", "del", &self.pod_ns]) {
+            eprintln!("teardown: {e:#}");
+        }
+    }
+}
+
+/// A NodePort or LoadBalancer service (dual-stack, TCP 80 and UDP 53 to 8080, NodePorts
+/// `tcp`/`udp`) with `eps` as its endpoints: (IPv4, IPv6, node).
+struct Svc<'a> {
+    name: &'a str,
+    cluster_ip: u8,
+    node_ports: (u16, u16),
+    local_policy: bool,
+    /// LoadBalancer ingress IPs' last byte (198.19.1.N, 2001:db8:ffff:1::N) and source ranges.
+    lb: Option<(u8, &'a [&'a str])>,
+    eps: &'a [(&'a str, &'a str, &'a str)],
+}
+
+impl Svc<'_> {
+    fn yaml(&self) -> String {
+        let mut y = String::new();
+        let ty = if self.lb.is_some() {
+            "LoadBalancer"
+        } else {
+            "NodePort"
+        };
+        let etp = if self.local_policy {
+            "Local"
+        } else {
+            "Cluster"
+        };
+        let (c, (tcp, udp)) = (self.cluster_ip, self.node_ports);
+        let _ = write!(
+            y,
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {n}, namespace: ns}}\nspec:\n  \
+             type: {ty}\n  externalTrafficPolicy: {etp}\n  clusterIP: 198.19.0.{c}\n  \
+             clusterIPs: [198.19.0.{c}, \"2001:db8:ffff::{c}\"]\n  ipFamilyPolicy: \
+             PreferDualStack\n  ipFamilies: [IPv4, IPv6]\n  ports:\n    - {{name: tcp, \
+             protocol: TCP, port: 80, targetPort: 8080, nodePort: {tcp}}}\n    - {{name: udp, \
+             protocol: UDP, port: 53, targetPort: 8080, nodePort: {udp}}}\n",
+            n = self.name
+        );
+        if let Some((ip, ranges)) = self.lb {
+            if !ranges.is_empty() {
+                let _ = writeln!(y, "  loadBalancerSourceRanges: [{}]", ranges.join(", "));
+            }
+            let _ = write!(
+                y,
+                "status:\n  loadBalancer:\n    ingress: [{{ip: 198.19.1.{ip}}}, {{ip: \
+                 \"2001:db8:ffff:1::{ip}\"}}]\n"
+            );
+        }
+        for (family, pick) in [("IPv4", 0usize), ("IPv6", 1)] {
+            let _ = write!(
+                y,
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: \
+                 {n}-{family}\n  namespace: ns\n  labels: {{kubernetes.io/service-name: {n}}}\n\
+                 addressType: {family}\nports: [{{name: tcp, protocol: TCP, port: 8080}}, {{name: \
+                 udp, protocol: UDP, port: 8080}}]\nendpoints:\n",
+                n = self.name
+            );
+            if self.eps.is_empty() {
+                y.push_str("  []\n");
+            }
+            for (v4, v6, node) in self.eps {
+                let addr = if pick == 0 { v4 } else { v6 };
+                let _ = writeln!(
+                    y,
+                    "  - {{addresses: [\"{addr}\"], nodeName: {node}, conditions: {{ready: true}}}}"
+                );
+            }
+        }
+        y
+    }
+}
+
+const B1: (&str, &str, &str) = ("198.18.11.2", "2001:db8:0:11::2", NODE_A);
+const B2: (&str, &str, &str) = ("198.18.12.2", "2001:db8:0:12::2", NODE_A);
+const REMOTE: (&str, &str, &str) = (REMOTE4, REMOTE6, NODE_B);
+
+const SERVICES: [Svc<'static>; 7] = [
+    // eTP=Cluster: any endpoint, masqueraded to the node IP.
+    Svc {
+        name: "np-cluster",
+        cluster_ip: 30,
+        node_ports: (30080, 30053),
+        local_policy: false,
+        lb: None,
+        eps: &[B1, REMOTE],
+    },
+    // eTP=Local: local endpoints only, client address kept.
+    Svc {
+        name: "np-local",
+        cluster_ip: 31,
+        node_ports: (30081, 30054),
+        local_policy: true,
+        lb: None,
+        eps: &[B2, REMOTE],
+    },
+    // eTP=Local, every endpoint elsewhere: DROP.
+    Svc {
+        name: "np-elsewhere",
+        cluster_ip: 32,
+        node_ports: (30082, 30055),
+        local_policy: true,
+        lb: None,
+        eps: &[REMOTE],
+    },
+    // No endpoints at all: REJECT.
+    Svc {
+        name: "np-empty",
+        cluster_ip: 33,
+        node_ports: (30083, 30056),
+        local_policy: false,
+        lb: None,
+        eps: &[],
+    },
+    // eTP=Local LoadBalancer: external clients get local endpoints; pods short-circuit to all.
+    Svc {
+        name: "lb-local",
+        cluster_ip: 34,
+        node_ports: (30084, 30057),
+        local_policy: true,
+        lb: Some((41, &[])),
+        eps: &[B2, REMOTE],
+    },
+    // Source ranges that leave the client out: DROP.
+    Svc {
+        name: "lb-denied",
+        cluster_ip: 35,
+        node_ports: (30085, 30058),
+        local_policy: false,
+        lb: Some((42, &["198.18.99.0/24", "\"2001:db8:99::/64\""])),
+        eps: &[B1],
+    },
+    // Source ranges that hold the client.
+    Svc {
+        name: "lb-allowed",
+        cluster_ip: 36,
+        node_ports: (30086, 30059),
+        local_policy: false,
+        lb: Some((43, &["198.18.10.0/24", "\"2001:db8:0:10::/64\""])),
+        eps: &[B1],
+    },
+];
+
+/// What `lb-echo client` in `ns` got per reply: the backend, the client address it saw (IP)
+/// and the peer the application saw; and the errors.
+#[derive(Debug, Default)]
+struct Replies {
+    ok: Vec<(String, String, String)>,
+    errors: Vec<String>,
+}
+
+fn echo(
+    tb: &mut Testbed,
+    ns: &str,
+    target: &str,
+    proto: &str,
+    count: usize,
+    extra: &[&str],
+) -> Replies {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args(["client", "--target", target, "--proto", proto])
+        .args(["--count", &count.to_string()])
+        .args(extra);
+    let out = tb.run(ns, None, cmd).expect("run client");
+    let mut r = Replies::default();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("client JSON");
+        if let Some(e) = v.get("error") {
+            r.errors.push(e.to_string());
+            continue;
+        }
+        let seen: std::net::SocketAddr = v["seen_by_backend"].as_str().unwrap().parse().unwrap();
+        r.ok.push((
+            v["backend"].as_str().unwrap().to_string(),
+            seen.ip().to_string(),
+            v["peer"].as_str().unwrap().to_string(),
+        ));
+    }
+    assert_eq!(
+        r.ok.len() + r.errors.len(),
+        count,
+        "{target}/{proto}: one line per request; stderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    r
+}
+
+/// The four targets of a frontend: (`IP:PORT` for TCP, for UDP) per family.
+fn targets(v4: &str, v6: &str, (tcp, udp): (u16, u16)) -> [(String, &'static str, bool); 4] {
+    [
+        (format!("{v4}:{tcp}"), "tcp", false),
+        (format!("{v4}:{udp}"), "udp", false),
+        (format!("[{v6}]:{tcp}"), "tcp", true),
+        (format!("[{v6}]:{udp}"), "udp", true),
+    ]
+}
+
+/// Every request to the four targets answered by a backend in `backends` (all of them reached),
+/// which saw the client as `seen` (per family), and the reply came from the target.
+fn assert_served(
+    tb: &mut Testbed,
+    ns: &str,
+    what: &str,
+    targets: &[(String, &str, bool)],
+    backends: &[&str],
+    seen: (&str, &str),
+) {
+    for (target, proto, v6) in targets {
+        let r = echo(tb, ns, target, proto, 20, &[]);
+        assert!(r.errors.is_empty(), "{what} {target}/{proto}: {r:?}");
+        let reached: BTreeSet<&str> = r.ok.iter().map(|(b, _, _)| b.as_str()).collect();
+        let want: BTreeSet<&str> = backends.iter().copied().collect();
+        assert_eq!(reached, want, "{what} {target}/{proto}: backends {r:?}");
+        let want_seen = if *v6 { seen.1 } else { seen.0 };
+        for (b, s, peer) in &r.ok {
+            assert_eq!(s, want_seen, "{what} {target}/{proto}: {b} saw {s}");
+            assert_eq!(
+                peer, target,
+                "{what} {target}/{proto}: reply from the frontend"
+            );
+        }
+    }
+}
+
+/// Every request to the targets fails: with ECONNREFUSED (`refused`) or by timing out.
+fn assert_fails(tb: &mut Testbed, what: &str, targets: &[(String, &str, bool)], refused: bool) {
+    let ns = tb.client.ns.clone();
+    for (target, proto, _) in targets {
+        // Connected UDP, so an ICMP port unreachable surfaces as ECONNREFUSED.
+        let r = echo(
+            tb,
+            &ns,
+            target,
+            proto,
+            3,
+            &["--connected-udp", "--timeout-ms", "300"],
+        );
+        assert_eq!(
+            r.errors.len(),
+            3,
+            "{what} {target}/{proto}: all fail: {r:?}"
+        );
+        for e in &r.errors {
+            assert_eq!(
+                e.contains("os error 111)"),
+                refused,
+                "{what} {target}/{proto}: refused={refused} expected, got {e}"
+            );
+        }
+    }
+}
+
+fn pinned_counter(pin_dir: &Path, index: u32) -> u64 {
+    let map = MapData::from_pin(pin_dir.join(map_names::METRICS)).unwrap();
+    PerCpuArray::<_, MetricValue>::try_from(Map::PerCpuArray(map))
+        .unwrap()
+        .get(&index, 0)
+        .unwrap()
+        .iter()
+        .map(|v| v.packets)
+        .sum()
+}
+
+struct ManifestDir(PathBuf);
+
+impl Drop for ManifestDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn north_south(xdp: &str) {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let _node_b = NodeB::create(&mut tb);
+    // The external client sends complete checksums, as a packet from another machine has
+    // (a veth would hand its peer CHECKSUM_PARTIAL skbs, which only local traffic is).
+    let client_ns = tb.client.ns.clone();
+    in_netns(&client_ns, || set_tx_checksum(HOST_IF, false)).unwrap();
+    if xdp != "off" {
+        // XDP frames redirected or sent back into a veth arrive only if its peer has NAPI.
+        for h in [
+            &tb.client,
+            &tb.backends[0],
+            &tb.backends[1],
+            &tb.backends[2],
+        ] {
+            in_netns(&h.ns, || set_gro(HOST_IF, true)).unwrap();
+        }
+    }
+    let dir = ManifestDir(std::env::temp_dir().join(format!("lb-test-ns-{}", tb.id)));
+    fs::create_dir_all(&dir.0).unwrap();
+    for s in &SERVICES {
+        fs::write(dir.0.join(format!("{}.yaml", s.name)), s.yaml()).unwrap();
+    }
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
+    let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
+    let pods: Vec<String> = tb.backends.iter().map(|b| b.node_if.clone()).collect();
+    let node_ips = format!("{node4},{node6}");
+    let manifests = dir.0.display().to_string();
+    let pod_ifs = pods.join(",");
+    let external = tb.client.node_if.clone();
+    let args = [
+        "--manifests",
+        manifests.as_str(),
+        "--hostname-override",
+        NODE_A,
+        "--socket-lb=false",
+        "--node-ip",
+        node_ips.as_str(),
+        "--devices",
+        external.as_str(),
+        "--xdp",
+        xdp,
+        "--tc-pod",
+        pod_ifs.as_str(),
+    ];
+    let lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    let attached = lb
+        .log
+        .iter()
+        .find(|l| l.contains(" ready"))
+        .cloned()
+        .unwrap_or_default();
+    if xdp == "off" {
+        assert!(!attached.contains("lb_xdp"), "{attached}");
+    } else {
+        assert!(attached.contains(&format!("lb_xdp ({xdp})")), "{attached}");
+    }
+    let pod_ns = tb.backends[0].ns.clone();
+    let np = |s: &Svc| targets(&node4, &node6, s.node_ports);
+    let lb_ip = |n: u8| {
+        targets(
+            &format!("198.19.1.{n}"),
+            &format!("2001:db8:ffff:1::{n}"),
+            (80, 53),
+        )
+    };
+    let what = format!("xdp={xdp}");
+
+    // eTP=Cluster NodePort: local and remote endpoints, masqueraded to the node IP.
+    let t = np(&SERVICES[0]);
+    assert_served(
+        &mut tb,
+        &client_ns,
+        &format!("{what} np-cluster"),
+        &t,
+        &["b1", "remote"],
+        (&node4, &node6),
+    );
+    // eTP=Local NodePort: only the local endpoint, client address kept.
+    let t = np(&SERVICES[1]);
+    assert_served(
+        &mut tb,
+        &client_ns,
+        &format!("{what} np-local"),
+        &t,
+        &["b2"],
+        (&client4, &client6),
+    );
+    // eTP=Local without a local endpoint: dropped, not rejected.
+    let before = pinned_counter(&lb.pin_dir, metrics::TC_DROP_NO_LOCAL_BACKEND);
+    assert_fails(
+        &mut tb,
+        &format!("{what} np-elsewhere"),
+        &np(&SERVICES[2]),
+        false,
+    );
+    assert!(pinned_counter(&lb.pin_dir, metrics::TC_DROP_NO_LOCAL_BACKEND) >= before + 12);
+    // No endpoints at all: rejected.
+    assert_fails(
+        &mut tb,
+        &format!("{what} np-empty"),
+        &np(&SERVICES[3]),
+        true,
+    );
+    // eTP=Local LoadBalancer IP: external clients get the local endpoint...
+    let t = lb_ip(41);
+    assert_served(
+        &mut tb,
+        &client_ns,
+        &format!("{what} lb-local"),
+        &t,
+        &["b2"],
+        (&client4, &client6),
+    );
+    // ...pods short-circuit to every endpoint, unmasqueraded.
+    let (pod4, pod6) = (
+        tb.backends[0].ipv4.to_string(),
+        tb.backends[0].ipv6.to_string(),
+    );
+    assert_served(
+        &mut tb,
+        &pod_ns,
+        &format!("{what} lb-local from a pod"),
+        &t,
+        &["b2", "remote"],
+        (&pod4, &pod6),
+    );
+    // loadBalancerSourceRanges: a client outside is dropped, one inside served.
+    let before = pinned_counter(&lb.pin_dir, metrics::TC_DROP_SOURCE_RANGE);
+    assert_fails(&mut tb, &format!("{what} lb-denied"), &lb_ip(42), false);
+    assert!(pinned_counter(&lb.pin_dir, metrics::TC_DROP_SOURCE_RANGE) >= before + 12);
+    let t = lb_ip(43);
+    assert_served(
+        &mut tb,
+        &client_ns,
+        &format!("{what} lb-allowed"),
+        &t,
+        &["b1"],
+        (&node4, &node6),
+    );
+
+    // Which program did the work.
+    let xdp_sent = pinned_counter(&lb.pin_dir, metrics::XDP_REDIRECT)
+        + pinned_counter(&lb.pin_dir, metrics::XDP_TX);
+    if xdp == "off" {
+        assert_eq!(xdp_sent, 0, "no XDP program, nothing sent by one");
+    } else {
+        assert!(
+            xdp_sent > 0,
+            "masqueraded NodePort flows are redirected by XDP"
+        );
+    }
+    drop(lb);
+}
+
+#[test]
+fn north_south_on_the_tc_path() {
+    north_south("off");
+}
+
+#[test]
+fn north_south_with_native_xdp() {
+    north_south("native");
+}
