@@ -6,7 +6,7 @@ use std::{
     fs::{File, OpenOptions},
     io,
     os::{
-        fd::{AsRawFd as _, RawFd},
+        fd::{AsRawFd as _, FromRawFd as _, RawFd},
         unix::process::CommandExt as _,
     },
     path::{Path, PathBuf},
@@ -120,4 +120,54 @@ impl Enter {
             cmd.pre_exec(hook);
         }
     }
+}
+
+/// Turns GRO on or off on interface `ifname` of the calling thread's netns (run it inside the
+/// target netns with [`in_netns`]), as `ethtool -K IF gro on|off` does: SIOCETHTOOL with
+/// ETHTOOL_SGRO. On a veth, GRO on enables NAPI on its receive side, which an XDP_REDIRECT
+/// into the veth's peer needs (there is no `ethtool` binary on these machines).
+pub fn set_gro(ifname: &str, on: bool) -> anyhow::Result<()> {
+    const IFNAMSIZ: usize = 16;
+    const ETHTOOL_SGRO: u32 = 0x2c;
+    /// `struct ethtool_value` (linux/ethtool.h).
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    /// `struct ifreq` with the `ifr_data` member of its union (40 bytes on 64-bit).
+    #[repr(C)]
+    struct IfreqData {
+        name: [u8; IFNAMSIZ],
+        data: *mut EthtoolValue,
+        _pad: [u8; 16],
+    }
+    let bytes = ifname.as_bytes();
+    if bytes.is_empty() || bytes.len() >= IFNAMSIZ || bytes.contains(&0) {
+        bail!("invalid interface name {ifname:?}");
+    }
+    let mut value = EthtoolValue {
+        cmd: ETHTOOL_SGRO,
+        data: u32::from(on),
+    };
+    let mut req = IfreqData {
+        name: [0; IFNAMSIZ],
+        data: &raw mut value,
+        _pad: [0; 16],
+    };
+    req.name[..bytes.len()].copy_from_slice(bytes);
+    // SAFETY: plain socket(2); the fd is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error()).context("socket for SIOCETHTOOL");
+    }
+    // SAFETY: the kernel just returned this fd; nothing else owns it.
+    let sock = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: SIOCETHTOOL reads the ifreq and the ethtool_value it points to, both alive here.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCETHTOOL, &raw mut req) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error())
+            .with_context(|| format!("SIOCETHTOOL ETHTOOL_SGRO {on} on {ifname}"));
+    }
+    Ok(())
 }
