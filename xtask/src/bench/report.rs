@@ -684,7 +684,9 @@ fn northsouth(w: &mut String, r: &Results) {
          from thousands of source ports, by number of services programmed; median of the \
          repetitions; in parentheses the ratio to kube-proxy iptables at the same size. \
          Forwarded = received by the backends' veths; the sender and the node's forwarding \
-         share one CPU (see Method).\n"
+         share one CPU, so sent and forwarded rates move together (see Method). Every \
+         sample's flows are new: where a flow's first packet is slow (iptables' linear walk \
+         of its rules), most of a sample can go to first packets.\n"
     );
     if let Some(f) = r.notes.get("northsouth_frontends") {
         let _ = writeln!(w, "Frontends: {f}.\n");

@@ -244,7 +244,7 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     results.note(
         "northsouth_frontends",
         format!(
-            "frontends at N services: the last min(N, {NODE_PORTS}) are type NodePort (UDP, \
+            "at N services, the last min(N, {NODE_PORTS}) are type NodePort (UDP, \
              nodePort 30000 + k, reached on node IP {NODE_IP}); the others are ClusterIP \
              services with one externalIP each from {FIRST_EXTRA_IP}{} (extra /32 addresses \
              on the node's external device), port 30000 + (i mod {NODE_PORTS}); all with \
