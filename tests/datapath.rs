@@ -97,6 +97,7 @@ fn service_ports(
                     })
                 })
                 .collect(),
+            ..ServiceEntry::default()
         },
     )
 }
@@ -1579,11 +1580,12 @@ fn sctp_conntrack_follows_init_abort_and_shutdown_complete() {
 }
 
 #[test]
-fn tc_programs_stay_far_below_the_verifier_limit() {
+fn packet_programs_stay_far_below_the_verifier_limit() {
     // The SCTP CRC update costs verifier work at every rewrite site; keep the total well under
     // the 1M-instruction limit (kernels report the count since 5.16).
     let mut dp = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
     for name in [
+        prog_names::XDP,
         prog_names::TC_INGRESS,
         prog_names::TC_POD,
         prog_names::TC_EGRESS,

@@ -333,6 +333,9 @@ async fn scrape_reports_observed_values() {
     metrics.set_map_entries("lb6_services", 0, 524_288);
     metrics.set_services(3);
     metrics.set_backends(7);
+    metrics.inc_healthcheck_bind_errors();
+    metrics.inc_healthcheck_bind_errors();
+    metrics.set_healthcheck_listeners(2);
     // Later values replace earlier ones.
     metrics.set_map_entries("lb4_services", 12, 524_288);
 
@@ -356,6 +359,8 @@ async fn scrape_reports_observed_values() {
         ("lb_map_capacity", "gauge"),
         ("lb_services", "gauge"),
         ("lb_backends", "gauge"),
+        ("lb_healthcheck_bind_errors_total", "counter"),
+        ("lb_healthcheck_listeners", "gauge"),
     ] {
         assert_eq!(types.get(name).map(String::as_str), Some(ty), "{name}");
     }
@@ -443,6 +448,8 @@ async fn scrape_reports_observed_values() {
         524_288.0
     );
     assert_eq!(value(&s, "lb_services", &[]), 3.0);
+    assert_eq!(value(&s, "lb_healthcheck_bind_errors_total", &[]), 2.0);
+    assert_eq!(value(&s, "lb_healthcheck_listeners", &[]), 2.0);
     assert_eq!(value(&s, "lb_backends", &[]), 7.0);
 
     // `render` gives the same exposition the endpoint serves.

@@ -15,8 +15,8 @@ use lb::{
     controller::reconcile::{ApplyReport, Reconciler},
     datapath::maps::{Dump, LbMaps, MapOp, MapOpError, MemMaps, Table, render},
     model::{
-        Backend, BackendState, DesiredState, Family, Frontend, L4Addr, Proto, Scope, ServiceEntry,
-        ServicePortName,
+        Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, Proto, Scope,
+        ServiceEntry, ServicePortName,
     },
 };
 use lb_common::{SvcValue, svc_flags};
@@ -76,6 +76,7 @@ fn entry(name: &str, backends: &[Backend]) -> ServiceEntry {
         },
         flags: svc_flags::CLUSTER_IP,
         backends: backends.to_vec(),
+        ..ServiceEntry::default()
     }
 }
 
@@ -112,6 +113,8 @@ enum Op {
     },
     PutClusterIp(String),
     DelClusterIp(String),
+    PutSrcRange(u32, String),
+    DelSrcRange(u32, String),
 }
 
 /// The journal entry in the form the assertions match on.
@@ -137,6 +140,8 @@ fn op_of(m: &MapOp) -> Op {
         },
         MapOp::PutClusterIp { addr, .. } => Op::PutClusterIp(addr.to_string()),
         MapOp::DelClusterIp { addr } => Op::DelClusterIp(addr.to_string()),
+        MapOp::PutSrcRange { rev_nat_id, cidr } => Op::PutSrcRange(*rev_nat_id, cidr.to_string()),
+        MapOp::DelSrcRange { rev_nat_id, cidr } => Op::DelSrcRange(*rev_nat_id, cidr.to_string()),
     }
 }
 
@@ -550,6 +555,21 @@ impl LbMaps for Checked {
         let r = self.inner.del_cluster_ip(addr);
         self.after(r)
     }
+
+    fn put_src_range(&mut self, id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        self.should_fail(
+            &format!("put source-range {id} {cidr}"),
+            Table::SourceRanges,
+            Family::of(&cidr.addr),
+        )?;
+        let r = self.inner.put_src_range(id, cidr);
+        self.after(r)
+    }
+
+    fn del_src_range(&mut self, id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        let r = self.inner.del_src_range(id, cidr);
+        self.after(r)
+    }
 }
 
 fn checked(capacity: u32) -> Reconciler<Checked> {
@@ -633,7 +653,8 @@ fn usage_reports_what_the_maps_hold_per_map_and_family() {
         .into_iter()
         .map(|(name, used, cap)| (name, (used, cap)))
         .collect();
-    assert_eq!(usage.len(), 8, "{usage:?}");
+    assert_eq!(usage.len(), 10, "{usage:?}");
+    assert_eq!(usage["lb4_src_range"], (0, 100));
     assert_eq!(usage["lb4_cluster_ips"], (2, 100));
     assert_eq!(usage["lb6_cluster_ips"], (1, 100));
     assert_eq!(usage["lb4_services"], (count_services(true), 100));
@@ -1321,6 +1342,12 @@ fn failed_surplus_delete_then_growth_keeps_the_slot() {
         }
         fn del_cluster_ip(&mut self, a: IpAddr) -> Result<(), MapOpError> {
             self.inner.del_cluster_ip(a)
+        }
+        fn put_src_range(&mut self, id: u32, c: &Cidr) -> Result<(), MapOpError> {
+            self.inner.put_src_range(id, c)
+        }
+        fn del_src_range(&mut self, id: u32, c: &Cidr) -> Result<(), MapOpError> {
+            self.inner.del_src_range(id, c)
         }
     }
     let mut rec = Reconciler::new(FailDel {

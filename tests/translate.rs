@@ -1463,7 +1463,7 @@ endpoints:
             &o.slices,
             &NodeInfo {
                 name: name.into(),
-                zone: None,
+                ..NodeInfo::default()
             },
         )
     };

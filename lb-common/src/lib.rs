@@ -43,12 +43,17 @@ pub mod map_names {
     /// is dropped. Written at start-up, before the programs attach.
     pub const SVC_CIDR4: &str = "lb4_svc_cidr";
     pub const SVC_CIDR6: &str = "lb6_svc_cidr";
+    /// `loadBalancerSourceRanges` (LPM tries keyed by rev-NAT id, then source address): a
+    /// packet to a frontend with `svc_flags::SOURCE_RANGES` from a source outside its ranges is
+    /// dropped.
+    pub const SRC_RANGE4: &str = "lb4_src_range";
+    pub const SRC_RANGE6: &str = "lb6_src_range";
     /// The decision record of traced loads (`TraceRecord`). Never pinned, so not in `ALL`: each
     /// load owns its own, and a trace load cannot touch a running lb's.
     pub const TRACE: &str = "lb_trace";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 20] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
@@ -67,6 +72,8 @@ pub mod map_names {
         CLUSTER_IPS6,
         SVC_CIDR4,
         SVC_CIDR6,
+        SRC_RANGE4,
+        SRC_RANGE6,
     ];
 }
 
@@ -75,6 +82,8 @@ pub mod prog_names {
     pub const TC_INGRESS: &str = "lb_tc_ingress";
     pub const TC_POD: &str = "lb_tc_pod";
     pub const TC_EGRESS: &str = "lb_tc_egress";
+    /// XDP on external devices: north-south balancing before the stack.
+    pub const XDP: &str = "lb_xdp";
     pub const CONNECT4: &str = "lb_connect4";
     pub const SENDMSG4: &str = "lb_sendmsg4";
     pub const RECVMSG4: &str = "lb_recvmsg4";
@@ -85,7 +94,8 @@ pub mod prog_names {
     pub const GETPEERNAME6: &str = "lb_getpeername6";
 
     /// Every program lb loads, in a stable order.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
+        XDP,
         TC_INGRESS,
         TC_POD,
         TC_EGRESS,
@@ -115,6 +125,8 @@ pub mod map_sizes {
     pub const CLUSTER_IPS: u32 = 1 << 17;
     /// `--service-cidr` ranges of one family.
     pub const SVC_CIDR: u32 = 64;
+    /// `loadBalancerSourceRanges` entries of one family, over all services.
+    pub const SRC_RANGE: u32 = 1 << 14;
 }
 
 /// Names of the read-only globals userspace may set at load time.
@@ -156,8 +168,17 @@ pub mod svc_flags {
     pub const INT_LOCAL: u16 = 1 << 6;
     /// A second master entry exists under `scope::INTERNAL`.
     pub const TWO_SCOPES: u16 = 1 << 7;
-    /// `loadBalancerSourceRanges` apply.
+    /// `loadBalancerSourceRanges` apply: sources outside the frontend's `lb*_src_range`
+    /// entries are dropped.
     pub const SOURCE_RANGES: u16 = 1 << 8;
+    /// Without a backend in this scope the packet is dropped, not rejected: the service has
+    /// endpoints, just none on this node (`externalTrafficPolicy: Local`), as kube-proxy drops
+    /// external traffic there.
+    pub const EMPTY_DROP: u16 = 1 << 9;
+    /// The frontend's address is one of this node's own (a NodePort on a node IP): replies
+    /// restored to it carry a local source, which IPv4 input drops as a martian, so they are
+    /// forwarded past the stack like masqueraded packets.
+    pub const LOCAL_ADDR: u16 = 1 << 10;
 }
 
 /// `SvcValue::lb_alg` values.
@@ -193,6 +214,9 @@ pub mod ct_flags {
     /// The flow is masqueraded: `nat_addr`/`nat_port` hold the node-side source (service entry)
     /// or the client to send replies back to (reply entry).
     pub const SNAT: u16 = 1 << 3;
+    /// The frontend is a local address (`svc_flags::LOCAL_ADDR`): replies are forwarded past
+    /// the stack after reverse NAT.
+    pub const LOCAL_FRONTEND: u16 = 1 << 4;
 }
 
 /// Masquerade (SNAT) of tc-balanced flows.
@@ -504,6 +528,26 @@ pub struct SvcCidrValue {
     pub prefix_len: u32,
 }
 
+/// Data of an `lb4_src_range` key (the LPM trie key is `{prefixlen: u32, data}`, and
+/// `prefixlen` is 32 + the range's prefix, so the rev-NAT id always matches exactly). The id is
+/// stored big-endian: the trie compares bytes from the first one on.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SrcRange4 {
+    pub rev_nat_id: [u8; 4],
+    pub addr: [u8; 4],
+}
+
+/// Data of an `lb6_src_range` key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SrcRange6 {
+    pub rev_nat_id: [u8; 4],
+    pub addr: [u8; 16],
+}
+
 /// `TraceRecord::verdict` values: what a tc program did with the packet.
 pub mod trace_verdict {
     /// No record written (tracing off, or no packet run yet).
@@ -615,6 +659,8 @@ mod user {
     unsafe impl aya::Pod for super::ClusterIp6Key {}
     unsafe impl aya::Pod for super::ClusterIpValue {}
     unsafe impl aya::Pod for super::SvcCidrValue {}
+    unsafe impl aya::Pod for super::SrcRange4 {}
+    unsafe impl aya::Pod for super::SrcRange6 {}
 }
 
 // The sizes are part of the ABI with pinned maps: a change here needs a map migration.
@@ -641,6 +687,8 @@ const _: () = {
     assert!(size_of::<ClusterIp6Key>() == 16);
     assert!(size_of::<ClusterIpValue>() == 4);
     assert!(size_of::<SvcCidrValue>() == 4);
+    assert!(size_of::<SrcRange4>() == 8);
+    assert!(size_of::<SrcRange6>() == 20);
     // `TraceRecord::reason` holds a metrics index in a u8.
     assert!(metrics::MAX <= 256);
 };

@@ -1,5 +1,8 @@
 //! Indices into the per-CPU `lb_metrics` array: what the datapath did, per packet or per
 //! socket call. Userspace sums the CPUs and exports each index under its `NAMES` entry.
+//!
+//! The `tc_*` indices count the per-packet path's decisions wherever it runs: tc, or XDP on an
+//! external device (the same code); `xdp_*` ones what only XDP does.
 
 /// tc: new flow to a service, DNAT to a freshly chosen backend.
 pub const TC_FWD_NEW: u32 = 0;
@@ -48,11 +51,24 @@ pub const TC_DROP_UNALLOCATED: u32 = 18;
 /// fails like `SOCK_DROP_NO_BACKEND`.
 pub const SOCK_REJECT_UNKNOWN_PORT: u32 = 19;
 
+/// tc/XDP: a frontend with `externalTrafficPolicy: Local` and no endpoint on this node, for
+/// external traffic; dropped (kube-proxy's DROP: the service has endpoints elsewhere).
+pub const TC_DROP_NO_LOCAL_BACKEND: u32 = 20;
+/// tc/XDP: a source outside the frontend's `loadBalancerSourceRanges`; dropped.
+pub const TC_DROP_SOURCE_RANGE: u32 = 21;
+/// XDP: a packet XDP could not finish itself (masqueraded, but the route to the backend or
+/// client is not resolved yet); passed untouched to tc ingress on the same device, which does.
+pub const XDP_PASS_TO_TC: u32 = 22;
+/// XDP: balanced or reverse-NATed and sent back out the device it came in on (`XDP_TX`).
+pub const XDP_TX: u32 = 23;
+/// XDP: balanced or reverse-NATed and redirected to the device of its route.
+pub const XDP_REDIRECT: u32 = 24;
+
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 20] = [
+pub const NAMES: [&str; 25] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -73,4 +89,9 @@ pub const NAMES: [&str; 20] = [
     "tc_reject_unknown_port",
     "tc_drop_unallocated_service_ip",
     "sock_reject_unknown_port",
+    "tc_drop_no_local_backend",
+    "tc_drop_source_range",
+    "xdp_pass_to_tc",
+    "xdp_tx",
+    "xdp_redirect",
 ];

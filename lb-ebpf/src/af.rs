@@ -8,13 +8,14 @@
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
     Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
-    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key,
-    SvcValue, config_flags,
+    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4,
+    SrcRange6, Svc4Key, Svc6Key, SvcValue, config_flags,
 };
 
 use crate::maps::{
     BACKENDS4, BACKENDS6, CLUSTER_CIDR4, CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT4, CT6,
-    REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SVC_CIDR4, SVC_CIDR6, scratch,
+    REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6,
+    SVC_CIDR4, SVC_CIDR6, scratch,
 };
 
 /// Which scratch slot (`maps::Scratch::keys`) a conntrack key is built in: the two keys a step
@@ -83,6 +84,8 @@ pub trait Af {
     fn is_cluster_ip(addr: Self::Addr) -> bool;
     /// Whether `addr` lies in a `--service-cidr` range.
     fn in_service_cidr(addr: Self::Addr) -> bool;
+    /// Whether `saddr` lies in one of the `loadBalancerSourceRanges` of frontend `rev_nat_id`.
+    fn in_source_range(rev_nat_id: u32, saddr: Self::Addr) -> bool;
 
     /// Builds a conntrack key in this CPU's scratch `slot` (`None` only if the scratch map
     /// lookup failed, which it cannot for index 0). The key stays valid until the slot is
@@ -192,6 +195,15 @@ impl Af for V4 {
     #[inline(always)]
     fn in_service_cidr(addr: [u8; 4]) -> bool {
         SVC_CIDR4.get(&Key::new(32, addr)).is_some()
+    }
+
+    #[inline(always)]
+    fn in_source_range(rev_nat_id: u32, saddr: [u8; 4]) -> bool {
+        let data = SrcRange4 {
+            rev_nat_id: rev_nat_id.to_be_bytes(),
+            addr: saddr,
+        };
+        SRC_RANGE4.get(&Key::new(64, data)).is_some()
     }
 
     #[inline(always)]
@@ -365,6 +377,15 @@ impl Af for V6 {
     #[inline(always)]
     fn in_service_cidr(addr: [u8; 16]) -> bool {
         SVC_CIDR6.get(&Key::new(128, addr)).is_some()
+    }
+
+    #[inline(always)]
+    fn in_source_range(rev_nat_id: u32, saddr: [u8; 16]) -> bool {
+        let data = SrcRange6 {
+            rev_nat_id: rev_nat_id.to_be_bytes(),
+            addr: saddr,
+        };
+        SRC_RANGE6.get(&Key::new(160, data)).is_some()
     }
 
     #[inline(always)]

@@ -31,6 +31,8 @@ pub struct Flow<A> {
     pub rev_nat_id: u32,
     /// Masqueraded flows: the node-side source (established) or the client (replies).
     pub nat: Option<Endpoint<A>>,
+    /// The entry's `ct_flags`.
+    pub flags: u16,
 }
 
 #[inline(always)]
@@ -213,13 +215,23 @@ fn established_flow<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr
         backend_id: v.backend_id,
         rev_nat_id: v.rev_nat_id,
         nat,
+        flags: v.flags,
     })
 }
 
-/// The head a new flow of `p` starts with (no NAT yet).
+/// The head a new flow of `p` to a frontend with `svc_flags` starts with (no NAT yet).
 #[inline(always)]
-pub fn new_head<A>(p: &Packet<A>, backend_id: u32, rev_nat_id: u32, now: u32) -> CtHead {
-    let flags = closing(p, ct_flags::TX_CLOSING);
+pub fn new_head<A>(
+    p: &Packet<A>,
+    backend_id: u32,
+    rev_nat_id: u32,
+    svc_flags: u16,
+    now: u32,
+) -> CtHead {
+    let mut flags = closing(p, ct_flags::TX_CLOSING);
+    if svc_flags & lb_common::svc_flags::LOCAL_ADDR != 0 {
+        flags |= ct_flags::LOCAL_FRONTEND;
+    }
     CtHead {
         backend_id,
         rev_nat_id,
@@ -333,5 +345,6 @@ fn reply_flow<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
         backend_id: v.backend_id,
         rev_nat_id: v.rev_nat_id,
         nat,
+        flags: v.flags,
     })
 }

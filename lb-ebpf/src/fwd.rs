@@ -1,20 +1,19 @@
-//! Forwarding of masqueraded packets past the stack's routing.
+//! Forwarding of masqueraded packets (and replies restored to a local frontend) past the
+//! stack's routing.
 //!
 //! A masqueraded packet carries one of the node's own addresses as its source, and IPv4 input
-//! drops such a packet as a martian. So instead of handing it to the stack, the tc program
+//! drops such a packet as a martian; so does a NodePort reply once its source is the node IP. So instead of handing it to the stack, the tc program
 //! looks the backend up in the FIB itself and redirects the packet to the egress of the device
 //! that route leaves by (the device it came in on, for hairpin traffic), decrementing the TTL
 //! as forwarding would. Netfilter's forward and postrouting hooks are skipped for these
 //! packets.
-use aya_ebpf::bindings::{
-    BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, bpf_fib_lookup,
-};
+use aya_ebpf::bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup};
 use lb_common::metrics;
 
 use crate::{
     af::{V4, V6},
     ctx::{Error, PacketCtx},
-    maps::count,
+    maps::{count, scratch},
     parse::Packet,
     rewrite::RewriteAf,
 };
@@ -106,31 +105,73 @@ impl FwdAf for V6 {
     }
 }
 
-/// Forwards the rewritten packet `p` (now `src` → `dst`) out of the device its route uses,
-/// returning the tc verdict. Without a usable route it is left to the stack, counted.
-// A subprogram: the FIB query is 64 bytes of stack the callers' frames cannot spare.
+/// What `route` found for a packet about to be forwarded past the stack.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Next hop and its MAC known: the packet can be sent by any hook.
+    Resolved,
+    /// Route known, next hop's MAC not yet: only tc can send it (`redirect_neigh`).
+    NoNeigh,
+    /// No usable route: the stack gets the packet.
+    None,
+}
+
+/// Looks up the route of `p` once rewritten to `src` → `dst`, into this CPU's scratch FIB
+/// query, before anything is rewritten: a hook that cannot send on that route (XDP without a
+/// resolved next hop) then leaves the packet untouched for tc.
+// A subprogram: the FIB query lives in scratch memory, out of every frame.
 #[inline(never)]
-pub fn forward<C: PacketCtx, A: FwdAf>(
+pub fn route<C: PacketCtx, A: FwdAf>(
     ctx: &C,
     p: &Packet<A::Addr>,
     src: &A::Addr,
     dst: &A::Addr,
+) -> Route {
+    let Some(s) = scratch() else {
+        return Route::None;
+    };
+    // SAFETY: this CPU's scratch `fib` area (64 bytes, 8-aligned), used only by `route` and
+    // `send` of the same packet.
+    let params = unsafe { &mut *(*s).fib.as_mut_ptr().cast::<bpf_fib_lookup>() };
+    *params = A::fib_params(p, *src, *dst, ctx.ifindex());
+    match ctx.fib_lookup(params) {
+        rc if rc == BPF_FIB_LKUP_RET_SUCCESS as i64 => Route::Resolved,
+        rc if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 => Route::NoNeigh,
+        _ => Route::None,
+    }
+}
+
+/// Sends the rewritten packet `p` on the route `route` found (the scratch FIB answer),
+/// returning the verdict. Without a usable route it is left to the stack, counted.
+#[inline(never)]
+pub fn send<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    route: Route,
 ) -> Result<i32, Error> {
-    let mut params = A::fib_params(p, *src, *dst, ctx.ifindex());
-    let rc = ctx.fib_lookup(&mut params);
-    let known_neigh = rc == BPF_FIB_LKUP_RET_SUCCESS as i64;
-    if !known_neigh && rc != BPF_FIB_LKUP_RET_NO_NEIGH as i64 {
+    if route == Route::None {
         count(metrics::TC_SNAT_NO_ROUTE, ctx.len());
-        return Ok(TC_ACT_OK as i32);
+        return Ok(C::PASS);
     }
     if !A::decrement_ttl(ctx, p)? {
-        return Ok(TC_ACT_OK as i32);
+        return Ok(C::PASS);
     }
-    if known_neigh {
+    let s = scratch().ok_or(Error::Rewrite)?;
+    // SAFETY: as in `route`, which filled it for this packet.
+    let params = unsafe { &*(*s).fib.as_ptr().cast::<bpf_fib_lookup>() };
+    if route == Route::Resolved {
         let mut macs = [0u8; 12];
         macs[..6].copy_from_slice(&params.dmac);
         macs[6..].copy_from_slice(&params.smac);
         ctx.store(0, &macs)?;
+        if !C::RESOLVES_NEIGH {
+            let sent = if params.ifindex == ctx.ifindex() {
+                metrics::XDP_TX
+            } else {
+                metrics::XDP_REDIRECT
+            };
+            count(sent, ctx.len());
+        }
         Ok(ctx.redirect(params.ifindex))
     } else {
         Ok(ctx.redirect_neigh(params.ifindex))

@@ -1,5 +1,7 @@
 //! lb's kernel programs.
 //!
+//! - `lb_xdp`: north-south balancing on external devices before the stack (NodePort,
+//!   LoadBalancer and external IPs from outside the node).
 //! - `lb_tc_ingress`, `lb_tc_pod`: per-packet service load balancing on tc ingress: DNAT of new
 //!   and established flows to a backend, reverse NAT of backend replies.
 //! - `lb_tc_egress`: reverse NAT only, for devices where replies leave towards clients.
@@ -7,7 +9,8 @@
 //!   balancing on a cgroup v2 directory; the application sees the VIP, the wire sees the
 //!   backend, and no per-packet work is done.
 //!
-//! Program entry points (`tc`, `sock`) stay thin; each concern lives in one file they share:
+//! Program entry points (`xdp`, `tc`, `sock`) stay thin, and the packet hooks share one
+//! pipeline (`packet`); each concern lives in one file they share:
 //! `ctx` (what packet code needs from a program context), `parse`, `rewrite` (NAT with
 //! incremental checksums, `crc32c` for SCTP's), `conntrack`, `select` (the one backend choice
 //! of every hook), `af` (per-family map access), `maps`, `trace` (the decision record of traced
@@ -16,9 +19,8 @@
 //! `nat` (masquerade: when, and which port) and `fwd` (forwarding masqueraded packets past
 //! the stack's routing) serve the tc hooks beside `conntrack`.
 //!
-//! Where what comes next goes: an XDP entry in `xdp.rs`, implementing `ctx::PacketCtx` for
-//! `XdpContext`; session affinity and Maglev in `select`; socket destroy of flows to removed
-//! backends as its own program.
+//! Where what comes next goes: session affinity and Maglev in `select`; socket destroy of
+//! flows to removed backends as its own program.
 #![no_std]
 #![no_main]
 
@@ -29,6 +31,7 @@ mod ctx;
 mod fwd;
 mod maps;
 mod nat;
+mod packet;
 mod parse;
 mod reject;
 mod rewrite;
@@ -36,6 +39,7 @@ mod select;
 mod sock;
 mod tc;
 mod trace;
+mod xdp;
 
 #[cfg(not(test))]
 #[panic_handler]

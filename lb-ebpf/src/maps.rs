@@ -9,8 +9,8 @@ use aya_ebpf::{
 use lb_common::{
     Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
     Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcCidrValue, SvcValue,
-    TraceRecord, map_sizes,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
+    SvcCidrValue, SvcValue, TraceRecord, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -68,6 +68,12 @@ pub static SVC_CIDR4: LpmTrie<[u8; 4], SvcCidrValue, { map_sizes::SVC_CIDR as us
 pub static SVC_CIDR6: LpmTrie<[u8; 16], SvcCidrValue, { map_sizes::SVC_CIDR as usize }> =
     LpmTrie::new();
 
+/// `loadBalancerSourceRanges` per rev-NAT id; the value is unused (1).
+#[btf_map(name = "lb4_src_range")]
+pub static SRC_RANGE4: LpmTrie<SrcRange4, u8, { map_sizes::SRC_RANGE as usize }> = LpmTrie::new();
+#[btf_map(name = "lb6_src_range")]
+pub static SRC_RANGE6: LpmTrie<SrcRange6, u8, { map_sizes::SRC_RANGE as usize }> = LpmTrie::new();
+
 #[btf_map(name = "lb_metrics")]
 pub static METRICS: PerCpuArray<MetricValue, { map_sizes::METRICS as usize }> = PerCpuArray::new();
 
@@ -99,7 +105,12 @@ pub struct Scratch {
     pub chosen: [u64; 6],
     /// The conntrack flow the packet belongs to (`conntrack::Flow`, 64 bytes at most).
     pub flow: [u64; 8],
+    /// The FIB query and answer of a packet forwarded past the stack (`bpf_fib_lookup`, 64
+    /// bytes), kept from the lookup before the rewrite to the redirect after it.
+    pub fib: [u64; 8],
 }
+
+const _: () = assert!(size_of::<aya_ebpf::bindings::bpf_fib_lookup>() <= 64);
 
 #[btf_map(name = "lb_scratch")]
 pub static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();

@@ -181,14 +181,16 @@ fn parse_l4<C: PacketCtx, A>(
             // Common header: ports, verification tag, CRC32c. A port rewrite updates the CRC
             // from l4_len, so the IP header must not claim more bytes than the packet holds.
             read::<C, [u8; 12]>(ctx, l4_off)?;
-            if l4_len < 12 || l4_off + l4_len > ctx.len() as usize {
-                return Err(Error::Unparsed);
-            }
+            // The chunk is read before the length check: after it, LLVM would drop this read's
+            // own bounds check as implied, which the verifier cannot follow on XDP.
             let chunk = if l4_len >= 16 {
                 read::<C, [u8; 4]>(ctx, l4_off + 12)?[0]
             } else {
                 SCTP_NO_CHUNK
             };
+            if l4_len < 12 || !ctx.holds(l4_off + l4_len) {
+                return Err(Error::Unparsed);
+            }
             (0, chunk, l4_off + 8)
         }
         _ => return Err(Error::Unparsed),

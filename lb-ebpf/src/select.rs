@@ -121,7 +121,10 @@ pub fn choose<A: Af>(
     })
 }
 
-/// `lookup`, then `choose`: for hooks with nothing to check in between (tc checks conntrack).
+/// `lookup`, then `choose`: for the socket hooks, which have nothing to check in between (the
+/// packet path checks conntrack). A frontend with `loadBalancerSourceRanges` is not theirs: a
+/// socket's source is not known at connect(), so its packets go to the packet path, which
+/// checks it.
 #[inline(always)]
 pub fn select<A: Af>(
     frontend: Endpoint<A::Addr>,
@@ -131,6 +134,7 @@ pub fn select<A: Af>(
 ) -> Selected<A::Addr> {
     match lookup::<A>(frontend, proto, origin) {
         None => Selected::NotAService,
+        Some(svc) if svc.master.flags & svc_flags::SOURCE_RANGES != 0 => Selected::NotAService,
         Some(svc) => match choose::<A>(&svc, input) {
             Ok(c) => Selected::Backend(c),
             Err(_) => Selected::NoBackend,

@@ -5,10 +5,12 @@
 //! `controller::reconcile` makes the pinned BPF maps (`datapath::maps`, loaded by
 //! `datapath::load`) hold it; the kernel programs in lb-ebpf do the balancing. `cli` reads the
 //! live maps back (`lb services`, `lb status`, `lb trace`), with service names from the
-//! daemon's `state_dir`; `metrics` serves Prometheus and health.
+//! daemon's `state_dir`; `metrics` serves Prometheus and health;
+//! `healthcheck` runs the health check node ports of `externalTrafficPolicy: Local` services.
 pub mod cli;
 pub mod controller;
 pub mod datapath;
+pub mod healthcheck;
 pub mod metrics;
 pub mod model;
 pub mod node_facts;

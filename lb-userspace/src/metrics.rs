@@ -17,6 +17,8 @@
 //! | `lb_datapath_packets_total` | counter | `event` (a `lb_common::metrics::NAMES` entry) |
 //! | `lb_datapath_bytes_total` | counter | `event` |
 //! | `lb_conntrack_entries` | gauge | `family` = `ipv4` \| `ipv6` |
+//! | `lb_healthcheck_bind_errors_total` | counter | |
+//! | `lb_healthcheck_listeners` | gauge | |
 //!
 //! The datapath and conntrack series are read from the BPF maps at scrape time, and only once
 //! the maps have been handed over ([`Metrics::set_datapath_counters`],
@@ -111,6 +113,8 @@ pub struct Metrics {
     map_capacity: Family<MapLabels, Gauge>,
     services: Gauge,
     backends: Gauge,
+    healthcheck_bind_errors: Counter,
+    healthcheck_listeners: Gauge,
     bpf: Arc<BpfCollector>,
     health: Mutex<Health>,
 }
@@ -185,6 +189,18 @@ impl Metrics {
             "Backends programmed into the datapath",
             backends.clone(),
         );
+        let healthcheck_bind_errors = Counter::default();
+        registry.register(
+            "lb_healthcheck_bind_errors",
+            "Health check node port listeners that could not be opened (port in use), per attempt",
+            healthcheck_bind_errors.clone(),
+        );
+        let healthcheck_listeners = Gauge::default();
+        registry.register(
+            "lb_healthcheck_listeners",
+            "Health check node port listeners open (one per port and IP family)",
+            healthcheck_listeners.clone(),
+        );
         let bpf = Arc::new(BpfCollector::default());
         registry.register_collector(Box::new(Arc::clone(&bpf)));
         Arc::new(Metrics {
@@ -198,6 +214,8 @@ impl Metrics {
             map_capacity,
             services,
             backends,
+            healthcheck_bind_errors,
+            healthcheck_listeners,
             bpf,
             health: Mutex::new(Health::default()),
         })
@@ -246,6 +264,16 @@ impl Metrics {
 
     pub fn set_backends(&self, n: u64) {
         self.backends.set(to_i64(n));
+    }
+
+    /// A health check node port listener could not be opened.
+    pub fn inc_healthcheck_bind_errors(&self) {
+        self.healthcheck_bind_errors.inc();
+    }
+
+    /// `n` health check node port listeners are open.
+    pub fn set_healthcheck_listeners(&self, n: u64) {
+        self.healthcheck_listeners.set(to_i64(n));
     }
 
     /// Datapath counters come from the per-CPU `lb_metrics` map, summed over CPUs at scrape
@@ -297,6 +325,13 @@ impl Metrics {
                 .is_none_or(|p| now.saturating_duration_since(p) < HEALTH_TIMEOUT)
     }
 
+    /// [`Metrics::healthy`] now: kube-proxy's `Health().Healthy`, the proxier's own health
+    /// without node eligibility, which the health check node ports report as
+    /// `serviceProxyHealthy`. Takes one uncontended lock.
+    pub fn proxier_healthy(&self) -> bool {
+        self.healthy(Instant::now())
+    }
+
     /// Wall-clock time of the last [`Metrics::mark_synced`].
     pub fn last_synced(&self) -> Option<SystemTime> {
         lock(&self.health).last_synced.map(|(_, t)| t)
@@ -310,7 +345,7 @@ impl Metrics {
 
     /// The `/healthz` answer at this moment: healthy (200) or not (503), and the JSON body.
     pub fn healthz(&self) -> (bool, String) {
-        let proxier_healthy = self.healthy(Instant::now());
+        let proxier_healthy = self.proxier_healthy();
         let node_eligible = !lock(&self.health).node_ineligible;
         let healthy = proxier_healthy && node_eligible;
         let now = rfc3339(SystemTime::now());

@@ -1,9 +1,15 @@
 //! The desired datapath state: what the maps should hold, independent of how it is stored.
 //! Sources (manifest files, the Kubernetes API) are translated into a `DesiredState` by a pure
 //! function; the reconciler makes the maps match it.
-use std::{collections::BTreeMap, fmt, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+};
 
 use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, backend_state, scope, svc_flags};
+
+pub use crate::node_facts::Cidr;
 
 /// A value read from a map that this lb has no name for (a map written by another lb).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -230,7 +236,7 @@ impl Backend {
 }
 
 /// Everything the datapath needs to know about one frontend.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceEntry {
     pub name: ServicePortName,
     /// `lb_common::svc_flags` bits.
@@ -238,6 +244,9 @@ pub struct ServiceEntry {
     /// The frontend's backends. The reconciler puts the active ones in slots `1..=count`
     /// (new flows) and the others after them (established flows only), each group in this order.
     pub backends: Vec<Backend>,
+    /// With `svc_flags::SOURCE_RANGES`: the sources (of the frontend's family) allowed to open
+    /// flows; all others are dropped.
+    pub source_ranges: BTreeSet<Cidr>,
 }
 
 impl ServiceEntry {
@@ -262,7 +271,7 @@ pub fn kind_of(flags: u16) -> &'static str {
 
 /// Names of the set `svc_flags` bits, `|`-joined; `-` for none.
 pub fn flag_names(flags: u16) -> String {
-    const NAMES: [(u16, &str); 9] = [
+    const NAMES: [(u16, &str); 11] = [
         (svc_flags::CLUSTER_IP, "ClusterIP"),
         (svc_flags::NODE_PORT, "NodePort"),
         (svc_flags::EXTERNAL_IP, "ExternalIP"),
@@ -272,6 +281,8 @@ pub fn flag_names(flags: u16) -> String {
         (svc_flags::INT_LOCAL, "IntLocal"),
         (svc_flags::TWO_SCOPES, "TwoScopes"),
         (svc_flags::SOURCE_RANGES, "SourceRanges"),
+        (svc_flags::EMPTY_DROP, "EmptyDrop"),
+        (svc_flags::LOCAL_ADDR, "LocalAddr"),
     ];
     let names: Vec<_> = NAMES
         .iter()

@@ -45,6 +45,12 @@ impl Serialize for Cidr {
 }
 
 impl Cidr {
+    /// The range holding just `addr` (/32 or /128).
+    pub fn host(addr: IpAddr) -> Self {
+        let prefix = if addr.is_ipv4() { 32 } else { 128 };
+        Self { addr, prefix }
+    }
+
     pub fn contains(&self, ip: &IpAddr) -> bool {
         let bits = |ip: &IpAddr| -> (u128, u32) {
             match ip {

@@ -18,6 +18,7 @@ use crate::{
         load::{Datapath, LoadOptions, TcHook},
         maps::LbMaps,
     },
+    healthcheck::{self, HealthServers},
     metrics::{self, Metrics},
     node_facts::{NodeFacts, NodeFactsArgs, host_ips},
     state_dir,
@@ -127,6 +128,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut generation = 0u64;
     let mut facts: Option<NodeFacts> = None;
+    let mut health_checks = HealthServers::new(metrics.clone());
     loop {
         tokio::select! {
             changed = rx.changed() => {
@@ -152,6 +154,9 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     attach(&mut datapath, &opts)?;
                     tracing::info!(attached = ?datapath.attachments(), "ready");
                 }
+                // After the attach: load balancers send traffic once a port answers 200.
+                let want = healthcheck::desired(&snapshot.services, &snapshot.slices, &opts.node_name);
+                health_checks.update(&want).await;
             }
             _ = hup.recv() => reload.notify_one(),
             _ = term.recv() => break,

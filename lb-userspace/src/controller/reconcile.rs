@@ -26,8 +26,8 @@ use std::{
 use lb_common::{SvcValue, lb_alg, svc_flags};
 
 use crate::{
-    datapath::maps::{Dump, LbMaps, MapOpError, Table, backends_of, revnat_of},
-    model::{Backend, BackendState, DesiredState, Family, Frontend, L4Addr, ServiceEntry},
+    datapath::maps::{Dump, LbMaps, MapOpError, Table, backends_of, revnat_of, src_ranges_of},
+    model::{Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, ServiceEntry},
 };
 
 /// A frontend as installed: its master entry and the backend id in each slot.
@@ -65,6 +65,8 @@ pub struct Reconciler<M> {
     stray_slots: BTreeSet<(Frontend, u16)>,
     /// The ClusterIP set as written: address → frontends at it.
     cluster_ips: BTreeMap<IpAddr, u32>,
+    /// Source ranges as written: (rev-NAT id, range).
+    src_ranges: BTreeSet<(u32, Cidr)>,
     next_backend_id: u32,
     next_revnat_id: u32,
 }
@@ -115,6 +117,7 @@ impl<M: LbMaps> Reconciler<M> {
             services,
             stray_slots,
             cluster_ips: dump.cluster_ips,
+            src_ranges: dump.src_ranges,
             next_backend_id,
             next_revnat_id,
         }
@@ -165,6 +168,7 @@ impl<M: LbMaps> Reconciler<M> {
                 .keys()
                 .filter(|a| Family::of(a) == family)
                 .count(),
+            Table::SourceRanges => src_ranges_of(&self.src_ranges, family),
         }
     }
 
@@ -211,7 +215,12 @@ impl<M: LbMaps> Reconciler<M> {
         let wanted_ips = cluster_ip_counts(desired.services.iter().map(|(fe, e)| (fe, e.flags)));
 
         let mut room: BTreeMap<(Table, Family), i64> = BTreeMap::new();
-        for t in [Table::Services, Table::Backends, Table::RevNat] {
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::SourceRanges,
+        ] {
             for f in [Family::V4, Family::V6] {
                 let free = self.maps.capacity(t, f) as i64 - self.used(t, f) as i64;
                 room.insert((t, f), free);
@@ -233,7 +242,30 @@ impl<M: LbMaps> Reconciler<M> {
         self.delete_stray_slots(&mut report);
         self.collect_garbage(&BTreeSet::new(), &mut report);
         self.sync_cluster_ips(&mut report);
+        self.prune_src_ranges(desired, &mut report);
         report
+    }
+
+    /// Deletes the source ranges no installed frontend with `SOURCE_RANGES` wants any more:
+    /// after the masters changed, so a range is never missing while a master relies on it.
+    fn prune_src_ranges(&mut self, desired: &DesiredState, report: &mut ApplyReport) {
+        let wanted: BTreeSet<(u32, Cidr)> = self
+            .services
+            .iter()
+            .filter(|(_, i)| i.master.flags & svc_flags::SOURCE_RANGES != 0)
+            .filter_map(|(fe, i)| Some((i.master.rev_nat_id, desired.services.get(fe)?)))
+            .flat_map(|(id, e)| e.source_ranges.iter().map(move |c| (id, *c)))
+            .collect();
+        let stale: Vec<(u32, Cidr)> = self.src_ranges.difference(&wanted).copied().collect();
+        for (id, cidr) in stale {
+            match self.maps.del_src_range(id, &cidr) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.src_ranges.remove(&(id, cidr));
+                }
+                Err(e) => tracing::warn!(id, %cidr, error = %e, "cannot delete source range"),
+            }
+        }
     }
 
     /// Writes `addr` into the ClusterIP set. A failure only costs the unknown-port REJECT for
@@ -360,10 +392,26 @@ impl<M: LbMaps> Reconciler<M> {
             .map_or(0, |i| 1 + i.slots.iter().filter(|id| **id != 0).count());
         let needed_services = (1 + total).saturating_sub(existing_entries) as i64;
         let new_revnat = !self.revnat_ids.contains_key(&fe.l4);
+        let rev_nat_id = match self.revnat_ids.get(&fe.l4).copied() {
+            Some(id) => id,
+            None => self.alloc_revnat_id(),
+        };
+        let ranges: Vec<Cidr> = if entry.flags & svc_flags::SOURCE_RANGES != 0 {
+            entry
+                .source_ranges
+                .iter()
+                .filter(|c| Family::of(&c.addr) == family)
+                .filter(|c| !self.src_ranges.contains(&(rev_nat_id, **c)))
+                .copied()
+                .collect()
+        } else {
+            Vec::new()
+        };
         for (table, needed) in [
             (Table::Services, needed_services),
             (Table::Backends, new_backends.len() as i64),
             (Table::RevNat, i64::from(new_revnat)),
+            (Table::SourceRanges, ranges.len() as i64),
         ] {
             let free = room.get(&(table, family)).copied().unwrap_or(0);
             if needed > free {
@@ -376,10 +424,6 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
 
-        let rev_nat_id = match self.revnat_ids.get(&fe.l4).copied() {
-            Some(id) => id,
-            None => self.alloc_revnat_id(),
-        };
         let master = SvcValue {
             backend_id: 0,
             count: active as u16,
@@ -395,9 +439,10 @@ impl<M: LbMaps> Reconciler<M> {
             l4: b.l4,
             state: states.get(&b.l4).copied().unwrap_or(b.state),
         };
-        let unchanged = existing
-            .as_ref()
-            .is_some_and(|i| i.master == master && i.slots == planned_ids)
+        let unchanged = ranges.is_empty()
+            && existing
+                .as_ref()
+                .is_some_and(|i| i.master == master && i.slots == planned_ids)
             && self.revnat.get(&rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
             && backends
                 .iter()
@@ -410,6 +455,7 @@ impl<M: LbMaps> Reconciler<M> {
             (Table::Services, needed_services),
             (Table::Backends, new_backends.len() as i64),
             (Table::RevNat, i64::from(new_revnat)),
+            (Table::SourceRanges, ranges.len() as i64),
         ] {
             *room.entry((table, family)).or_default() -= needed;
         }
@@ -437,6 +483,14 @@ impl<M: LbMaps> Reconciler<M> {
             report.writes += 1;
             self.revnat.insert(rev_nat_id, (fe.l4.addr, fe.l4.port));
             self.revnat_ids.insert(fe.l4, rev_nat_id);
+        }
+        // 2b. Source ranges, before a master with SOURCE_RANGES can drop what they allow.
+        for cidr in &ranges {
+            self.maps
+                .put_src_range(rev_nat_id, cidr)
+                .map_err(|e| e.to_string())?;
+            report.writes += 1;
+            self.src_ranges.insert((rev_nat_id, *cidr));
         }
         // 3. Slots, then 4. the master entry that makes them visible.
         let old = existing;

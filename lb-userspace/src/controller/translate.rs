@@ -29,7 +29,7 @@ use k8s_openapi::api::{
 use lb_common::svc_flags;
 
 use crate::model::{
-    Backend, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry, ServicePortName,
+    Backend, Cidr, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry, ServicePortName,
 };
 
 /// Label naming the service an EndpointSlice belongs to.
@@ -48,6 +48,11 @@ pub struct NodeInfo {
     pub name: String,
     /// `topology.kubernetes.io/zone` of this node.
     pub zone: Option<String>,
+    /// The addresses NodePorts answer on (`--nodeport-addresses`, resolved).
+    pub nodeport_ips: Vec<IpAddr>,
+    /// This node's own addresses: an external or LoadBalancer IP among them is a local
+    /// frontend (`svc_flags::LOCAL_ADDR`), like a NodePort.
+    pub local_ips: Vec<IpAddr>,
 }
 
 impl NodeInfo {
@@ -60,6 +65,7 @@ impl NodeInfo {
         Self {
             name: name.to_string(),
             zone,
+            ..Self::default()
         }
     }
 }
@@ -527,6 +533,27 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         } else {
             Vec::new()
         };
+        // kube-proxy applies loadBalancerSourceRanges to the LoadBalancer IPs only, and lets
+        // the LB IP itself through too (load balancers that hairpin through their own IP).
+        let mut source_ranges = BTreeSet::new();
+        if !lb_ips.is_empty() {
+            for r in spec.load_balancer_source_ranges.iter().flatten() {
+                match r.trim().parse::<Cidr>() {
+                    Ok(c) => {
+                        source_ranges.insert(c);
+                    }
+                    Err(e) => skipped.push(skip(
+                        SkipReason::InvalidIp,
+                        format!("loadBalancerSourceRange {r:?}: {e} (range ignored)"),
+                    )),
+                }
+            }
+            if !source_ranges.is_empty() {
+                for ip in &lb_ips {
+                    source_ranges.insert(Cidr::host(*ip));
+                }
+            }
+        }
         let internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
         let externally_accessible_type = matches!(type_, "NodePort" | "LoadBalancer")
             || (type_ == "ClusterIP" && !external_ips.is_empty());
@@ -573,7 +600,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 let (cluster, local) = categorize(&eps, policies, node);
                 let of_family = |ip: &&IpAddr| usize::from(ip.is_ipv6()) == family;
 
-                let (internal, mut flags) = if internal_local {
+                let (internal, flags) = if internal_local {
                     (&local, svc_flags::INT_LOCAL)
                 } else {
                     (&cluster, 0)
@@ -587,36 +614,73 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                             name: svc_name.clone(),
                             flags: flags | svc_flags::CLUSTER_IP,
                             backends: backends(internal),
+                            ..ServiceEntry::default()
                         },
                     );
                 }
 
-                flags = if external_local {
+                // External frontends: external IPs, LoadBalancer IPs and NodePorts on this
+                // node's NodePort addresses, all with the external policy's endpoints.
+                let external = if external_local { &local } else { &cluster };
+                let has_endpoints = !cluster.is_empty() || !local.is_empty();
+                let mut flags = if external_local {
                     svc_flags::EXT_LOCAL
                 } else {
                     0
                 };
-                let external = if external_local { &local } else { &cluster };
-                for (ips, kind) in [
-                    (&external_ips, svc_flags::EXTERNAL_IP),
-                    (&lb_ips, svc_flags::LOAD_BALANCER),
+                // kube-proxy DROPs external traffic of a service whose endpoints are all
+                // elsewhere (eTP=Local), and REJECTs only when it has none at all.
+                if external_local && local.is_empty() && has_endpoints {
+                    flags |= svc_flags::EMPTY_DROP;
+                }
+                let node_port = u16::try_from(port.node_port.unwrap_or(0))
+                    .ok()
+                    .filter(|p| *p != 0);
+                let nodeport_ips: Vec<IpAddr> = if node_port.is_some() {
+                    node.nodeport_ips.clone()
+                } else {
+                    Vec::new()
+                };
+                for (ips, kind, fe_port) in [
+                    (&external_ips, svc_flags::EXTERNAL_IP, port.port as u16),
+                    (&lb_ips, svc_flags::LOAD_BALANCER, port.port as u16),
+                    (&nodeport_ips, svc_flags::NODE_PORT, node_port.unwrap_or(0)),
                 ] {
                     for ip in ips.iter().filter(of_family) {
-                        let fe = Frontend::new(*ip, port.port as u16, proto);
+                        let fe = Frontend::new(*ip, fe_port, proto);
                         let two_scopes = external_local && cluster != local;
-                        let scope_flag = if two_scopes { svc_flags::TWO_SCOPES } else { 0 };
+                        let mut fe_flags = flags | kind;
+                        if two_scopes {
+                            fe_flags |= svc_flags::TWO_SCOPES;
+                        }
+                        if kind == svc_flags::NODE_PORT || node.local_ips.contains(ip) {
+                            fe_flags |= svc_flags::LOCAL_ADDR;
+                        }
+                        let ranges = if kind == svc_flags::LOAD_BALANCER {
+                            source_ranges
+                                .iter()
+                                .filter(|c| c.addr.is_ipv6() == ip.is_ipv6())
+                                .copied()
+                                .collect()
+                        } else {
+                            BTreeSet::new()
+                        };
+                        if !ranges.is_empty() {
+                            fe_flags |= svc_flags::SOURCE_RANGES;
+                        }
                         insert(
                             &mut state,
                             &mut skipped,
                             fe,
                             ServiceEntry {
                                 name: svc_name.clone(),
-                                flags: flags | kind | scope_flag,
+                                flags: fe_flags,
                                 backends: backends(external),
+                                source_ranges: ranges.clone(),
                             },
                         );
                         if two_scopes {
-                            // Pod and host traffic to an ETP=Local external IP is not
+                            // Pod and host traffic to an eTP=Local external frontend is not
                             // restricted to local endpoints (kube-proxy's short-circuit).
                             insert(
                                 &mut state,
@@ -627,8 +691,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                 },
                                 ServiceEntry {
                                     name: svc_name.clone(),
-                                    flags: flags | kind | scope_flag,
+                                    flags: fe_flags & !svc_flags::EMPTY_DROP,
                                     backends: backends(&cluster),
+                                    source_ranges: ranges,
                                 },
                             );
                         }

@@ -12,7 +12,8 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, MapData, MapInfo, MapType, lpm_trie::Key as LpmKey},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, Program, ProgramType, SchedClassifier, TcAttachType, tc,
+        CgroupAttachMode, CgroupSockAddr, Program, ProgramType, SchedClassifier, TcAttachType, Xdp,
+        tc, xdp::XdpMode as AyaXdpMode,
     },
     sys::{BpfHelper, is_helper_supported},
     util::KernelVersion,
@@ -20,8 +21,8 @@ use aya::{
 use lb_common::{
     Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
     Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, Svc4Key, Svc6Key, SvcCidrValue, SvcValue,
-    globals, map_names, map_sizes, prog_names,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
+    SvcCidrValue, SvcValue, globals, map_names, map_sizes, prog_names,
 };
 
 use super::maps::{BpfMaps, Table};
@@ -61,7 +62,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 18] = [
+const MAP_SPECS: [MapSpec; 20] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
@@ -112,7 +113,28 @@ const MAP_SPECS: [MapSpec; 18] = [
         MapType::LpmTrie,
         map_sizes::SVC_CIDR,
     ),
+    spec::<LpmKey<SrcRange4>, u8>(
+        map_names::SRC_RANGE4,
+        MapType::LpmTrie,
+        map_sizes::SRC_RANGE,
+    ),
+    spec::<LpmKey<SrcRange6>, u8>(
+        map_names::SRC_RANGE6,
+        MapType::LpmTrie,
+        map_sizes::SRC_RANGE,
+    ),
 ];
+
+/// How `lb_xdp` is attached to external devices (`--xdp`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum XdpMode {
+    /// In the driver (the fast path; veth, virtio-net and most NICs have it).
+    Native,
+    /// On the skb, for devices without native XDP (no faster than tc, but the same code).
+    Generic,
+    /// No XDP: tc ingress alone.
+    Off,
+}
 
 /// Where a tc program is attached, which decides the frontends' scope it uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -266,6 +288,7 @@ impl Datapath {
             let r = match program {
                 Program::SchedClassifier(p) => p.load(),
                 Program::CgroupSockAddr(p) => p.load(),
+                Program::Xdp(p) => p.load(),
                 _ => continue,
             };
             r.with_context(|| format!("loading program {name} (verifier)"))?;
@@ -332,6 +355,31 @@ impl Datapath {
         prog.attach(iface, attach)
             .with_context(|| format!("attaching {name} to {iface}"))?;
         self.attachments.push(format!("{name} on {iface}"));
+        Ok(())
+    }
+
+    /// Attaches `lb_xdp` to `iface` in `mode` (with bpf_link where the kernel has it). `Off`
+    /// attaches nothing. The caller attaches `lb_tc_ingress` beside it: XDP hands it what it
+    /// cannot finish.
+    pub fn attach_xdp(&mut self, iface: &str, mode: XdpMode) -> anyhow::Result<()> {
+        let flags = match mode {
+            XdpMode::Native => AyaXdpMode::Driver,
+            XdpMode::Generic => AyaXdpMode::Skb,
+            XdpMode::Off => return Ok(()),
+        };
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(prog_names::XDP)
+            .context("XDP program missing from the object")?
+            .try_into()?;
+        prog.attach(iface, flags)
+            .with_context(|| format!("attaching {} ({mode:?}) to {iface}", prog_names::XDP))?;
+        let mode = match mode {
+            XdpMode::Native => "native",
+            _ => "generic",
+        };
+        self.attachments
+            .push(format!("{} ({mode}) on {iface}", prog_names::XDP));
         Ok(())
     }
 
@@ -427,6 +475,8 @@ impl Datapath {
             revnat6: self.take(map_names::REVNAT6)?,
             cluster_ips4: self.take(map_names::CLUSTER_IPS4)?,
             cluster_ips6: self.take(map_names::CLUSTER_IPS6)?,
+            src_ranges4: self.take_trie(map_names::SRC_RANGE4)?,
+            src_ranges6: self.take_trie(map_names::SRC_RANGE6)?,
             capacities,
         })
     }
@@ -440,6 +490,17 @@ impl Datapath {
             .take_map(name)
             .with_context(|| format!("map {name} missing (already taken?)"))?;
         HashMap::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
+    }
+
+    fn take_trie<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &str,
+    ) -> anyhow::Result<LpmTrie<MapData, K, V>> {
+        let map = self
+            .ebpf
+            .take_map(name)
+            .with_context(|| format!("map {name} missing (already taken?)"))?;
+        LpmTrie::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
     }
 
     /// Hands the datapath counters and conntrack maps to `metrics`, read at scrape time.

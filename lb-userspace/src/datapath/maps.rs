@@ -2,19 +2,22 @@
 //! the reconciler runs the same against the kernel's maps and against an in-memory model in
 //! unit tests.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
 use anyhow::Context as _;
-use aya::maps::{HashMap, MapData, MapError, PerCpuArray};
+use aya::maps::{HashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key as LpmKey};
 use lb_common::{
     Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, MetricValue, RevNat4,
-    RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, svc_flags,
+    RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, map_names, svc_flags,
 };
 
-use crate::model::{Backend, BackendState, Family, Frontend, L4Addr, Proto, Scope, flag_names};
+use crate::{
+    model::{Backend, BackendState, Family, Frontend, L4Addr, Proto, Scope, flag_names},
+    node_facts::Cidr,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Table {
@@ -23,15 +26,18 @@ pub enum Table {
     RevNat,
     /// The ClusterIP set (`lb*_cluster_ips`).
     ClusterIps,
+    /// `loadBalancerSourceRanges` per rev-NAT id (`lb*_src_range`).
+    SourceRanges,
 }
 
 impl Table {
     /// Every table the reconciler owns, in a stable order.
-    pub const ALL: [Table; 4] = [
+    pub const ALL: [Table; 5] = [
         Table::Services,
         Table::Backends,
         Table::RevNat,
         Table::ClusterIps,
+        Table::SourceRanges,
     ];
 
     pub fn map_name(self, family: Family) -> &'static str {
@@ -44,6 +50,8 @@ impl Table {
             (Table::RevNat, Family::V6) => map_names::REVNAT6,
             (Table::ClusterIps, Family::V4) => map_names::CLUSTER_IPS4,
             (Table::ClusterIps, Family::V6) => map_names::CLUSTER_IPS6,
+            (Table::SourceRanges, Family::V4) => map_names::SRC_RANGE4,
+            (Table::SourceRanges, Family::V6) => map_names::SRC_RANGE6,
         }
     }
 }
@@ -82,6 +90,8 @@ pub struct Dump {
     pub services: BTreeMap<(Frontend, u16), SvcValue>,
     /// ClusterIP → number of frontends at it.
     pub cluster_ips: BTreeMap<IpAddr, u32>,
+    /// (rev-NAT id, allowed source range) of frontends with `loadBalancerSourceRanges`.
+    pub src_ranges: BTreeSet<(u32, Cidr)>,
 }
 
 impl Dump {
@@ -100,7 +110,43 @@ impl Dump {
                 .keys()
                 .filter(|a| Family::of(a) == family)
                 .count(),
+            Table::SourceRanges => src_ranges_of(&self.src_ranges, family),
         }
+    }
+}
+
+/// Source-range entries of `family`.
+pub fn src_ranges_of(ranges: &BTreeSet<(u32, Cidr)>, family: Family) -> usize {
+    ranges
+        .iter()
+        .filter(|(_, c)| Family::of(&c.addr) == family)
+        .count()
+}
+
+/// The LPM key of source range `cidr` of frontend `rev_nat_id` (the id always matched whole).
+fn src_range4_key(rev_nat_id: u32, cidr: &Cidr) -> Option<LpmKey<SrcRange4>> {
+    match cidr.network() {
+        IpAddr::V4(a) => Some(LpmKey::new(
+            32 + u32::from(cidr.prefix),
+            SrcRange4 {
+                rev_nat_id: rev_nat_id.to_be_bytes(),
+                addr: a.octets(),
+            },
+        )),
+        IpAddr::V6(_) => None,
+    }
+}
+
+fn src_range6_key(rev_nat_id: u32, cidr: &Cidr) -> Option<LpmKey<SrcRange6>> {
+    match cidr.network() {
+        IpAddr::V6(a) => Some(LpmKey::new(
+            32 + u32::from(cidr.prefix),
+            SrcRange6 {
+                rev_nat_id: rev_nat_id.to_be_bytes(),
+                addr: a.octets(),
+            },
+        )),
+        IpAddr::V4(_) => None,
     }
 }
 
@@ -138,6 +184,9 @@ pub trait LbMaps {
     /// Marks `addr` as a ClusterIP with `frontends` frontends.
     fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError>;
     fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError>;
+    /// Allows sources in `cidr` to open flows to the frontend with `rev_nat_id`.
+    fn put_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError>;
+    fn del_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError>;
 }
 
 /// The `lb4_services` key of `fe`'s `slot`.
@@ -174,6 +223,8 @@ pub struct BpfMaps {
     pub revnat6: HashMap<MapData, u32, RevNat6>,
     pub cluster_ips4: HashMap<MapData, ClusterIp4Key, ClusterIpValue>,
     pub cluster_ips6: HashMap<MapData, ClusterIp6Key, ClusterIpValue>,
+    pub src_ranges4: LpmTrie<MapData, SrcRange4, u8>,
+    pub src_ranges6: LpmTrie<MapData, SrcRange6, u8>,
     pub capacities: BTreeMap<(Table, Family), u32>,
 }
 
@@ -257,6 +308,22 @@ impl LbMaps for BpfMaps {
             let (k, v) = item?;
             dump.cluster_ips
                 .insert(Ipv6Addr::from(k.addr).into(), v.frontends);
+        }
+        for k in self.src_ranges4.keys() {
+            let k = k?;
+            let d = k.data();
+            let prefix = k.prefix_len().saturating_sub(32).min(32) as u8;
+            let addr = Ipv4Addr::from(d.addr).into();
+            dump.src_ranges
+                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
+        }
+        for k in self.src_ranges6.keys() {
+            let k = k?;
+            let d = k.data();
+            let prefix = k.prefix_len().saturating_sub(32).min(128) as u8;
+            let addr = Ipv6Addr::from(d.addr).into();
+            dump.src_ranges
+                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
         }
         Ok(dump)
     }
@@ -395,6 +462,32 @@ impl LbMaps for BpfMaps {
             .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS6, e)),
         }
     }
+
+    fn put_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        if let Some(k) = src_range4_key(rev_nat_id, cidr) {
+            self.src_ranges4
+                .insert(&k, 1, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE4, e))
+        } else if let Some(k) = src_range6_key(rev_nat_id, cidr) {
+            self.src_ranges6
+                .insert(&k, 1, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE6, e))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn del_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        if let Some(k) = src_range4_key(rev_nat_id, cidr) {
+            ignore_missing(self.src_ranges4.remove(&k))
+                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE4, e))
+        } else if let Some(k) = src_range6_key(rev_nat_id, cidr) {
+            ignore_missing(self.src_ranges6.remove(&k))
+                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE6, e))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 /// Point lookups in the live maps, for views that must read what the datapath reads (trace).
@@ -489,6 +582,14 @@ pub enum MapOp {
     DelClusterIp {
         addr: IpAddr,
     },
+    PutSrcRange {
+        rev_nat_id: u32,
+        cidr: Cidr,
+    },
+    DelSrcRange {
+        rev_nat_id: u32,
+        cidr: Cidr,
+    },
 }
 
 impl MapOp {
@@ -524,6 +625,12 @@ impl std::fmt::Display for MapOp {
                 write!(f, "put cluster-ip {addr} frontends {frontends}")
             }
             MapOp::DelClusterIp { addr } => write!(f, "del cluster-ip {addr}"),
+            MapOp::PutSrcRange { rev_nat_id, cidr } => {
+                write!(f, "put source-range {rev_nat_id} {cidr}")
+            }
+            MapOp::DelSrcRange { rev_nat_id, cidr } => {
+                write!(f, "del source-range {rev_nat_id} {cidr}")
+            }
         }
     }
 }
@@ -646,6 +753,26 @@ impl LbMaps for MemMaps {
         self.dump.cluster_ips.remove(&addr);
         Ok(())
     }
+
+    fn put_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        let exists = self.dump.src_ranges.contains(&(rev_nat_id, *cidr));
+        self.check_room(Table::SourceRanges, Family::of(&cidr.addr), exists)?;
+        self.journal.push(MapOp::PutSrcRange {
+            rev_nat_id,
+            cidr: *cidr,
+        });
+        self.dump.src_ranges.insert((rev_nat_id, *cidr));
+        Ok(())
+    }
+
+    fn del_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        self.journal.push(MapOp::DelSrcRange {
+            rev_nat_id,
+            cidr: *cidr,
+        });
+        self.dump.src_ranges.remove(&(rev_nat_id, *cidr));
+        Ok(())
+    }
 }
 
 /// A stable, human-readable rendering of the maps: one block per frontend with its slots
@@ -653,8 +780,8 @@ impl LbMaps for MemMaps {
 /// compare against it.
 pub fn render(dump: &Dump) -> String {
     let mut out = String::new();
-    let mut referenced_backends = std::collections::BTreeSet::new();
-    let mut referenced_revnat = std::collections::BTreeSet::new();
+    let mut referenced_backends = BTreeSet::new();
+    let mut referenced_revnat = BTreeSet::new();
     for ((fe, slot), v) in &dump.services {
         if *slot != 0 {
             continue;
@@ -731,6 +858,13 @@ pub fn render(dump: &Dump) -> String {
             format!("MISMATCH {at} ClusterIP frontends")
         };
         let _ = writeln!(out, "cluster-ip {addr} frontends={n}({check})");
+    }
+    for (id, cidr) in &dump.src_ranges {
+        let used = dump.services.iter().any(|((_, slot), v)| {
+            *slot == 0 && v.rev_nat_id == *id && v.flags & svc_flags::SOURCE_RANGES != 0
+        });
+        let check = if used { "ok" } else { "ORPHAN" };
+        let _ = writeln!(out, "source-range revnat={id} {cidr}({check})");
     }
     out
 }

@@ -37,6 +37,8 @@ impl BpfMaps {
             revnat6: open_hash::<u32, RevNat6>(dir, map_names::REVNAT6)?,
             cluster_ips4: open_hash::<ClusterIp4Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS4)?,
             cluster_ips6: open_hash::<ClusterIp6Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS6)?,
+            src_ranges4: open_trie(dir, map_names::SRC_RANGE4)?,
+            src_ranges6: open_trie(dir, map_names::SRC_RANGE6)?,
             capacities,
         })
     }
@@ -83,6 +85,19 @@ pub fn open_hash<K: aya::Pod, V: aya::Pod>(
     name: &str,
 ) -> anyhow::Result<HashMap<MapData, K, V>> {
     HashMap::try_from(open_map(dir, name)?).with_context(|| {
+        format!(
+            "pinned map {} does not have the layout this lb expects (made by an incompatible lb?)",
+            dir.join(name).display()
+        )
+    })
+}
+
+/// Opens the LPM trie pinned as `name` in `dir`.
+pub fn open_trie<K: aya::Pod, V: aya::Pod>(
+    dir: &Path,
+    name: &str,
+) -> anyhow::Result<aya::maps::LpmTrie<MapData, K, V>> {
+    aya::maps::LpmTrie::try_from(open_map(dir, name)?).with_context(|| {
         format!(
             "pinned map {} does not have the layout this lb expects (made by an incompatible lb?)",
             dir.join(name).display()

@@ -1,0 +1,557 @@
+//! The per-packet service load balancer, one pipeline for every packet hook: tc ingress of
+//! external devices (`lb_tc_ingress`) and of pod veths (`lb_tc_pod`), tc egress (reverse NAT
+//! only, `lb_tc_egress`), and XDP on external devices (`lb_xdp`). The entries (`tc`, `xdp`)
+//! only name their hook.
+//!
+//! Ingress: a packet to a frontend is DNATed to its flow's conntrack backend, or to a backend
+//! chosen for the new flow; it is rejected (TCP RST / ICMP port unreachable, `reject`) when the
+//! frontend has no backend or its ClusterIP not that port, and dropped when the frontend has
+//! endpoints but none here for external traffic (`externalTrafficPolicy: Local`) or the source
+//! is outside its `loadBalancerSourceRanges`; a packet to an unallocated address of a
+//! `--service-cidr` is dropped; a backend's reply gets its source turned back into the
+//! frontend. What does not parse is passed untouched.
+//!
+//! A flow that is masqueraded (`nat`) gets its source rewritten too, right after the DNAT, and
+//! is forwarded by `fwd` rather than the stack; so are replies whose frontend is a local
+//! address (NodePorts). Its route is looked up before anything is rewritten: XDP, which cannot
+//! resolve a next hop, leaves such a packet untouched for tc ingress on the same device, which
+//! shares the conntrack and NAT table and so finishes it the same way.
+//!
+//! Every packet ends in one `Decision`: the verdict and the counter it bumps (once). The trace
+//! record traced loads keep is written where the decision is made (a record travelling back
+//! up through the calls would cost each frame a copy of the 512-byte stack the chain shares).
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use lb_common::{TraceRecord, ct_flags, metrics, svc_flags, trace_ct, trace_verdict};
+
+use crate::{
+    af::{Af, CtHead, Endpoint, V4, V6},
+    conntrack,
+    ctx::{Error, PacketCtx},
+    fwd::{self, FwdAf, Route},
+    maps::{config, count, scratch},
+    nat,
+    parse::{self, L3, Packet, ParseAf},
+    reject::{self, RejectAf},
+    rewrite,
+    select::{self, Chosen, Origin, Service, Unserved},
+    trace,
+};
+
+/// Which frontends a program balances, by where it is attached.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    /// Ingress of an external-facing device (tc or XDP): a frontend's external scope.
+    External,
+    /// Ingress of a pod-facing device: in-cluster clients, like socket LB.
+    Pod,
+    /// Egress: reverse NAT only.
+    Egress,
+}
+
+/// Runs the pipeline for the packet in `ctx` at `hook` and returns the hook's verdict.
+#[inline(always)]
+pub fn run<C: PacketCtx>(ctx: &C, hook: Hook) -> i32 {
+    finish(ctx, try_packet(ctx, hook))
+}
+
+/// What happened to a packet: the tc verdict and the `metrics` index counted for it.
+struct Decision {
+    action: i32,
+    reason: u32,
+}
+
+/// A decision that needs no more than verdict and reason in its trace record.
+#[inline(always)]
+fn untouched(action: i32, verdict: u8, reason: u32) -> Decision {
+    trace::record(|r| {
+        r.verdict = verdict;
+        r.reason = reason as u8;
+    });
+    Decision { action, reason }
+}
+
+/// Counts the packet's decision (tracing the errors), and returns its verdict.
+#[inline(always)]
+fn finish<C: PacketCtx>(ctx: &C, result: Result<Decision, Error>) -> i32 {
+    let d = match result {
+        Ok(d) => d,
+        Err(Error::Unparsed) => untouched(C::PASS, trace_verdict::PASS, metrics::TC_PASS_UNPARSED),
+        Err(Error::Rewrite) => {
+            // Rare: a csum/store helper failed on a packet that parsed fine.
+            aya_log_ebpf::error!(ctx, "lb: rewrite helper failed, packet dropped");
+            untouched(C::DROP, trace_verdict::DROP, metrics::TC_DROP_REWRITE)
+        }
+    };
+    count(d.reason, ctx.len());
+    d.action
+}
+
+#[inline(always)]
+fn try_packet<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
+    match parse::l3(ctx)? {
+        L3::V4 => handle::<C, V4>(ctx, hook),
+        L3::V6 => handle::<C, V6>(ctx, hook),
+    }
+}
+
+const _: () = {
+    assert!(size_of::<Packet<[u8; 16]>>() <= 80);
+    assert!(size_of::<Service<[u8; 16]>>() <= 64);
+    assert!(size_of::<Chosen<[u8; 16]>>() <= 48);
+    assert!(size_of::<conntrack::Flow<[u8; 16]>>() <= 64);
+};
+
+/// A packet to a frontend is balanced (ingress only); one to a ClusterIP on a port it does not
+/// have is rejected, one to an unallocated address of a `--service-cidr` dropped (kube-proxy's
+/// `cluster-ips-check`); anything else may be a reply.
+// BPF subprograms (`inline(never)`) keep the IPv4 and IPv6 paths, and the new, established
+// and reply paths within them, in frames of their own: inlined together they overflow the
+// 512-byte stack, which the verifier counts along the deepest call chain.
+#[inline(never)]
+fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf>(
+    ctx: &C,
+    hook: Hook,
+) -> Result<Decision, Error> {
+    let s = scratch().ok_or(Error::Unparsed)?;
+    // SAFETY: this CPU's scratch entry, alive for this run; each area is written by one step
+    // and only read after it (see `maps::Scratch`; sizes checked below).
+    let (p, svc, flow) = unsafe {
+        (
+            &mut *(*s).packet.as_mut_ptr().cast::<Packet<A::Addr>>(),
+            &mut *(*s).service.as_mut_ptr().cast::<Service<A::Addr>>(),
+            &mut *(*s).flow.as_mut_ptr().cast::<conntrack::Flow<A::Addr>>(),
+        )
+    };
+    parse_into::<C, A>(ctx, p)?;
+    let p: &Packet<A::Addr> = p;
+    let origin = match hook {
+        Hook::External => Some(Origin::External),
+        Hook::Pod => Some(Origin::Cluster),
+        Hook::Egress => None,
+    };
+    if let Some(origin) = origin
+        && lookup::<A>(p, origin, svc)
+    {
+        let now = conntrack::now_secs();
+        if established::<A>(p, now, flow) {
+            return established_flow::<C, A>(ctx, p, svc, flow);
+        }
+        return new_flow::<C, A>(ctx, p, svc, now);
+    }
+    if origin.is_some() {
+        match unserved::<A>(p) {
+            UNSERVED_CLUSTER_IP if !C::BUILDS_REPLIES => return Ok(to_tc::<C>()),
+            UNSERVED_CLUSTER_IP => {
+                let action = reject_packet::<C, A>(ctx, p)?;
+                trace::record(|r| {
+                    r.verdict = reject_verdict::<C>(action);
+                    r.reason = metrics::TC_REJECT_UNKNOWN_PORT as u8;
+                });
+                return Ok(Decision {
+                    action,
+                    reason: metrics::TC_REJECT_UNKNOWN_PORT,
+                });
+            }
+            UNSERVED_SERVICE_CIDR => {
+                return Ok(untouched(
+                    C::DROP,
+                    trace_verdict::DROP,
+                    metrics::TC_DROP_UNALLOCATED,
+                ));
+            }
+            _ => {}
+        }
+    }
+    if reply::<A>(p, flow) {
+        from_backend::<C, A>(ctx, p, flow, hook)
+    } else {
+        Ok(untouched(
+            C::PASS,
+            trace_verdict::PASS,
+            metrics::TC_PASS_NO_SERVICE,
+        ))
+    }
+}
+
+/// `unserved`: the address is a ClusterIP (on another port or protocol).
+const UNSERVED_CLUSTER_IP: u8 = 1;
+/// `unserved`: the address is in a `--service-cidr` but no ClusterIP.
+const UNSERVED_SERVICE_CIDR: u8 = 2;
+
+/// Whether the destination of `p`, which matched no frontend, is still a service address:
+/// `UNSERVED_CLUSTER_IP`, `UNSERVED_SERVICE_CIDR`, or 0.
+// A subprogram, like `lookup`: the hash and LPM keys stay out of `handle`'s frame.
+#[inline(never)]
+fn unserved<A: Af>(p: &Packet<A::Addr>) -> u8 {
+    if A::is_cluster_ip(p.daddr) {
+        UNSERVED_CLUSTER_IP
+    } else if A::in_service_cidr(p.daddr) {
+        UNSERVED_SERVICE_CIDR
+    } else {
+        0
+    }
+}
+
+/// Turns the packet into its reject reply and sends it back out the device it came in on
+/// (`reject`); a TCP RST gets no answer and is dropped (`C::DROP`), counted under the same
+/// reason, as a REJECT rule counts the RSTs it swallows. Returns the verdict.
+// A subprogram: the reply's headers are built in a frame of their own, beside (not below)
+// the new-flow and forwarding frames. It reads the packet pointers from `ctx` itself, fresh
+// after each resize.
+#[inline(never)]
+fn reject_packet<C: PacketCtx, A: RejectAf>(ctx: &C, p: &Packet<A::Addr>) -> Result<i32, Error> {
+    if !reject::answerable(p) {
+        return Ok(C::DROP);
+    }
+    reject::reply::<C, A>(ctx, p)
+}
+
+/// The trace verdict of `reject_packet`'s action.
+#[inline(always)]
+fn reject_verdict<C: PacketCtx>(action: i32) -> u8 {
+    if action == C::DROP {
+        trace_verdict::DROP
+    } else {
+        trace_verdict::REJECT
+    }
+}
+
+/// `conntrack::established`, into `out`.
+#[inline(always)]
+fn established<A: Af>(p: &Packet<A::Addr>, now: u32, out: &mut conntrack::Flow<A::Addr>) -> bool {
+    conntrack::established::<A>(p, now, out)
+}
+
+/// `conntrack::reply`, into `out`.
+#[inline(always)]
+fn reply<A: Af>(p: &Packet<A::Addr>, out: &mut conntrack::Flow<A::Addr>) -> bool {
+    conntrack::reply::<A>(p, out)
+}
+
+/// The frontend `p` is addressed to, in the scope its origin gets.
+// A subprogram, like `parse_into`: the lookup keys stay out of `handle`'s frame.
+#[inline(never)]
+fn lookup<A: Af>(p: &Packet<A::Addr>, origin: Origin, out: &mut Service<A::Addr>) -> bool {
+    let frontend = Endpoint {
+        addr: p.daddr,
+        port: p.dport,
+    };
+    match select::lookup::<A>(frontend, p.proto, origin) {
+        Some(svc) => {
+            *out = svc;
+            true
+        }
+        None => false,
+    }
+}
+
+/// A backend for a new flow of `svc`, picked at random.
+// A subprogram, like `parse_into`: the slot and backend lookups stay out of `new_flow`'s frame.
+#[inline(never)]
+fn choose<A: Af>(svc: &Service<A::Addr>, out: &mut Chosen<A::Addr>) -> Result<(), Unserved> {
+    // SAFETY: helper without arguments.
+    *out = select::choose::<A>(svc, || unsafe { bpf_get_prandom_u32() })?;
+    Ok(())
+}
+
+/// Parses the packet into `out`.
+// Inlined: as a subprogram LLVM would pass it the packet pointers themselves, and the
+// verifier refuses arithmetic on `data_end` there.
+#[inline(always)]
+fn parse_into<C: PacketCtx, A: ParseAf>(ctx: &C, out: &mut Packet<A::Addr>) -> Result<(), Error> {
+    A::parse(ctx, out)
+}
+
+/// A packet of a flow conntrack knows: DNAT to its backend (and SNAT if it is masqueraded).
+#[inline(always)]
+fn established_flow<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    svc: &Service<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
+) -> Result<Decision, Error> {
+    let Some(action) = to_backend::<C, A>(ctx, p, &flow.endpoint, &flow.nat)? else {
+        return Ok(to_tc::<C>());
+    };
+    trace::record(|r| {
+        r.verdict = trace_verdict::FORWARD;
+        r.reason = metrics::TC_FWD_ESTABLISHED as u8;
+        r.scope = svc.scope;
+        r.ct_state = trace_ct::ESTABLISHED;
+        r.svc_flags = svc.master.flags;
+        r.backend_id = flow.backend_id;
+        r.rev_nat_id = flow.rev_nat_id;
+        trace_nat(r, &flow.nat);
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_FWD_ESTABLISHED,
+    })
+}
+
+/// A new flow: a backend is chosen, the flow recorded (with a NAT port if it is masqueraded,
+/// see `nat`) and the packet DNATed (and SNATed) to it.
+#[inline(always)]
+fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    svc: &Service<A::Addr>,
+    now: u32,
+) -> Result<Decision, Error> {
+    if !source_allowed::<A>(p, svc) {
+        trace::record(|r| {
+            r.verdict = trace_verdict::DROP;
+            r.reason = metrics::TC_DROP_SOURCE_RANGE as u8;
+            r.scope = svc.scope;
+            r.svc_flags = svc.master.flags;
+            r.rev_nat_id = svc.master.rev_nat_id;
+        });
+        return Ok(Decision {
+            action: C::DROP,
+            reason: metrics::TC_DROP_SOURCE_RANGE,
+        });
+    }
+    let s = scratch().ok_or(Error::Unparsed)?;
+    // SAFETY: this CPU's scratch `chosen` area (see `handle`).
+    let c = unsafe { &mut *(*s).chosen.as_mut_ptr().cast::<Chosen<A::Addr>>() };
+    match choose::<A>(svc, c) {
+        Ok(()) => {}
+        // kube-proxy's no-endpoint-services: REJECT; a service with endpoints, none of them
+        // here for external traffic, is DROPped.
+        Err(n) => {
+            let (action, reason) = if n.svc_flags & svc_flags::EMPTY_DROP != 0 {
+                (C::DROP, metrics::TC_DROP_NO_LOCAL_BACKEND)
+            } else if !C::BUILDS_REPLIES {
+                return Ok(to_tc::<C>());
+            } else {
+                (
+                    reject_packet::<C, A>(ctx, p)?,
+                    metrics::TC_REJECT_NO_BACKEND,
+                )
+            };
+            trace::record(|r| {
+                r.verdict = reject_verdict::<C>(action);
+                r.reason = reason as u8;
+                r.scope = n.scope;
+                r.ct_state = trace_ct::NONE;
+                r.slot = n.slot;
+                r.svc_flags = n.svc_flags;
+                r.backend_id = n.backend_id;
+                r.rev_nat_id = n.rev_nat_id;
+            });
+            return Ok(Decision { action, reason });
+        }
+    };
+    let head = conntrack::new_head(p, c.backend_id, c.rev_nat_id, c.svc_flags, now);
+    let snat = match snat_port::<C, A>(ctx, p, c, &head) {
+        0 => None,
+        SNAT_EXHAUSTED => {
+            trace::record(|r| {
+                r.verdict = trace_verdict::DROP;
+                r.reason = metrics::TC_SNAT_PORT_EXHAUSTED as u8;
+                trace_chosen(r, c);
+            });
+            return Ok(Decision {
+                action: C::DROP,
+                reason: metrics::TC_SNAT_PORT_EXHAUSTED,
+            });
+        }
+        port => config().and_then(A::node_ip).map(|addr| Endpoint {
+            addr,
+            port: port as u16,
+        }),
+    };
+    if conntrack::create::<A>(p, &c.backend, &head, &snat).is_err() {
+        // The packet still goes to the chosen backend; later ones may pick another.
+        count(metrics::TC_CT_INSERT_FAILED, ctx.len());
+    }
+    let Some(action) = to_backend::<C, A>(ctx, p, &c.backend, &snat)? else {
+        // The flow is recorded: tc finds it established and sends it the same way.
+        return Ok(to_tc::<C>());
+    };
+    trace::record(|r| {
+        r.verdict = trace_verdict::FORWARD;
+        r.reason = metrics::TC_FWD_NEW as u8;
+        r.ct_state = trace_ct::NEW;
+        trace_chosen(r, c);
+        trace_nat(r, &snat);
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_FWD_NEW,
+    })
+}
+
+/// The trace record fields a chosen backend fills.
+#[inline(always)]
+fn trace_chosen<A>(r: &mut TraceRecord, c: &Chosen<A>) {
+    r.scope = c.scope;
+    r.slot = c.slot;
+    r.svc_flags = c.svc_flags;
+    r.backend_id = c.backend_id;
+    r.rev_nat_id = c.rev_nat_id;
+}
+
+/// `snat_port` found no free NAT port.
+const SNAT_EXHAUSTED: u32 = 1 << 16;
+
+/// The NAT port of the new flow of `p` to `c` if it is masqueraded, its reply entry already
+/// claimed; 0 if it is not masqueraded, `SNAT_EXHAUSTED` if no port was free.
+// A subprogram: the decision's LPM key and the allocation's key need a frame of their own.
+#[inline(never)]
+fn snat_port<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    c: &Chosen<A::Addr>,
+    head: &CtHead,
+) -> u32 {
+    let Some(cfg) = config() else {
+        return 0;
+    };
+    if !nat::masquerade::<A>(cfg, p, c) {
+        return 0;
+    }
+    let Some(node) = A::node_ip(cfg) else {
+        count(metrics::TC_SNAT_NO_NODE_IP, ctx.len());
+        return 0;
+    };
+    match nat::allocate::<A>(cfg, p, &c.backend, head, &node) {
+        0 => SNAT_EXHAUSTED,
+        port => u32::from(port),
+    }
+}
+
+/// DNATs the packet to `backend` and, masqueraded, SNATs it to `snat` and forwards it out of
+/// the route to `backend` past the stack (`fwd`); returns the verdict, or `None` when the hook
+/// cannot send it on that route and left it untouched (XDP, next hop unresolved).
+#[inline(never)]
+fn to_backend<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    backend: &Endpoint<A::Addr>,
+    snat: &Option<Endpoint<A::Addr>>,
+) -> Result<Option<i32>, Error> {
+    let Some(to) = snat else {
+        rewrite::dnat::<C, A>(ctx, p, *backend)?;
+        return Ok(Some(C::PASS));
+    };
+    // The route is looked up after the rewrite where any route can be sent on (tc): a route
+    // result held across the rewrite would make the verifier walk the rewrite once per value.
+    let route = if C::RESOLVES_NEIGH {
+        Route::None
+    } else {
+        match fwd::route::<C, A>(ctx, p, &to.addr, &backend.addr) {
+            Route::Resolved => Route::Resolved,
+            _ => return Ok(None),
+        }
+    };
+    rewrite::dnat::<C, A>(ctx, p, *backend)?;
+    rewrite::snat::<C, A>(ctx, p, *to)?;
+    count(metrics::TC_SNAT, ctx.len());
+    let route = if C::RESOLVES_NEIGH {
+        fwd::route::<C, A>(ctx, p, &to.addr, &backend.addr)
+    } else {
+        route
+    };
+    fwd::send::<C, A>(ctx, p, route).map(Some)
+}
+
+/// Whether this hook can send a packet on `route`: tc always (the stack or `redirect_neigh`
+/// covers what the FIB did not resolve), XDP only with a resolved next hop.
+#[inline(always)]
+fn sendable<C: PacketCtx>(route: Route) -> bool {
+    C::RESOLVES_NEIGH || route == Route::Resolved
+}
+
+/// A packet left untouched for tc ingress on the same device (XDP only).
+#[inline(always)]
+fn to_tc<C: PacketCtx>() -> Decision {
+    untouched(C::PASS, trace_verdict::PASS, metrics::XDP_PASS_TO_TC)
+}
+
+/// Whether the source of `p` may open a flow to `svc` (`loadBalancerSourceRanges`).
+// A subprogram: the trie key stays out of `new_flow`'s frame.
+#[inline(never)]
+fn source_allowed<A: Af>(p: &Packet<A::Addr>, svc: &Service<A::Addr>) -> bool {
+    svc.master.flags & svc_flags::SOURCE_RANGES == 0
+        || A::in_source_range(svc.master.rev_nat_id, p.saddr)
+}
+
+/// The trace record's masquerade fields for `snat`.
+#[inline(always)]
+fn trace_nat<A>(r: &mut TraceRecord, snat: &Option<Endpoint<A>>) {
+    if let Some(to) = snat {
+        r.masquerade = 1;
+        r.nat_port = to.port;
+    }
+}
+
+/// The client a reply of `flow` goes back to.
+#[inline(always)]
+fn reply_client<A: Af>(p: &Packet<A::Addr>, flow: &conntrack::Flow<A::Addr>) -> A::Addr {
+    match flow.nat {
+        Some(c) => c.addr,
+        None => p.daddr,
+    }
+}
+
+/// Rewrites a reply of `flow` to come from its frontend (and go back to the masqueraded
+/// client).
+#[inline(always)]
+fn reverse_rewrite<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
+) -> Result<(), Error> {
+    match flow.nat {
+        Some(client) => rewrite::reverse_snat::<C, A>(ctx, p, flow.endpoint, client),
+        None => rewrite::reverse_nat::<C, A>(ctx, p, flow.endpoint),
+    }
+}
+
+/// Reverse NAT of a backend's reply (un-SNAT too for masqueraded flows). On ingress, a reply
+/// restored to a local frontend (a NodePort) is forwarded past the stack, which would drop it
+/// as a martian.
+#[inline(never)]
+fn from_backend<C: PacketCtx, A: FwdAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
+    hook: Hook,
+) -> Result<Decision, Error> {
+    let forward = hook != Hook::Egress && flow.flags & ct_flags::LOCAL_FRONTEND != 0;
+    let action = if C::RESOLVES_NEIGH {
+        // tc can send on any route: rewrite first, so the verifier walks the rewrite once
+        // rather than once per branch.
+        reverse_rewrite::<C, A>(ctx, p, flow)?;
+        if forward {
+            let route =
+                fwd::route::<C, A>(ctx, p, &flow.endpoint.addr, &reply_client::<A>(p, flow));
+            fwd::send::<C, A>(ctx, p, route)?
+        } else {
+            C::PASS
+        }
+    } else if forward {
+        // XDP: the route first, and the packet untouched for tc where it cannot be sent.
+        let route = fwd::route::<C, A>(ctx, p, &flow.endpoint.addr, &reply_client::<A>(p, flow));
+        if !sendable::<C>(route) {
+            return Ok(to_tc::<C>());
+        }
+        reverse_rewrite::<C, A>(ctx, p, flow)?;
+        fwd::send::<C, A>(ctx, p, route)?
+    } else {
+        reverse_rewrite::<C, A>(ctx, p, flow)?;
+        C::PASS
+    };
+    trace::record(|r| {
+        r.verdict = trace_verdict::REVERSE_NAT;
+        r.reason = metrics::TC_REVNAT as u8;
+        r.ct_state = trace_ct::REPLY;
+        r.backend_id = flow.backend_id;
+        r.rev_nat_id = flow.rev_nat_id;
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_REVNAT,
+    })
+}
