@@ -12,7 +12,7 @@
 //! 198.18.10.1) and the ones before them are ClusterIP services with an externalIP
 //! `198.18.10.101 + j / 2768` (extra /32 addresses of the node's external device) and port
 //! 30000 + j % 2768: every frontend is a distinct (node IP, port) pair on the external device.
-//! lb does not translate nodePorts yet, so lb is given each NodePort service with
+//! `lb run` programs no NodePort frontends yet, so lb is given each NodePort service with
 //! `externalIPs: [198.18.10.1]` on port = its nodePort: the same frontend (address, port, UDP,
 //! external scope, `externalTrafficPolicy: Cluster`, so masqueraded like kube-proxy's
 //! `KUBE-EXT` / `external-` chains do). All services are UDP with two endpoints; the traffic
@@ -250,8 +250,9 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
              on the node's external device), port 30000 + (i mod {NODE_PORTS}); all with \
              externalTrafficPolicy: Cluster and 2 endpoints; traffic goes to the last \
              service, the NodePort {NODE_IP}:{} (last in KUBE-NODEPORTS, behind all of \
-             KUBE-SERVICES). lb does not translate nodePorts yet: it is given each NodePort \
-             service with externalIPs [{NODE_IP}] and port = its nodePort, the same frontend",
+             KUBE-SERVICES). `lb run` programs no NodePort frontends yet (it gives translate \
+             no NodePort addresses), so lb is given each NodePort service with externalIPs \
+             [{NODE_IP}] and port = its nodePort: the same frontend",
             match extra {
                 0 => " (none needed at this size)".to_owned(),
                 1 => String::new(),
