@@ -127,6 +127,19 @@ fn quick_run_writes_every_result() {
             want("newflows", case, imp, latency);
         }
     }
+    let notes: Value =
+        serde_json::from_str(&fs::read_to_string(out.0.join("notes.json")).expect("notes.json"))
+            .expect("notes.json is JSON");
+    // lb XDP runs only when `lb run` has --xdp; otherwise the note says so.
+    let xdp = !notes["northsouth_xdp_unavailable"].is_string();
+    for imp in ["lb_tc", "lb_xdp", "nftables", "iptables"] {
+        if imp == "lb_xdp" && !xdp {
+            continue;
+        }
+        for metric in ["forwarded_pps", "offered_pps"] {
+            want("northsouth", "udp_nodeport", imp, metric);
+        }
+    }
     for imp in ["lb", "iptables", "iptables_nft", "nftables"] {
         want("controlplane", "cold_10_endpoints", imp, "program_time");
     }
@@ -175,12 +188,16 @@ fn quick_run_writes_every_result() {
     );
     assert!(sizes("newflows").len() >= 2, "newflows at several sizes");
 
-    let notes: Value =
-        serde_json::from_str(&fs::read_to_string(out.0.join("notes.json")).expect("notes.json"))
-            .expect("notes.json is JSON");
+    assert!(
+        sizes("northsouth").len() >= 2,
+        "northsouth at several sizes"
+    );
+
     for key in [
         "datapath_method",
         "newflows_method",
+        "northsouth_method",
+        "northsouth_frontends",
         "controlplane_change_method",
     ] {
         assert!(notes[key].is_string(), "notes.json lacks {key}");

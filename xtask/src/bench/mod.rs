@@ -1,6 +1,6 @@
-//! `cargo xtask bench [--quick] [--suite datapath|newflows|controlplane]…`: sets up (setup
-//! installs iptables and nftables too), builds `lb-bench` in release mode, runs it, and writes
-//! the report.
+//! `cargo xtask bench [--quick] [--suite datapath|newflows|northsouth|controlplane]…`: sets
+//! up (setup installs iptables and nftables too), builds `lb-bench` and `lb` in release mode,
+//! runs it, and writes the report.
 //!
 //! The measuring happens in `lb-bench` (tests/src/bin/lb-bench/); it writes
 //! `target/bench/results.json` and `target/bench/notes.json`. A full run (every suite, not
@@ -25,6 +25,7 @@ const RULE_COMMANDS: [&str; 3] = ["iptables-legacy-restore", "iptables-nft-resto
 pub enum Suite {
     Datapath,
     Newflows,
+    Northsouth,
     Controlplane,
 }
 
@@ -33,6 +34,7 @@ impl Suite {
         match self {
             Suite::Datapath => "datapath",
             Suite::Newflows => "newflows",
+            Suite::Northsouth => "northsouth",
             Suite::Controlplane => "controlplane",
         }
     }
@@ -65,7 +67,8 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     phases.push(("setup", t.elapsed()));
 
     let t = Instant::now();
-    run(cargo().args(["build", "--release", "--bin", "lb-bench"]))?;
+    // `lb` too: the north-south suite runs `lb run` itself.
+    run(cargo().args(["build", "--release", "--bin", "lb-bench", "--bin", "lb"]))?;
     phases.push(("build", t.elapsed()));
 
     let out = workspace_root().join("target/bench");
@@ -84,9 +87,14 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     let results = report::Results::load(&out)?;
     let full = !args.quick
         && (args.suite.is_empty()
-            || [Suite::Datapath, Suite::Newflows, Suite::Controlplane]
-                .iter()
-                .all(|s| args.suite.contains(s)));
+            || [
+                Suite::Datapath,
+                Suite::Newflows,
+                Suite::Northsouth,
+                Suite::Controlplane,
+            ]
+            .iter()
+            .all(|s| args.suite.contains(s)));
     phases.push(("total", started.elapsed()));
     let text = report::render(&results, &machine_facts(), &phases, args.quick);
     let path = if full {

@@ -133,6 +133,15 @@ const NF_CASES: [(&str, &str); 4] = [
     ("udp_last", "UDP, traced service last in rule order"),
     ("udp_random", "UDP, traced service at a random position"),
 ];
+const NS_CASE: &str = "udp_nodeport";
+/// The note lb-bench writes when `lb run` has no `--xdp`.
+const NS_XDP_UNAVAILABLE: &str = "northsouth_xdp_unavailable";
+const NS_IMPLS: [(&str, &str); 4] = [
+    ("lb_tc", "lb tc (`--tc-ingress`)"),
+    ("lb_xdp", "lb XDP (`--devices --xdp native`)"),
+    ("nftables", "kube-proxy nftables"),
+    ("iptables", "kube-proxy iptables (legacy)"),
+];
 const NF_IMPLS: [(&str, &str); 6] = [
     ("direct", "direct to a backend (floor)"),
     ("lb_socket", "lb socket LB"),
@@ -239,6 +248,52 @@ fn targets(r: &Results) -> Vec<Target> {
                 });
             }
         }
+    }
+
+    // North-south forwarding at 10,000 services: lb XDP vs kube-proxy.
+    for (base, factor, name) in [
+        (
+            "iptables",
+            5.0,
+            "north-south packets/s forwarded at 10,000 NodePort services: lb XDP ≥ 5× iptables",
+        ),
+        (
+            "nftables",
+            2.0,
+            "north-south packets/s forwarded at 10,000 NodePort services: lb XDP ≥ 2× nftables",
+        ),
+    ] {
+        let pps = |imp: &str| r.median("northsouth", NS_CASE, imp, 10_000, "forwarded_pps");
+        let ratio = |imp: &str| Some(pps(imp)? / pps(base)?);
+        let tc = ratio("lb_tc").map_or_else(String::new, |x| format!("; lb tc only: {x:.2}×"));
+        out.push(match ratio("lb_xdp") {
+            Some(x) => Target {
+                name,
+                measured: format!(
+                    "lb XDP {} vs {base} {} packets/s: {x:.2}×{tc}",
+                    thousands(pps("lb_xdp").unwrap_or_default()),
+                    thousands(pps(base).unwrap_or_default())
+                ),
+                verdict: if x >= factor {
+                    Verdict::Met
+                } else {
+                    Verdict::NotMet
+                },
+            },
+            None => Target {
+                name,
+                measured: if tc.is_empty() {
+                    "—".into()
+                } else {
+                    format!("lb XDP —{tc}")
+                },
+                verdict: Verdict::NotEvaluated(if r.notes.contains_key(NS_XDP_UNAVAILABLE) {
+                    "lb XDP not available in this build".into()
+                } else {
+                    format!("no 10,000-service lb_xdp vs {base} result")
+                }),
+            },
+        });
     }
 
     // Socket LB vs the direct floor, every size and case.
@@ -408,6 +463,7 @@ pub fn render(r: &Results, m: &MachineFacts, phases: &[(&str, Duration)], quick:
 
     datapath(w, r);
     newflows(w, r);
+    northsouth(w, r);
     controlplane(w, r);
     method(w, r);
     s
@@ -499,7 +555,13 @@ fn datapath(w: &mut String, r: &Results) {
     for _ in &sizes {
         w.push_str(" n/a |");
     }
-    let _ = writeln!(w, " n/a (XDP datapath not built yet) |\n");
+    let _ = writeln!(
+        w,
+        " n/a ({}) |\n",
+        r.notes
+            .get("datapath_xdp")
+            .map_or("no lb_xdp program in this build", String::as_str)
+    );
 
     let _ = writeln!(
         w,
@@ -607,6 +669,78 @@ fn newflows(w: &mut String, r: &Results) {
         }
         let _ = writeln!(w);
     }
+}
+
+fn northsouth(w: &mut String, r: &Results) {
+    if !r.has_suite("northsouth") {
+        return;
+    }
+    let sizes = r.sizes("northsouth", Some(NS_CASE));
+    let _ = writeln!(w, "## North-south forwarding: NodePort over veth\n");
+    let _ = writeln!(
+        w,
+        "Packets per second forwarded at saturation from an external client (its own netns) \
+         through the node netns to a NodePort service's two backends (their own netns), UDP \
+         from thousands of source ports, by number of services programmed; median of the \
+         repetitions; in parentheses the ratio to kube-proxy iptables at the same size. \
+         Forwarded = received by the backends' veths; the sender and the node's forwarding \
+         share one CPU, so sent and forwarded rates move together (see Method). Every \
+         sample's flows are new: where a flow's first packet is slow (iptables' linear walk \
+         of its rules), most of a sample can go to first packets.\n"
+    );
+    if let Some(f) = r.notes.get("northsouth_frontends") {
+        let _ = writeln!(w, "Frontends: {f}.\n");
+    }
+    header(w, "packets/s forwarded", &sizes, &[]);
+    for (imp, name) in NS_IMPLS {
+        let _ = write!(w, "| {name} |");
+        if imp == "lb_xdp" && r.notes.contains_key(NS_XDP_UNAVAILABLE) {
+            for _ in &sizes {
+                w.push_str(" not available in this build |");
+            }
+            let _ = writeln!(w);
+            continue;
+        }
+        for n in &sizes {
+            let v = r.median("northsouth", NS_CASE, imp, *n, "forwarded_pps");
+            let base = r.median("northsouth", NS_CASE, "iptables", *n, "forwarded_pps");
+            match (v, base) {
+                (Some(v), Some(b)) if imp != "iptables" => {
+                    let _ = write!(w, " {} ({:.2}×) |", thousands(v), v / b);
+                }
+                (Some(v), _) => {
+                    let _ = write!(w, " {} |", thousands(v));
+                }
+                _ => w.push_str(" — |"),
+            }
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(
+        w,
+        "\nOffered load (packets/s the client's `sendmmsg` got out in the same samples):\n"
+    );
+    header(w, "packets/s sent", &sizes, &[]);
+    for (imp, name) in NS_IMPLS {
+        if !r
+            .records
+            .iter()
+            .any(|x| x.suite == "northsouth" && x.imp == imp)
+        {
+            continue;
+        }
+        let _ = write!(w, "| {name} |");
+        for n in &sizes {
+            match r.median("northsouth", NS_CASE, imp, *n, "offered_pps") {
+                Some(v) => {
+                    let _ = write!(w, " {} |", thousands(v));
+                }
+                None => w.push_str(" — |"),
+            }
+        }
+        let _ = writeln!(w);
+    }
+    let _ = writeln!(w);
 }
 
 fn controlplane(w: &mut String, r: &Results) {
@@ -718,7 +852,18 @@ fn controlplane(w: &mut String, r: &Results) {
 
 fn method(w: &mut String, r: &Results) {
     let _ = writeln!(w, "## Not measured\n");
-    let _ = writeln!(w, "- XDP: n/a, lb's XDP datapath is not built yet.");
+    if let Some(n) = r.notes.get(NS_XDP_UNAVAILABLE) {
+        let _ = writeln!(w, "- {n}.");
+    }
+    if r.has_suite("datapath") && !r.notes.contains_key("datapath_xdp_measured") {
+        let _ = writeln!(
+            w,
+            "- XDP per-packet cost (BPF_PROG_TEST_RUN): {}.",
+            r.notes
+                .get("datapath_xdp")
+                .map_or("no lb_xdp program in this build", String::as_str)
+        );
+    }
     for note in r.notes_with("not_measured_") {
         let _ = writeln!(w, "- {note}");
     }
@@ -728,6 +873,7 @@ fn method(w: &mut String, r: &Results) {
         "controlplane_maps_",
         "controlplane_rules_",
         "newflows_load_",
+        "northsouth_load_",
     ]
     .iter()
     .flat_map(|p| r.notes_with(p))
@@ -800,6 +946,22 @@ which are slow and erratic in a VM. Source ports are assigned sequentially and n
 within a testbed, so every flow is new to conntrack and to lb's conntrack. The
 traced service is the last one in rule order (iptables' worst case) or one at a random position.
 
+**northsouth.** Four testbeds per size (client netns → node netns → 2 backend netns), one
+per implementation, built from the same objects: lb with tc (`lb run --manifests DIR
+--socket-lb=false --tc-ingress <client-facing device> --tc-pod <backend devices> --node-ip
+198.18.10.1`), lb with XDP (the same with `--devices <client-facing device> --xdp native`
+instead of `--tc-ingress`; only when `lb run --help` has `--xdp`), kube-proxy nftables (`nft
+-f`) and iptables-legacy (`iptables-restore --noflush --counters`) inside the node netns. The
+services are UDP NodePorts / externalIPs with `externalTrafficPolicy: Cluster` (masqueraded,
+as kube-proxy does for external traffic); the frontends are listed with the table. The client
+(`lb-bench blast`) sends prebuilt datagrams through a raw socket with `sendmmsg`, so one thread
+covers thousands of source ports; each sample uses a fresh block of source ports, so its flows
+are new to every conntrack and the first packet of each pays for rule traversal (iptables'
+linear walk) or the service lookup. Forwarded packets are counted on the backends' veths; each
+sample also checks that the backends' UDP stack took at least 95 % of them (a wrong rewrite or
+checksum would fail the run). GRO is on for the client's and the backends' veth ends in every
+testbed: XDP_REDIRECT into a veth needs NAPI on the receiving peer.
+
 **controlplane.** Cold: a fresh private datapath per repetition (the load is not timed), then
 translate + `Reconciler::new` + `apply`; kube-proxy's loads go into a fresh netns each (jump
 rules installed first, untimed). Change: at 10,000 services × 10 endpoints, each change replaces
@@ -813,6 +975,7 @@ const REPRODUCE: &str = r#"
 cargo xtask bench                       # every suite, writes docs/benchmarks.md and target/bench/
 cargo xtask bench --quick               # seconds; writes target/bench/benchmarks.md
 cargo xtask bench --suite newflows      # one suite (report in target/bench/benchmarks.md)
+cargo xtask bench --suite northsouth    # NodePort forwarding only, ~3 min
 target/release/lb-bench rules --services 10000 --endpoints 10 --out /tmp/rules
                                         # kube-proxy's rule sets, for a look or a manual load
 ```

@@ -10,8 +10,15 @@
 //!   `service-ips` verdict map, per-service chains with `numgen random mod N vmap`, endpoint
 //!   chains with `dnat`, and the partial-sync transaction of a one-endpoint change.
 //!
+//! Services reachable from outside (a `nodePort`, `externalIPs`) get kube-proxy's external
+//! chains for `externalTrafficPolicy: Cluster`: iptables `KUBE-NODEPORTS` / `KUBE-SERVICES`
+//! external-IP rules → `KUBE-EXT-<hash>` (`KUBE-MARK-MASQ`, then `KUBE-SVC-<hash>`); nftables
+//! `service-nodeports` / `service-ips` elements → `external-<hash>` (`mark-for-masquerade`,
+//! then `goto service-<hash>`).
+//!
 //! Chain names use kube-proxy's hashes (SHA-256, base32), checked against names from
-//! kube-proxy's own tests. Only what ClusterIP services with ready endpoints need is modelled.
+//! kube-proxy's own tests. Only what services with ready endpoints and
+//! `externalTrafficPolicy: Cluster` need is modelled.
 use std::{
     borrow::Borrow,
     collections::BTreeMap,
@@ -49,6 +56,10 @@ pub struct ServicePort {
     pub port: u16,
     /// `ip:port` of each ready endpoint.
     pub endpoints: Vec<(Ipv4Addr, u16)>,
+    /// The port's `nodePort` (NodePort and LoadBalancer services).
+    pub node_port: Option<u16>,
+    /// The service's `externalIPs` (IPv4).
+    pub external_ips: Vec<Ipv4Addr>,
 }
 
 impl ServicePort {
@@ -68,6 +79,15 @@ impl ServicePort {
         format!("KUBE-SVC-{}", &hash[..16])
     }
 
+    /// Reachable from outside the cluster: kube-proxy gives it an external chain.
+    fn external(&self) -> bool {
+        self.node_port.is_some() || !self.external_ips.is_empty()
+    }
+
+    fn ext_chain(&self) -> String {
+        self.svc_chain().replacen("KUBE-SVC-", "KUBE-EXT-", 1)
+    }
+
     fn sep_chain(&self, ep: (Ipv4Addr, u16)) -> String {
         let input = format!("{}{}{}:{}", self.name_string(), self.protocol, ep.0, ep.1);
         format!(
@@ -85,6 +105,10 @@ impl ServicePort {
 
     fn nft_service_chain(&self) -> String {
         format!("service-{}", self.nft_base())
+    }
+
+    fn nft_external_chain(&self) -> String {
+        format!("external-{}", self.nft_base())
     }
 
     fn nft_endpoint_chain(&self, ep: (Ipv4Addr, u16)) -> String {
@@ -146,6 +170,13 @@ pub fn service_ports<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         let Some(Ok(IpAddr::V4(cluster_ip))) = spec.cluster_ip.as_deref().map(str::parse) else {
             continue;
         };
+        let external_ips: Vec<Ipv4Addr> = spec
+            .external_ips
+            .iter()
+            .flatten()
+            .filter_map(|a| a.parse().ok())
+            .collect();
+        let with_node_ports = matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"));
         for p in spec.ports.iter().flatten() {
             let proto = p.protocol.clone().unwrap_or_else(|| "TCP".into());
             let port_name = p.name.clone().unwrap_or_default();
@@ -158,6 +189,12 @@ pub fn service_ports<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 cluster_ip,
                 port: u16::try_from(p.port).unwrap_or_default(),
                 endpoints: by_port.get(&key).cloned().unwrap_or_default(),
+                node_port: p
+                    .node_port
+                    .filter(|_| with_node_ports)
+                    .and_then(|n| u16::try_from(n).ok())
+                    .filter(|n| *n != 0),
+                external_ips: external_ips.clone(),
             });
         }
     }
@@ -348,8 +385,35 @@ pub fn iptables_restore(ports: &[ServicePort], cfg: &Config, only: Option<&[usiz
             sp.cluster_ip, sp.port
         );
         let _ = writeln!(rules, "-A KUBE-SERVICES {matcher} -j {svc}");
+        let ext = sp.ext_chain();
+        for eip in &sp.external_ips {
+            let _ = writeln!(
+                rules,
+                "-A KUBE-SERVICES -m comment --comment \"{name} external IP\" -m {proto} \
+                 -p {proto} -d {eip} --dport {} -j {ext}",
+                sp.port
+            );
+        }
+        if let Some(np) = sp.node_port {
+            let _ = writeln!(
+                rules,
+                "-A KUBE-NODEPORTS -m comment --comment {name} -m {proto} -p {proto} \
+                 --dport {np} -j {ext}"
+            );
+        }
         if only.is_some_and(|o| !o.contains(&i)) {
             continue;
+        }
+        if sp.external() {
+            // externalTrafficPolicy: Cluster: the backend may be on another node, so
+            // external traffic is always masqueraded.
+            let _ = writeln!(chains, ":{ext} - [0:0]");
+            let _ = writeln!(
+                rules,
+                "-A {ext} -m comment --comment \"masquerade traffic for {name} external \
+                 destinations\" -j KUBE-MARK-MASQ"
+            );
+            let _ = writeln!(rules, "-A {ext} -j {svc}");
         }
         let _ = writeln!(chains, ":{svc} - [0:0]");
         let _ = writeln!(
@@ -529,6 +593,21 @@ fn nft_service(s: &mut String, sp: &ServicePort, cfg: &Config) {
             sp.port,
             sp.nft_service_chain()
         );
+        let ext = sp.nft_external_chain();
+        for eip in &sp.external_ips {
+            let _ = writeln!(
+                s,
+                "add element {t} service-ips {{ {eip} . {} . {} : goto {ext} }}",
+                sp.protocol, sp.port
+            );
+        }
+        if let Some(np) = sp.node_port {
+            let _ = writeln!(
+                s,
+                "add element {t} service-nodeports {{ {} . {np} : goto {ext} }}",
+                sp.protocol
+            );
+        }
     }
 }
 
@@ -543,6 +622,21 @@ fn nft_service_chains(s: &mut String, sp: &ServicePort, cfg: &Config, flush: boo
     let _ = writeln!(s, "add chain {t} {svc}");
     if flush {
         let _ = writeln!(s, "flush chain {t} {svc}");
+    }
+    if sp.external() {
+        // externalTrafficPolicy: Cluster: masquerade, then the cluster-wide endpoints.
+        let ext = sp.nft_external_chain();
+        let _ = writeln!(s, "add chain {t} {ext}");
+        if flush {
+            let _ = writeln!(s, "flush chain {t} {ext}");
+        }
+        let _ = writeln!(
+            s,
+            "add rule {t} {ext} jump mark-for-masquerade comment \"masquerade traffic for {} \
+             external destinations\"",
+            sp.name_string()
+        );
+        let _ = writeln!(s, "add rule {t} {ext} goto {svc}");
     }
     for ep in &sp.endpoints {
         let chain = sp.nft_endpoint_chain(*ep);
@@ -718,6 +812,8 @@ mod tests {
                 .iter()
                 .map(|(ip, p)| (ip.parse().unwrap(), *p))
                 .collect(),
+            node_port: None,
+            external_ips: Vec::new(),
         }
     }
 
@@ -788,5 +884,40 @@ mod tests {
             "add element ip kube-proxy service-ips { 172.30.0.41 . tcp . 80 : goto \
              service-ULMVA6XW-ns1/svc1/tcp/p80 }\n"
         ));
+    }
+
+    #[test]
+    fn external_layout() {
+        let cfg = Config {
+            pod_cidr: "10.0.0.0/8".into(),
+            service_cidr: "172.30.0.0/16".into(),
+            node_ip: Ipv4Addr::new(192, 168, 0, 2),
+        };
+        let mut sp = port(&[("10.180.0.1", 80)]);
+        sp.node_port = Some(30_080);
+        sp.external_ips = vec![Ipv4Addr::new(192, 168, 0, 9)];
+        let text = iptables_restore(std::slice::from_ref(&sp), &cfg, None);
+        for rule in [
+            "-A KUBE-NODEPORTS -m comment --comment ns1/svc1:p80 -m tcp -p tcp --dport 30080 \
+             -j KUBE-EXT-XPGD46QRK7WJZT7O\n",
+            "-A KUBE-SERVICES -m comment --comment \"ns1/svc1:p80 external IP\" -m tcp -p tcp \
+             -d 192.168.0.9 --dport 80 -j KUBE-EXT-XPGD46QRK7WJZT7O\n",
+            "-A KUBE-EXT-XPGD46QRK7WJZT7O -m comment --comment \"masquerade traffic for \
+             ns1/svc1:p80 external destinations\" -j KUBE-MARK-MASQ\n",
+            "-A KUBE-EXT-XPGD46QRK7WJZT7O -j KUBE-SVC-XPGD46QRK7WJZT7O\n",
+        ] {
+            assert!(text.contains(rule), "{rule}");
+        }
+        let nft = nft_full(&[sp], &cfg);
+        for line in [
+            "add element ip kube-proxy service-nodeports { tcp . 30080 : goto \
+             external-ULMVA6XW-ns1/svc1/tcp/p80 }\n",
+            "add element ip kube-proxy service-ips { 192.168.0.9 . tcp . 80 : goto \
+             external-ULMVA6XW-ns1/svc1/tcp/p80 }\n",
+            "add rule ip kube-proxy external-ULMVA6XW-ns1/svc1/tcp/p80 goto \
+             service-ULMVA6XW-ns1/svc1/tcp/p80\n",
+        ] {
+            assert!(nft.contains(line), "{line}");
+        }
     }
 }

@@ -1,12 +1,13 @@
 //! `lb-bench`: lb's benchmarks, driven by `cargo xtask bench` (which builds it in release
 //! mode, installs iptables and nftables, and writes docs/benchmarks.md from the results).
 //!
-//! * `lb-bench run [--quick] [--suite datapath|newflows|controlplane]… --out DIR` runs the
-//!   suites (all by default) and writes `DIR/results.json` (a list of records `{suite, case,
-//!   impl, services, metric, median, p99, unit}`) and `DIR/notes.json` (method notes and
-//!   facts for the report). `--quick` is a seconds-long version for the tests.
+//! * `lb-bench run [--quick] [--suite datapath|newflows|northsouth|controlplane]… --out DIR`
+//!   runs the suites (all by default) and writes `DIR/results.json` (a list of records
+//!   `{suite, case, impl, services, metric, median, p99, unit}`) and `DIR/notes.json` (method
+//!   notes and facts for the report). `--quick` is a seconds-long version for the tests.
 //! * `lb-bench serve`, `lb-bench flows` and `lb-bench rss` are the backend, the client and the
-//!   memory probe the suites start in other processes; `lb-bench rules` writes the kube-proxy
+//!   memory probe the suites start in other processes (`lb-bench sink` and `lb-bench blast`
+//!   are north-south's backend and sender); `lb-bench rules` writes the kube-proxy
 //!   rule sets the control-plane suite loads, for a look or a manual run.
 //!
 //! Needs root (BPF, network namespaces, cgroups), `iptables` and `nftables`.
@@ -26,6 +27,7 @@ mod datapath;
 mod kubeproxy;
 mod netns;
 mod newflows;
+mod northsouth;
 mod workload;
 
 #[derive(Parser)]
@@ -39,6 +41,7 @@ struct Cli {
 enum Suite {
     Datapath,
     Newflows,
+    Northsouth,
     Controlplane,
 }
 
@@ -82,6 +85,27 @@ enum Cmd {
         #[arg(long, default_value_t = 10_000)]
         max_ms: u64,
     },
+    /// North-south sender: UDP datagrams from many source ports (raw socket, sendmmsg) for a
+    /// fixed time; prints a JSON summary.
+    Blast {
+        #[arg(long)]
+        target: SocketAddrV4,
+        /// Source address of the datagrams.
+        #[arg(long)]
+        bind: Ipv4Addr,
+        /// First source port; the datagrams go round-robin over PORTS ports from here.
+        #[arg(long)]
+        first_port: u16,
+        #[arg(long)]
+        ports: usize,
+        #[arg(long)]
+        ms: u64,
+    },
+    /// North-south backend: receive and drop UDP datagrams on PORT.
+    Sink {
+        #[arg(long)]
+        port: u16,
+    },
     /// Write kube-proxy's iptables-restore input and nftables transaction for N services × E
     /// endpoints (the control-plane suite's rule sets) to DIR.
     Rules {
@@ -122,6 +146,20 @@ fn main() -> ExitCode {
             warmup,
             max_ms,
         }),
+        Cmd::Blast {
+            target,
+            bind,
+            first_port,
+            ports,
+            ms,
+        } => northsouth::blast(&northsouth::BlastArgs {
+            target,
+            bind,
+            first_port,
+            ports,
+            ms,
+        }),
+        Cmd::Sink { port } => northsouth::sink(port),
         Cmd::Rules {
             services,
             endpoints,
@@ -147,7 +185,12 @@ fn run(quick: bool, suites: &[Suite], out: &Path) -> anyhow::Result<()> {
         bail!("lb-bench must run as root (BPF programs, network namespaces, cgroups)");
     }
     let suites = if suites.is_empty() {
-        vec![Suite::Datapath, Suite::Newflows, Suite::Controlplane]
+        vec![
+            Suite::Datapath,
+            Suite::Newflows,
+            Suite::Northsouth,
+            Suite::Controlplane,
+        ]
     } else {
         suites.to_vec()
     };
@@ -161,6 +204,7 @@ fn run(quick: bool, suites: &[Suite], out: &Path) -> anyhow::Result<()> {
         match suite {
             Suite::Datapath => datapath::run(&datapath::Settings::new(quick), &mut results),
             Suite::Newflows => newflows::run(&newflows::Settings::new(quick), &mut results),
+            Suite::Northsouth => northsouth::run(&northsouth::Settings::new(quick), &mut results),
             Suite::Controlplane => {
                 controlplane::run(&controlplane::Settings::new(quick), &mut results)
             }

@@ -355,18 +355,31 @@ pub struct PinCpu(libc::cpu_set_t);
 
 impl PinCpu {
     pub fn last() -> anyhow::Result<Self> {
+        Self::pick(true)
+    }
+
+    /// Pins to the first CPU it may run on (north-south's sinks, away from the sender).
+    pub fn first() -> anyhow::Result<Self> {
+        Self::pick(false)
+    }
+
+    fn pick(last: bool) -> anyhow::Result<Self> {
         // SAFETY: cpu_set_t is plain data; sched_{get,set}affinity write/read it.
         unsafe {
             let mut old: libc::cpu_set_t = std::mem::zeroed();
             if libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &raw mut old) != 0 {
                 return Err(io::Error::last_os_error()).context("sched_getaffinity");
             }
-            let last = (0..libc::CPU_SETSIZE as usize)
-                .rev()
-                .find(|c| libc::CPU_ISSET(*c, &old))
-                .unwrap_or(0);
+            let allowed = |c: &usize| libc::CPU_ISSET(*c, &old);
+            let all = 0..libc::CPU_SETSIZE as usize;
+            let cpu = if last {
+                all.rev().find(allowed)
+            } else {
+                all.clone().find(allowed)
+            }
+            .unwrap_or(0);
             let mut one: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(last, &mut one);
+            libc::CPU_SET(cpu, &mut one);
             if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &raw const one) != 0 {
                 return Err(io::Error::last_os_error()).context("sched_setaffinity");
             }
