@@ -12,10 +12,10 @@
 //! 198.18.10.1) and the ones before them are ClusterIP services with an externalIP
 //! `198.18.10.101 + j / 2768` (extra /32 addresses of the node's external device) and port
 //! 30000 + j % 2768: every frontend is a distinct (node IP, port) pair on the external device.
-//! `lb run` programs no NodePort frontends yet, so lb is given each NodePort service with
-//! `externalIPs: [198.18.10.1]` on port = its nodePort: the same frontend (address, port, UDP,
-//! external scope, `externalTrafficPolicy: Cluster`, so masqueraded like kube-proxy's
-//! `KUBE-EXT` / `external-` chains do). All services are UDP with two endpoints; the traffic
+//! lb and kube-proxy get the same objects; lb answers NodePorts on its default
+//! `--nodeport-addresses` (the node IP, 198.18.10.1), with `externalTrafficPolicy: Cluster`
+//! masqueraded as kube-proxy's `KUBE-EXT` / `external-` chains do. All services are UDP with
+//! two endpoints; the traffic
 //! goes to the last service (the last NodePort: last in `KUBE-NODEPORTS`, after every rule of
 //! `KUBE-SERVICES`, iptables' worst case), whose endpoints are the two real backends.
 //!
@@ -145,7 +145,7 @@ fn extra_ips(n: usize) -> usize {
     (n - n.min(NODE_PORTS)).div_ceil(NODE_PORTS)
 }
 
-/// The Services as kube-proxy sees them, and as lb is given them (nodePorts as externalIPs).
+/// The Services kube-proxy's rules are generated from, and lb is given (the same objects).
 fn services(n: usize, backends: &[Ipv4Addr]) -> (workload::Objects, Vec<Service>, Frontend) {
     let mut defs = Vec::with_capacity(n);
     let mut frontends = Vec::with_capacity(n);
@@ -189,11 +189,12 @@ fn services(n: usize, backends: &[Ipv4Addr]) -> (workload::Objects, Vec<Service>
         ls.external_traffic_policy = Some("Cluster".into());
         match *fe {
             Frontend::NodePort(p) => {
-                ks.type_ = Some("NodePort".into());
-                for sp in ks.ports.iter_mut().flatten() {
-                    sp.node_port = Some(i32::from(p));
+                for spec in [&mut *ks, &mut *ls] {
+                    spec.type_ = Some("NodePort".into());
+                    for sp in spec.ports.iter_mut().flatten() {
+                        sp.node_port = Some(i32::from(p));
+                    }
                 }
-                ls.external_ips = Some(vec![NODE_IP.to_string()]);
             }
             Frontend::ExternalIp(ip, _) => {
                 ks.external_ips = Some(vec![ip.to_string()]);
@@ -250,9 +251,8 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
              on the node's external device), port 30000 + (i mod {NODE_PORTS}); all with \
              externalTrafficPolicy: Cluster and 2 endpoints; traffic goes to the last \
              service, the NodePort {NODE_IP}:{} (last in KUBE-NODEPORTS, behind all of \
-             KUBE-SERVICES). `lb run` programs no NodePort frontends yet (it gives translate \
-             no NodePort addresses), so lb is given each NodePort service with externalIPs \
-             [{NODE_IP}] and port = its nodePort: the same frontend",
+             KUBE-SERVICES); lb gets the same objects and answers the NodePorts on its default \
+             --nodeport-addresses (the node IP)",
             match extra {
                 0 => " (none needed at this size)".to_owned(),
                 1 => String::new(),
