@@ -1,7 +1,8 @@
 //! Golden tests, "manifests in, map dump out", in the style of Cilium's loadbalancer testdata.
 //!
 //! Each folder under tests/golden/ is a case. `step-N.yaml` holds the complete set of objects
-//! at step N (Services, EndpointSlices and optionally this node's Node; the node is `node-a`).
+//! at step N (Services, EndpointSlices and optionally this node's Node; the node is `node-a`,
+//! its NodePort addresses 198.18.0.2 and 2001:db8::2).
 //! Steps are applied in order to one reconciler over in-memory maps, and `step-N.expected` is
 //! the skipped objects, the translated state and the rendered maps after step N.
 //! `LB_BLESS=1 cargo test --test golden` rewrites the expected files; review the diff.
@@ -20,6 +21,9 @@ use lb::{
 };
 
 const NODE: &str = "node-a";
+/// node-a's NodePort addresses (the default `primary`: its node IP of each family), which are
+/// also its only local addresses.
+const NODE_IPS: [&str; 2] = ["198.18.0.2", "2001:db8::2"];
 
 fn cases() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden");
@@ -66,7 +70,12 @@ fn run_case(case: &Path) -> Vec<(PathBuf, String)> {
             .nodes
             .iter()
             .find(|n| n.metadata.name.as_deref() == Some(NODE));
-        let node = NodeInfo::from_node(NODE, node);
+        let ips: Vec<std::net::IpAddr> = NODE_IPS.iter().map(|a| a.parse().unwrap()).collect();
+        let node = NodeInfo {
+            nodeport_ips: ips.clone(),
+            local_ips: ips,
+            ..NodeInfo::from_node(NODE, node)
+        };
         let t = desired_state(&objects.services, &objects.slices, &node);
         let report = reconciler.apply(&t.state);
 
@@ -83,6 +92,9 @@ fn run_case(case: &Path) -> Vec<(PathBuf, String)> {
                 entry.name,
                 flag_names(entry.flags)
             );
+            for r in &entry.source_ranges {
+                let _ = writeln!(actual, "  allow {r}");
+            }
             for b in &entry.backends {
                 let _ = writeln!(actual, "  {}", b.l4);
             }

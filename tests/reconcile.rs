@@ -1895,3 +1895,53 @@ fn failed_cluster_ip_write_is_retried_and_does_not_block_the_service() {
     assert_eq!(report.writes, 1, "{ops:#?}");
     assert_converged(dump_of(&rec), &d);
 }
+
+/// `loadBalancerSourceRanges` never drop what they allow while a master relies on them: a
+/// range is written before the master that turns SOURCE_RANGES on, a new range before the old
+/// one goes, and ranges are deleted only after the master stopped using them.
+#[test]
+fn source_ranges_come_before_their_master_and_go_after_it() {
+    let mut rec = Reconciler::new(MemMaps::with_capacity(64)).expect("dump");
+    let fe = fe4(1);
+    let with = |ranges: &[&str]| {
+        let mut e = entry("lb", &[be4(1)]);
+        if !ranges.is_empty() {
+            e.flags = svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES;
+            e.source_ranges = ranges.iter().map(|r| r.parse().unwrap()).collect();
+        } else {
+            e.flags = svc_flags::LOAD_BALANCER;
+        }
+        DesiredState {
+            services: [(fe, e)].into(),
+        }
+    };
+    let is_master = |o: &Op| matches!(o, Op::PutSlot { slot: 0, .. });
+    let (report, ops) = apply_logged(&mut rec, &with(&["198.18.99.0/24"]));
+    assert!(report.errors.is_empty(), "{report:?}");
+    let range = position(
+        &ops,
+        "range",
+        |o| matches!(o, Op::PutSrcRange(_, c) if c == "198.18.99.0/24"),
+    );
+    assert!(range < position(&ops, "master", is_master), "{ops:#?}");
+
+    let (_, ops) = apply_logged(&mut rec, &with(&["198.18.98.0/24"]));
+    let new = position(
+        &ops,
+        "new range",
+        |o| matches!(o, Op::PutSrcRange(_, c) if c == "198.18.98.0/24"),
+    );
+    let old = position(
+        &ops,
+        "old range",
+        |o| matches!(o, Op::DelSrcRange(_, c) if c == "198.18.99.0/24"),
+    );
+    assert!(new < old, "{ops:#?}");
+    assert_eq!(rec.maps().dump.src_ranges.len(), 1);
+
+    let (_, ops) = apply_logged(&mut rec, &with(&[]));
+    let master = position(&ops, "master", is_master);
+    let gone = position(&ops, "range gone", |o| matches!(o, Op::DelSrcRange(..)));
+    assert!(master < gone, "{ops:#?}");
+    assert!(rec.maps().dump.src_ranges.is_empty());
+}

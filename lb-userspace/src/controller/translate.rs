@@ -636,11 +636,14 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 let node_port = u16::try_from(port.node_port.unwrap_or(0))
                     .ok()
                     .filter(|p| *p != 0);
-                let nodeport_ips: Vec<IpAddr> = if node_port.is_some() {
-                    node.nodeport_ips.clone()
-                } else {
-                    Vec::new()
-                };
+                // A family's NodePorts belong to services of that family (kube-proxy runs one
+                // proxier per family, and each sees only the services with its ClusterIP).
+                let nodeport_ips: Vec<IpAddr> =
+                    if node_port.is_some() && cluster_ips.iter().any(|ip| of_family(&ip)) {
+                        node.nodeport_ips.clone()
+                    } else {
+                        Vec::new()
+                    };
                 for (ips, kind, fe_port) in [
                     (&external_ips, svc_flags::EXTERNAL_IP, port.port as u16),
                     (&lb_ips, svc_flags::LOAD_BALANCER, port.port as u16),

@@ -600,6 +600,7 @@ impl MapOp {
                 | MapOp::PutRevNat { .. }
                 | MapOp::PutService { .. }
                 | MapOp::PutClusterIp { .. }
+                | MapOp::PutSrcRange { .. }
         )
     }
 }
