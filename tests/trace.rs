@@ -460,3 +460,77 @@ fn trace_shows_masquerade_from_the_datapath() {
         );
     }
 }
+
+/// North-south in `--manifests` mode with `--xdp native`: an external packet meets lb_xdp
+/// first; what XDP decides alone (source-range and no-local-endpoint drops) it reports as XDP,
+/// what it hands on (a reject, a first masqueraded packet whose next hop it cannot resolve)
+/// goes on through tc ingress, and the hook says so. NodePorts answer on the
+/// --nodeport-addresses given.
+#[test]
+fn trace_follows_north_south_traffic_through_xdp_and_tc() {
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/11-north-south");
+    let dir = std::env::temp_dir().join(format!("lb-trace-ns-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    fs::copy(golden.join("step-1.yaml"), dir.join("objects.yaml")).unwrap();
+    let run = |src: &str, dst: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--manifests",
+            dir.to_str().unwrap(),
+            "--hostname-override",
+            "node-a",
+            "--node-ip",
+            "198.18.0.2,2001:db8::2",
+            "--from",
+            "external",
+            "--src",
+            src,
+            "--dst",
+            dst,
+        ];
+        args.extend_from_slice(extra);
+        trace(&args).remove(0)
+    };
+    let xdp = ["--xdp", "native"];
+    let r = run("198.18.10.2", "198.18.250.5:443", &xdp);
+    assert_eq!(r["verdict"], "drop", "{r}");
+    assert_eq!(r["reason"], "tc_drop_source_range", "{r}");
+    assert_eq!(r["hook"], "XDP (lb_xdp)", "{r}");
+    let r = run("198.18.99.5", "198.18.250.5:443", &xdp);
+    assert_eq!(r["verdict"], "forward", "{r}");
+    assert_eq!(r["masquerade"], true, "{r}");
+    let r = run("198.18.10.2", "198.18.0.2:30082", &xdp);
+    assert_eq!(
+        (&r["verdict"], &r["reason"], &r["hook"]),
+        (
+            &"drop".into(),
+            &"tc_drop_no_local_backend".into(),
+            &"XDP (lb_xdp)".into()
+        ),
+        "{r}"
+    );
+    let r = run("198.18.10.2", "198.18.0.2:30083", &xdp);
+    assert_eq!(r["verdict"], "reject", "{r}");
+    assert!(
+        r["hook"].as_str().unwrap().contains("handed to tc ingress"),
+        "{r}"
+    );
+    // The eTP=Local NodePort: the local endpoint only, the client's address kept.
+    let r = run("198.18.10.2", "198.18.0.2:30081", &[]);
+    assert_eq!(r["backend"], "198.18.9.11:8080", "{r}");
+    assert_eq!(r["masquerade"], false, "{r}");
+    assert_eq!(r["hook"], "tc ingress (lb_tc_ingress)", "{r}");
+    // NodePorts answer on the --nodeport-addresses only: not on the node IP when the CIDR
+    // leaves it out (this host holds no address in it, so there are none at all).
+    let r = run(
+        "198.18.10.2",
+        "198.18.0.2:30080",
+        &["--nodeport-addresses", "198.18.123.0/24"],
+    );
+    assert_eq!(r["verdict"], "pass", "{r}");
+    assert_eq!(
+        r["node"]["nodeport_addresses"],
+        serde_json::json!([]),
+        "{r}"
+    );
+    let _ = fs::remove_dir_all(&dir);
+}

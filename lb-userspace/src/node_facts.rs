@@ -137,6 +137,8 @@ pub struct NodeFacts {
     pub cluster_cidrs: Vec<Cidr>,
     pub service_cidrs: Vec<Cidr>,
     pub masquerade_all: bool,
+    /// The addresses NodePorts answer on (`--nodeport-addresses` resolved).
+    pub nodeport_addresses: Vec<IpAddr>,
 }
 
 impl NodeFacts {
@@ -155,13 +157,22 @@ impl NodeFacts {
         } else {
             (host(), NodeIpSource::Host)
         };
-        Self {
+        let mut facts = Self {
             node_ips,
             node_ip_source,
             cluster_cidrs: args.cluster_cidr.clone(),
             service_cidrs: args.service_cidr.clone(),
             masquerade_all: args.masquerade_all,
-        }
+            nodeport_addresses: Vec::new(),
+        };
+        // The host's addresses are only listed when a CIDR asks for them.
+        let cidrs = args
+            .nodeport_addresses
+            .iter()
+            .any(|a| matches!(a, NodePortAddress::Cidr(_)));
+        let host = if cidrs { host_addrs() } else { Vec::new() };
+        facts.nodeport_addresses = nodeport_ips(&args.nodeport_addresses, &facts, &host);
+        facts
     }
 
     /// The first node IP of each family: the masquerade sources.

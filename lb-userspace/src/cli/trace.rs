@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::{
     maps::{Array, HashMap, MapData},
-    programs::{SchedClassifier, TestRun as _, TestRunOptions},
+    programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp},
 };
 use lb_common::{
     Ct4Key, Ct4Value, Ct6Key, Ct6Value, TraceRecord, ct_dir, map_names, metrics, prog_names,
@@ -30,6 +30,7 @@ use crate::{
         reconcile::Reconciler,
         translate::{self, NodeInfo},
     },
+    datapath::load::XdpMode,
     datapath::{
         load::{Datapath, LoadOptions, SERVICE_MAPS},
         maps::BpfMaps,
@@ -42,6 +43,10 @@ use crate::{
 
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+const XDP_REDIRECT: u32 = 4;
 
 /// Where the traced packet comes from, which decides the program it meets first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -209,6 +214,8 @@ pub struct Tracer {
     live_ct: Option<LiveCt>,
     /// The node facts of a private config; `None` when the running lb's are shared.
     facts: Option<NodeFacts>,
+    /// External packets meet `lb_xdp` first (`--xdp`).
+    xdp: bool,
 }
 
 impl Tracer {
@@ -268,6 +275,7 @@ impl Tracer {
             names,
             live_ct,
             facts: facts.cloned(),
+            xdp: false,
         })
     }
 
@@ -301,7 +309,14 @@ impl Tracer {
             .map(|c| (c.addr, c.prefix))
             .collect();
         datapath.set_service_cidrs(&cidrs)?;
-        let node = NodeInfo::from_node(node_name, node);
+        // The simulated node's own addresses: its node IPs and NodePort addresses.
+        let mut local_ips = resolved.node_ips.clone();
+        local_ips.extend(resolved.nodeport_addresses.iter().copied());
+        let node = NodeInfo {
+            nodeport_ips: resolved.nodeport_addresses.clone(),
+            local_ips,
+            ..NodeInfo::from_node(node_name, node)
+        };
         let t = translate::desired_state(&objects.services, &objects.slices, &node);
         for s in &t.skipped {
             tracing::warn!(skipped = %s, "skipping object");
@@ -323,6 +338,7 @@ impl Tracer {
                 names,
                 live_ct: None,
                 facts: Some(resolved.clone()),
+                xdp: false,
             },
             resolved,
         ))
@@ -342,19 +358,25 @@ impl Tracer {
         self.set_record(TraceRecord::default())?;
 
         let pkt = build_packet(probe);
-        let program: &mut SchedClassifier = self
-            .datapath
-            .ebpf_mut()
-            .program_mut(prog)
-            .context("tc program missing")?
-            .try_into()?;
-        let mut out = vec![0u8; pkt.len() + 64];
-        let mut opts = TestRunOptions::new();
-        opts.data_in = Some(&pkt);
-        opts.data_out = Some(&mut out);
-        let run = program.test_run(opts).context("BPF_PROG_TEST_RUN")?;
-        out.truncate(run.data_size_out as usize);
-        let record = self.record()?;
+        let (mut hook, mut xdp_ran) = (hook.to_string(), false);
+        let (mut ret, mut out) = if probe.origin == Origin::External && self.xdp {
+            xdp_ran = true;
+            self.test_run(prog_names::XDP, &pkt, true)?
+        } else {
+            self.test_run(prog, &pkt, false)?
+        };
+        let mut record = self.record()?;
+        if xdp_ran {
+            hook = "XDP (lb_xdp)".to_string();
+            if usize::from(record.reason) == metrics::XDP_PASS_TO_TC as usize {
+                // XDP handed the packet, untouched, to tc ingress on the same device.
+                hook = "XDP (lb_xdp), handed to tc ingress (lb_tc_ingress)".to_string();
+                self.set_record(TraceRecord::default())?;
+                (ret, out) = self.test_run(prog, &out, false)?;
+                record = self.record()?;
+                xdp_ran = false;
+            }
+        }
 
         let verdict = match record.verdict {
             trace_verdict::FORWARD | trace_verdict::REVERSE_NAT => "forward",
@@ -365,16 +387,22 @@ impl Tracer {
         };
         // A forward of a masqueraded flow is a redirect too (`fwd`), so only drop and reject
         // have one verdict each.
-        let consistent = match verdict {
-            "drop" => run.return_value == TC_ACT_SHOT,
-            "reject" => run.return_value == TC_ACT_REDIRECT,
-            _ => run.return_value != TC_ACT_SHOT,
+        let consistent = if xdp_ran {
+            match verdict {
+                "drop" => ret == XDP_DROP,
+                "pass" => ret == XDP_PASS,
+                "forward" => matches!(ret, XDP_PASS | XDP_TX | XDP_REDIRECT),
+                _ => false,
+            }
+        } else {
+            match verdict {
+                "drop" => ret == TC_ACT_SHOT,
+                "reject" => ret == TC_ACT_REDIRECT,
+                _ => ret != TC_ACT_SHOT,
+            }
         };
         if !consistent {
-            bail!(
-                "the datapath's record says {verdict} but the program returned {}",
-                run.return_value
-            );
+            bail!("the datapath's record says {verdict} but the program returned {ret}");
         }
         let src_before = SocketAddr::new(probe.src, probe.sport);
         let reply = if verdict == "reject" {
@@ -451,6 +479,35 @@ impl Tracer {
             node: self.facts.clone(),
             reply,
         })
+    }
+
+    /// Runs `pkt` through program `name` (`xdp`: an XDP program, else tc) with
+    /// BPF_PROG_TEST_RUN: its return value and the packet it left.
+    fn test_run(&mut self, name: &str, pkt: &[u8], xdp: bool) -> anyhow::Result<(u32, Vec<u8>)> {
+        let mut out = vec![0u8; pkt.len() + 64];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(pkt);
+        opts.data_out = Some(&mut out);
+        let program = self
+            .datapath
+            .ebpf_mut()
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing"))?;
+        let run = if xdp {
+            let p: &mut Xdp = program.try_into()?;
+            p.test_run(opts)
+        } else {
+            let p: &mut SchedClassifier = program.try_into()?;
+            p.test_run(opts)
+        }
+        .context("BPF_PROG_TEST_RUN")?;
+        out.truncate(run.data_size_out as usize);
+        Ok((run.return_value, out))
+    }
+
+    /// External packets go through `lb_xdp` first (and on to tc ingress where it hands them).
+    pub fn set_xdp(&mut self, on: bool) {
+        self.xdp = on;
     }
 
     /// `ns/name:port` of a frontend, `-` when the state dir does not know it.
@@ -702,12 +759,19 @@ impl fmt::Display for TraceResult {
             };
             writeln!(
                 f,
-                "node:        ips {} ({:?}), cluster-cidr {}, service-cidr {}, masquerade-all {}",
+                "node:        ips {} ({:?}), cluster-cidr {}, service-cidr {}, masquerade-all {}, \
+                 nodeports on {}",
                 list(n.node_ips.iter().map(ToString::to_string).collect()),
                 n.node_ip_source,
                 list(n.cluster_cidrs.iter().map(ToString::to_string).collect()),
                 list(n.service_cidrs.iter().map(ToString::to_string).collect()),
-                n.masquerade_all
+                n.masquerade_all,
+                list(
+                    n.nodeport_addresses
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect()
+                ),
             )?;
         }
         write!(f, "candidates:  {}", self.candidates.join(" "))?;
@@ -750,6 +814,10 @@ pub struct TraceArgs {
     /// the running lb's facts for the trace.
     #[command(flatten)]
     pub node_facts: NodeFactsArgs,
+    /// External devices and XDP, as `lb run` takes them: with --xdp native or generic (or
+    /// auto and a physical device among --devices) external packets meet lb_xdp first.
+    #[command(flatten)]
+    pub devices: super::DeviceArgs,
     /// Pinned maps of the running lb (live mode).
     #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
@@ -799,6 +867,16 @@ pub fn run(
             Tracer::live(&args.pin_dir, &args.state_dir, facts.as_ref())?
         }
     };
+    let xdp = match args.devices.xdp {
+        XdpMode::Native | XdpMode::Generic => true,
+        XdpMode::Off => false,
+        XdpMode::Auto => args
+            .devices
+            .devices
+            .iter()
+            .any(|d| XdpMode::Auto.resolve(d) == XdpMode::Native),
+    };
+    tracer.set_xdp(xdp);
     let classifier = Classifier {
         cluster_cidrs: args.node_facts.cluster_cidr.clone(),
         node_ips: tracer

@@ -176,15 +176,14 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
 /// This node's name and addresses for the translation: the NodePort addresses
 /// (`--nodeport-addresses` over the node IPs and the host's addresses) and every local address.
 fn node_base(opts: &RunOptions, facts: Option<&NodeFacts>) -> NodeInfo {
-    let host = node_facts::host_addrs();
-    let nodeport_ips = facts.map_or_else(Vec::new, |f| {
-        node_facts::nodeport_ips(&opts.node_facts.nodeport_addresses, f, &host)
-    });
     NodeInfo {
         name: opts.node_name.clone(),
         zone: None,
-        nodeport_ips,
-        local_ips: host.into_iter().map(|(_, ip)| ip).collect(),
+        nodeport_ips: facts.map_or_else(Vec::new, |f| f.nodeport_addresses.clone()),
+        local_ips: node_facts::host_addrs()
+            .into_iter()
+            .map(|(_, ip)| ip)
+            .collect(),
     }
 }
 
