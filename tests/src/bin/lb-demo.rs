@@ -8,13 +8,17 @@
 //!    that cgroup,
 //! 3. restarts lb with `--socket-lb=false` on the same pin directory and sends the same requests
 //!    from outside the cgroup, so that only the tc ingress program translates them,
-//! 4. tears everything down and prints a summary. The exit code is 0 if every request succeeded
-//!    and every backend was reached for every target in both modes, 1 if not, 2 if the demo
+//! 4. restarts lb once more for north-south traffic: a NodePort and a LoadBalancer IP reached
+//!    from the client netns as an external client, through XDP on the node's client-facing
+//!    device, showing the source address each backend saw (the node IP where the service
+//!    masquerades, the client's own where `externalTrafficPolicy: Local` keeps it),
+//! 5. tears everything down and prints a summary. The exit code is 0 if every request succeeded
+//!    and every backend was reached for every target in every mode, 1 if not, 2 if the demo
 //!    itself could not run.
 //!
 //! `lb` and `lb-echo` are expected next to this binary.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     fs::{self, File, OpenOptions},
     io::{self, Write as _},
     net::SocketAddr,
@@ -35,7 +39,8 @@ use lb_common::{map_names, metrics};
 use lb_tests::{
     bins,
     daemon::{LbDaemon, LbOptions},
-    testbed::Testbed,
+    netns::{in_netns, set_gro, set_tx_checksum},
+    testbed::{HOST_IF, Testbed},
 };
 use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
 use serde_json::Value;
@@ -58,6 +63,82 @@ const TARGETS: [(&str, Proto); 4] = [
     ("[2001:db8:ffff::10]:80", Proto::Tcp),
     ("[2001:db8:ffff::10]:53", Proto::Udp),
 ];
+
+/// The north-south services mode C adds (`NS_MANIFEST`): NodePorts on the node IP (its
+/// address on the client's link) and a LoadBalancer IP.
+const NS_TARGETS: [(&str, Proto); 8] = [
+    ("198.18.10.1:30080", Proto::Tcp),
+    ("198.18.10.1:30053", Proto::Udp),
+    ("[2001:db8:0:10::1]:30080", Proto::Tcp),
+    ("[2001:db8:0:10::1]:30053", Proto::Udp),
+    ("198.19.1.10:80", Proto::Tcp),
+    ("198.19.1.10:53", Proto::Udp),
+    ("[2001:db8:ffff:1::10]:80", Proto::Tcp),
+    ("[2001:db8:ffff:1::10]:53", Proto::Udp),
+];
+
+/// The node name mode C runs lb with: the endpoints of `NS_MANIFEST` are on it.
+const NS_NODE: &str = "demo-node";
+
+/// demo/echo-nodeport (NodePort, externalTrafficPolicy Cluster: masqueraded to the node IP)
+/// and demo/echo-lb (LoadBalancer 198.19.1.10, externalTrafficPolicy Local: the client's
+/// address kept), both with b1..b3 as endpoints on `NS_NODE`.
+const NS_MANIFEST: &str = r#"apiVersion: v1
+kind: Service
+metadata: {name: echo-nodeport, namespace: demo}
+spec:
+  type: NodePort
+  externalTrafficPolicy: Cluster
+  clusterIP: 198.19.0.11
+  clusterIPs: [198.19.0.11, "2001:db8:ffff::11"]
+  ipFamilyPolicy: PreferDualStack
+  ipFamilies: [IPv4, IPv6]
+  ports:
+    - {name: tcp, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30080}
+    - {name: udp, protocol: UDP, port: 53, targetPort: 8080, nodePort: 30053}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: echo-lb, namespace: demo}
+spec:
+  type: LoadBalancer
+  externalTrafficPolicy: Local
+  clusterIP: 198.19.0.12
+  clusterIPs: [198.19.0.12, "2001:db8:ffff::12"]
+  ipFamilyPolicy: PreferDualStack
+  ipFamilies: [IPv4, IPv6]
+  ports:
+    - {name: tcp, protocol: TCP, port: 80, targetPort: 8080, nodePort: 30081}
+    - {name: udp, protocol: UDP, port: 53, targetPort: 8080, nodePort: 30054}
+status:
+  loadBalancer:
+    ingress: [{ip: 198.19.1.10}, {ip: "2001:db8:ffff:1::10"}]
+"#;
+
+/// The EndpointSlices of `service` in `NS_MANIFEST`: b1..b3 on `NS_NODE`.
+fn ns_slices(service: &str) -> String {
+    let mut out = String::new();
+    for (family, addrs) in [
+        ("IPv4", ["198.18.11.2", "198.18.12.2", "198.18.13.2"]),
+        (
+            "IPv6",
+            ["2001:db8:0:11::2", "2001:db8:0:12::2", "2001:db8:0:13::2"],
+        ),
+    ] {
+        out.push_str(&format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: \
+             {service}-{family}\n  namespace: demo\n  labels: {{kubernetes.io/service-name: \
+             {service}}}\naddressType: {family}\nports: [{{name: tcp, protocol: TCP, port: \
+             8080}}, {{name: udp, protocol: UDP, port: 8080}}]\nendpoints:\n"
+        ));
+        for a in addrs {
+            out.push_str(&format!(
+                "  - {{addresses: [\"{a}\"], nodeName: {NS_NODE}, conditions: {{ready: true}}}}\n"
+            ));
+        }
+    }
+    out
+}
 
 #[derive(Parser)]
 #[command(
@@ -105,6 +186,9 @@ enum Mode {
     SocketLb,
     /// `--socket-lb=false`: only tc ingress; the client runs outside the cgroup.
     TcOnly,
+    /// NodePorts and a LoadBalancer IP from the client as an external client: XDP (and tc
+    /// ingress) on the node's client-facing device.
+    NorthSouth,
 }
 
 impl Mode {
@@ -112,6 +196,7 @@ impl Mode {
         match self {
             Mode::SocketLb => "socket LB",
             Mode::TcOnly => "tc only",
+            Mode::NorthSouth => "north-south",
         }
     }
 
@@ -119,6 +204,7 @@ impl Mode {
         match self {
             Mode::SocketLb => 'A',
             Mode::TcOnly => 'B',
+            Mode::NorthSouth => 'C',
         }
     }
 }
@@ -143,7 +229,7 @@ fn main() -> ExitCode {
             if problems.is_empty() {
                 println!(
                     "\nPASS: all {} requests succeeded and every backend was reached for every \
-                     target in both modes ({elapsed:.1} s).",
+                     target in every mode ({elapsed:.1} s).",
                     results.len() as u64 * u64::from(cli.requests)
                 );
                 ExitCode::SUCCESS
@@ -218,18 +304,61 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
     let pin_dir = DirGuard(Path::new(BPFFS).join(format!("lb-demo-{}", tb.id)));
     let state_dir = DirGuard(std::env::temp_dir().join(format!("lb-demo-state-{}", tb.id)));
     let ifaces = tb.node_ifaces().join(",");
+    let backend_ifaces: Vec<String> = tb.backends.iter().map(|b| b.node_if.clone()).collect();
+    let backend_ifaces = backend_ifaces.join(",");
+    let external = tb.client.node_if.clone();
+    let node_ips = format!("{},{}", tb.client.node_ipv4(), tb.client.node_ipv6());
+    // Mode C's manifests: the examples plus the north-south services.
+    let ns_dir = DirGuard(std::env::temp_dir().join(format!("lb-demo-ns-{}", tb.id)));
+    fs::create_dir_all(&ns_dir.0).context("creating the north-south manifest directory")?;
+    for entry in fs::read_dir(&manifests).context("reading the manifests")? {
+        let path = entry?.path();
+        if let Some(name) = path.file_name() {
+            fs::copy(&path, ns_dir.0.join(name)).context("copying a manifest")?;
+        }
+    }
+    let ns_text = format!(
+        "{NS_MANIFEST}{}{}",
+        ns_slices("echo-nodeport"),
+        ns_slices("echo-lb")
+    );
+    fs::write(ns_dir.0.join("echo-external.yaml"), ns_text).context("writing echo-external")?;
 
-    for mode in [Mode::SocketLb, Mode::TcOnly] {
+    for mode in [Mode::SocketLb, Mode::TcOnly, Mode::NorthSouth] {
         let (manifests, cgroup) = (
-            manifests.display().to_string(),
+            match mode {
+                Mode::NorthSouth => ns_dir.0.display().to_string(),
+                _ => manifests.display().to_string(),
+            },
             tb.cgroup.display().to_string(),
         );
         let mut args = vec!["--manifests", &manifests];
         match mode {
-            Mode::SocketLb => args.extend(["--cgroup-path", &cgroup]),
-            Mode::TcOnly => args.push("--socket-lb=false"),
+            Mode::SocketLb => args.extend(["--cgroup-path", &cgroup, "--tc-pod", &ifaces]),
+            Mode::TcOnly => args.extend(["--socket-lb=false", "--tc-pod", &ifaces]),
+            Mode::NorthSouth => {
+                args.extend([
+                    "--socket-lb=false",
+                    "--hostname-override",
+                    NS_NODE,
+                    "--node-ip",
+                    &node_ips,
+                    "--devices",
+                    &external,
+                    "--xdp",
+                    "native",
+                    "--tc-pod",
+                    &backend_ifaces,
+                ]);
+                // An external client's packets arrive with complete checksums (a veth would
+                // hand its peer CHECKSUM_PARTIAL ones), and XDP frames sent into a veth need
+                // NAPI (GRO) on its peer.
+                in_netns(&tb.client.ns, || set_tx_checksum(HOST_IF, false))?;
+                for h in std::iter::once(&tb.client).chain(&tb.backends) {
+                    in_netns(&h.ns, || set_gro(HOST_IF, true))?;
+                }
+            }
         }
-        args.extend(["--tc-pod", &ifaces]);
         let opts = LbOptions {
             pin_dir: pin_dir.0.clone(),
             state_dir: state_dir.0.clone(),
@@ -264,6 +393,17 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
                     "the node NATs each packet to a backend and reverses the replies (conntrack).",
                 ],
             ),
+            Mode::NorthSouth => section(
+                mode,
+                &[
+                    "lb restarts for traffic from outside the node: the client is now an external",
+                    "client of the NodePorts of demo/echo-nodeport on the node IP (198.18.10.1,",
+                    "2001:db8:0:10::1; externalTrafficPolicy Cluster, so masqueraded to the node",
+                    "IP) and of the LoadBalancer IP of demo/echo-lb (198.19.1.10, 2001:db8:ffff:1::10;",
+                    "Local: the client's address is kept). lb_xdp runs on the client-facing device,",
+                    "tc ingress beside it; watch the address each backend saw.",
+                ],
+            ),
         }
         if let Some(f) = log.as_mut() {
             writeln!(
@@ -289,7 +429,7 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
 
         let cgroup = match mode {
             Mode::SocketLb => Some(tb.cgroup.as_path()),
-            Mode::TcOnly => None,
+            Mode::TcOnly | Mode::NorthSouth => None,
         };
         println!();
         println!(
@@ -301,7 +441,11 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
                 None => " (outside the testbed cgroup)".to_owned(),
             }
         );
-        for (target, proto) in TARGETS {
+        let targets: &[(&str, Proto)] = match mode {
+            Mode::NorthSouth => &NS_TARGETS,
+            _ => &TARGETS,
+        };
+        for &(target, proto) in targets {
             check_interrupted()?;
             let target: SocketAddr = target.parse().context("target address")?;
             let result = run_client(&tb, &echo_bin, cgroup, mode, target, proto, cli)?;
@@ -392,13 +536,15 @@ and has lb load the service demo/echo from {manifests}:
     TCP port 80 and UDP port 53 -> port {ECHO_PORT} on b1, b2 and b3
 
 Nothing routes the service addresses: a request that lb does not translate dies in the node.
-lb runs twice; each time the client sends {n} requests to each of the 4 service addresses and
-protocols, each request from a fresh socket (a new flow):
+lb runs three times; each time the client sends {n} requests to each service address and
+protocol, each request from a fresh socket (a new flow):
 
     Mode A  socket LB: cgroup hooks translate the service address when the socket connects or
             sends (the client runs in the testbed's cgroup).
     Mode B  tc only (--socket-lb=false): the node's tc ingress NATs every packet (the client
             runs outside the cgroup).
+    Mode C  north-south: the client, as an external client, reaches NodePorts on the node IP
+            and a LoadBalancer IP; XDP on the node's client-facing device balances them.
 ",
         manifests = manifests.display(),
     );
@@ -512,8 +658,13 @@ fn print_table(r: &TargetResult, tb: &Testbed, requests: u32) {
     for name in names {
         let n = r.per_backend.get(name).copied().unwrap_or_default();
         let address = backend_address(tb, name, r.target);
+        let seen = r
+            .seen
+            .get(name)
+            .map(|s| format!("  saw {}", s.iter().cloned().collect::<Vec<_>>().join(", ")))
+            .unwrap_or_default();
         println!(
-            "      {name:<4} {address:<24} {n:>4}  {}",
+            "      {name:<4} {address:<24} {n:>4}  {}{seen}",
             if n == 0 {
                 "(not reached)".to_owned()
             } else {
@@ -569,14 +720,14 @@ fn print_summary(results: &[TargetResult]) {
     println!("Summary");
     println!("=======");
     println!(
-        "  {:<10} {:<5} {:<24} {:<9} {:<15} peer = service address",
+        "  {:<11} {:<5} {:<26} {:<9} {:<15} peer = service address",
         "mode", "proto", "service address", "ok", "backends hit"
     );
     for r in results {
         let hit = r.per_backend.values().filter(|n| **n > 0).count();
         let split: Vec<String> = r.per_backend.values().map(u32::to_string).collect();
         println!(
-            "  {:<10} {:<5} {:<24} {:<9} {:<15} {}",
+            "  {:<11} {:<5} {:<26} {:<9} {:<15} {}",
             r.mode.name(),
             r.proto.as_str(),
             r.target.to_string(),
@@ -590,7 +741,7 @@ fn print_summary(results: &[TargetResult]) {
 /// Why the demo failed: requests that failed and backends never reached.
 fn problems(results: &[TargetResult], requests: u32) -> Vec<String> {
     let mut out = Vec::new();
-    let expected = 2 * TARGETS.len();
+    let expected = 2 * TARGETS.len() + NS_TARGETS.len();
     if results.len() < expected {
         out.push(format!(
             "only {} of {expected} target runs completed",
@@ -699,6 +850,14 @@ fn print_counters(mode: Mode, before: &Counters, after: &Counters) -> Option<Str
             println!("      -> tc ingress translated every new flow; no socket hook ran");
             None
         }
+        Mode::NorthSouth if sock == 0 && delta(metrics::XDP_REDIRECT) > 0 => {
+            println!(
+                "      -> lb_xdp sent the masqueraded NodePort packets itself (xdp_redirect); \
+                 it handed tc ingress the first packet of a flow whose next hop it could not \
+                 resolve yet, and passed the LoadBalancer IP's unmasqueraded packets to the stack"
+            );
+            None
+        }
         _ => Some(format!(
             "mode {}: unexpected datapath counters: sock_forward {sock}, tc_forward_new {tc}",
             mode.name()
@@ -719,6 +878,8 @@ struct TargetResult {
     ok: u32,
     /// Replies per backend name (every testbed backend is present, possibly with 0).
     per_backend: BTreeMap<String, u32>,
+    /// Per backend name, the client addresses (IPs) it saw.
+    seen: BTreeMap<String, BTreeSet<String>>,
     /// Replies whose peer was the service address.
     peer_is_vip: u32,
     /// Peers seen other than the service address (first few).
@@ -768,6 +929,7 @@ fn run_client(
         requests: cli.requests,
         ok: 0,
         per_backend: tb.backends.iter().map(|b| (b.name.clone(), 0)).collect(),
+        seen: BTreeMap::new(),
         peer_is_vip: 0,
         other_peers: Vec::new(),
         error_kinds: BTreeMap::new(),
@@ -798,6 +960,16 @@ fn run_client(
         };
         r.ok += 1;
         *r.per_backend.entry(backend.to_owned()).or_default() += 1;
+        if let Some(Ok(seen)) = v
+            .get("seen_by_backend")
+            .and_then(Value::as_str)
+            .map(str::parse::<SocketAddr>)
+        {
+            r.seen
+                .entry(backend.to_owned())
+                .or_default()
+                .insert(seen.ip().to_string());
+        }
         let peer = v.get("peer").and_then(Value::as_str).unwrap_or_default();
         match peer.parse::<SocketAddr>() {
             Ok(p) if p.ip() == target.ip() && p.port() == target.port() => r.peer_is_vip += 1,
