@@ -160,6 +160,10 @@ impl NodeB {
             &ECHO_PORT.to_string(),
         ])
         .stdout(Stdio::piped());
+        #[expect(
+            clippy::zombie_processes,
+            reason = "the testbed kills and reaps what it spawned when it drops"
+        )]
         let mut child = tb.spawn(&pod, None, cmd).unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
