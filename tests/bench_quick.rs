@@ -109,6 +109,9 @@ fn quick_run_writes_every_result() {
             );
         }
     }
+    for case in ["new_flow", "established", "miss"] {
+        want("datapath", case, "lb_xdp", "ns_per_packet");
+    }
     for case in ["tcp_last", "tcp_random", "udp_last", "udp_random"] {
         let latency = if case.starts_with("tcp") {
             "connect_latency"
@@ -130,12 +133,12 @@ fn quick_run_writes_every_result() {
     let notes: Value =
         serde_json::from_str(&fs::read_to_string(out.0.join("notes.json")).expect("notes.json"))
             .expect("notes.json is JSON");
-    // lb XDP runs only when `lb run` has --xdp; otherwise the note says so.
-    let xdp = !notes["northsouth_xdp_unavailable"].is_string();
+    // This build has lb_xdp and `lb run --xdp`: the XDP row must be measured.
+    assert!(
+        !notes["northsouth_xdp_unavailable"].is_string(),
+        "lb XDP missing from the north-south suite: {notes}"
+    );
     for imp in ["lb_tc", "lb_xdp", "nftables", "iptables"] {
-        if imp == "lb_xdp" && !xdp {
-            continue;
-        }
         for metric in ["forwarded_pps", "offered_pps"] {
             want("northsouth", "udp_nodeport", imp, metric);
         }

@@ -503,7 +503,7 @@ fn datapath(w: &mut String, r: &Results) {
             .map_or(String::new(), |n| thousands(*n as f64))
     );
     header(w, "case", &sizes, &[&last]);
-    let rows: [(&str, &str, &str); 5] = [
+    let rows: [(&str, &str, &str); 8] = [
         ("new_flow", "lb_tc_ingress", "lb_tc_ingress, new flow"),
         (
             "established",
@@ -521,10 +521,13 @@ fn datapath(w: &mut String, r: &Results) {
             "pass_through",
             "baseline: pass-through program (2 instructions)",
         ),
+        ("new_flow", "lb_xdp", "lb_xdp, new flow"),
+        ("established", "lb_xdp", "lb_xdp, established flow"),
+        ("miss", "lb_xdp", "lb_xdp, miss (no service)"),
     ];
     for (case, imp, label) in rows {
         let _ = write!(w, "| {label} |");
-        let lb = imp == "lb_tc_ingress";
+        let lb = imp == "lb_tc_ingress" || imp == "lb_xdp";
         let value = |n: usize| -> Option<(f64, f64)> {
             let v = r.median("datapath", case, imp, n, "ns_per_packet")?;
             let base = r.median("datapath", "baseline", "pass_through", n, "ns_per_packet")?;
@@ -551,17 +554,10 @@ fn datapath(w: &mut String, r: &Results) {
         };
         let _ = writeln!(w, " {change} |");
     }
-    let _ = write!(w, "| XDP |");
-    for _ in &sizes {
-        w.push_str(" n/a |");
+    if let Some(note) = r.notes.get("datapath_xdp") {
+        let _ = writeln!(w, "\n{note}.");
     }
-    let _ = writeln!(
-        w,
-        " n/a ({}) |\n",
-        r.notes
-            .get("datapath_xdp")
-            .map_or("no lb_xdp program in this build", String::as_str)
-    );
+    w.push('\n');
 
     let _ = writeln!(
         w,
@@ -571,7 +567,8 @@ fn datapath(w: &mut String, r: &Results) {
          `ktime_get_ns` and cold caches, hence the higher numbers).\n"
     );
     header(w, "case", &sizes, &[]);
-    for (case, imp, label) in rows {
+    // Single runs are measured for tc only.
+    for (case, imp, label) in rows.into_iter().filter(|(_, imp, _)| *imp != "lb_xdp") {
         let _ = write!(w, "| {label} |");
         for n in &sizes {
             match r.get(
@@ -855,13 +852,11 @@ fn method(w: &mut String, r: &Results) {
     if let Some(n) = r.notes.get(NS_XDP_UNAVAILABLE) {
         let _ = writeln!(w, "- {n}.");
     }
-    if r.has_suite("datapath") && !r.notes.contains_key("datapath_xdp_measured") {
+    if r.has_suite("datapath") {
         let _ = writeln!(
             w,
-            "- XDP per-packet cost (BPF_PROG_TEST_RUN): {}.",
-            r.notes
-                .get("datapath_xdp")
-                .map_or("no lb_xdp program in this build", String::as_str)
+            "- XDP per-packet cost in single runs (repeat = 1): only the repeat method has \
+             lb_xdp rows."
         );
     }
     for note in r.notes_with("not_measured_") {

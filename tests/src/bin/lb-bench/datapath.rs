@@ -50,6 +50,9 @@ const TCP_ACK: u8 = 0x10;
 const SPORT_ESTABLISHED: u16 = 40_000;
 const SPORT_NEW: u16 = 40_001;
 const SPORT_MISS: u16 = 40_002;
+/// lb_xdp's flows, apart from lb_tc_ingress's (the two share conntrack).
+const SPORT_XDP_ESTABLISHED: u16 = 40_010;
+const SPORT_XDP_NEW: u16 = 40_011;
 /// lb's XDP program (external devices, `lb run --devices`), once the build has it.
 const XDP_PROGRAM: &str = "lb_xdp";
 
@@ -113,6 +116,7 @@ struct Fixture {
     _reconciler: Reconciler<BpfMaps>,
     ingress: RawFd,
     egress: RawFd,
+    xdp: RawFd,
 }
 
 impl Fixture {
@@ -144,12 +148,14 @@ impl Fixture {
         }
         let ingress = prog_fd(&mut datapath, prog_names::TC_INGRESS)?;
         let egress = prog_fd(&mut datapath, prog_names::TC_EGRESS)?;
+        let xdp = xdp_fd(&mut datapath)?;
         Ok(Self {
             services: n,
             datapath,
             _reconciler: reconciler,
             ingress,
             egress,
+            xdp,
         })
     }
 
@@ -175,6 +181,19 @@ fn prog_fd(datapath: &mut Datapath, name: &str) -> anyhow::Result<RawFd> {
     Ok(classifier.fd()?.as_fd().as_raw_fd())
 }
 
+/// `lb_xdp`'s fd, valid while `datapath` lives.
+fn xdp_fd(datapath: &mut Datapath) -> anyhow::Result<RawFd> {
+    let program: &Program = datapath
+        .ebpf_mut()
+        .program(XDP_PROGRAM)
+        .with_context(|| format!("program {XDP_PROGRAM} missing"))?;
+    let xdp: &aya::programs::Xdp = program.try_into()?;
+    Ok(xdp.fd()?.as_fd().as_raw_fd())
+}
+
+/// XDP's "hand on to the stack" verdict, which the XDP cases return (tc's is 0).
+const XDP_PASS: u32 = 2;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Case {
     /// lb_tc_ingress, SYN+FIN on the ring.
@@ -187,16 +206,35 @@ enum Case {
     Egress,
     /// The 2-instruction program on the miss packet.
     PassThrough,
+    /// lb_xdp, SYN+FIN on the ring (the same pipeline as lb_tc_ingress, in XDP).
+    XdpNew,
+    /// lb_xdp, ACK on the ring.
+    XdpEstablished,
+    /// lb_xdp, ACK to a non-service address.
+    XdpMiss,
 }
 
 impl Case {
-    const ALL: [Case; 5] = [
+    const ALL: [Case; 8] = [
         Case::New,
         Case::Established,
         Case::Miss,
         Case::Egress,
         Case::PassThrough,
+        Case::XdpNew,
+        Case::XdpEstablished,
+        Case::XdpMiss,
     ];
+    /// The cases of the single-run cross-check (tc only), the first of `ALL`.
+    const SINGLE: usize = 5;
+
+    /// The verdict every run must return.
+    fn verdict(self) -> u32 {
+        match self {
+            Case::XdpNew | Case::XdpEstablished | Case::XdpMiss => XDP_PASS,
+            _ => 0,
+        }
+    }
 
     /// (case, impl) as recorded.
     fn names(self) -> (&'static str, &'static str) {
@@ -206,15 +244,18 @@ impl Case {
             Case::Miss => ("miss", "lb_tc_ingress"),
             Case::Egress => ("baseline", "lb_tc_egress_miss"),
             Case::PassThrough => ("baseline", "pass_through"),
+            Case::XdpNew => ("new_flow", "lb_xdp"),
+            Case::XdpEstablished => ("established", "lb_xdp"),
+            Case::XdpMiss => ("miss", "lb_xdp"),
         }
     }
 
     /// The counter every run of this case must increment (none for the pass-through program).
     fn counter(self) -> Option<u32> {
         match self {
-            Case::New => Some(metrics::TC_FWD_NEW),
-            Case::Established => Some(metrics::TC_FWD_ESTABLISHED),
-            Case::Miss | Case::Egress => Some(metrics::TC_PASS_NO_SERVICE),
+            Case::New | Case::XdpNew => Some(metrics::TC_FWD_NEW),
+            Case::Established | Case::XdpEstablished => Some(metrics::TC_FWD_ESTABLISHED),
+            Case::Miss | Case::Egress | Case::XdpMiss => Some(metrics::TC_PASS_NO_SERVICE),
             Case::PassThrough => None,
         }
     }
@@ -232,17 +273,10 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
             start.elapsed().as_secs_f64()
         );
     }
-    // The XDP rows need lb's XDP program, which is not in every build yet.
-    let has_xdp = fixtures
-        .first_mut()
-        .is_some_and(|f| f.datapath.ebpf_mut().program(XDP_PROGRAM).is_some());
     results.note(
         "datapath_xdp",
-        if has_xdp {
-            "lb_xdp is in this build, but its BPF_PROG_TEST_RUN cases are not written yet"
-        } else {
-            "no lb_xdp program in this build"
-        },
+        "lb_xdp: the same packets (a ClusterIP from outside, not masqueraded: DNAT and \
+         XDP_PASS) through BPF_PROG_TEST_RUN of the XDP program; repeat method only",
     );
     let _pin = PinCpu::last()?;
     let mut rng = Rng::new(0xda7a);
@@ -307,7 +341,7 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
         }
     }
     for (f, fixture) in fixtures.iter().enumerate() {
-        for (c, case) in Case::ALL.iter().enumerate() {
+        for (c, case) in Case::ALL[..Case::SINGLE].iter().enumerate() {
             let (name, impl_) = case.names();
             let v = &mut single[f][c];
             let median = workload::median(v);
@@ -352,16 +386,32 @@ fn measure_repeat(fx: &mut Fixture, pass: RawFd, case: Case, repeat: u32) -> any
         Case::Miss => (fx.ingress, tcp(CLIENT, SPORT_MISS, MISS_DST, 80, TCP_ACK)),
         Case::Egress => (fx.egress, tcp(CLIENT, SPORT_MISS, MISS_DST, 80, TCP_ACK)),
         Case::PassThrough => (pass, tcp(CLIENT, SPORT_MISS, MISS_DST, 80, TCP_ACK)),
+        Case::XdpNew => (
+            fx.xdp,
+            tcp(
+                CLIENT,
+                SPORT_NEW + 1,
+                workload::vip(0),
+                80,
+                TCP_SYN | TCP_FIN,
+            ),
+        ),
+        Case::XdpEstablished => (
+            fx.xdp,
+            tcp(CLIENT, SPORT_XDP_ESTABLISHED, workload::vip(0), 80, TCP_ACK),
+        ),
+        Case::XdpMiss => (fx.xdp, tcp(CLIENT, SPORT_MISS, MISS_DST, 80, TCP_ACK)),
     };
-    if case == Case::Established {
+    if matches!(case, Case::Established | Case::XdpEstablished) {
         // Creates (or refreshes) the ring's conntrack entries for this flow.
         test_run(fd, &pkt, 64)?;
     }
     let before = case.counter().map(|c| fx.counter(c)).transpose()?;
     let (retval, duration) = test_run(fd, &pkt, repeat)?;
     ensure!(
-        retval == 0,
-        "{case:?}: program returned {retval}, expected TC_ACT_OK"
+        retval == case.verdict(),
+        "{case:?}: program returned {retval}, expected {}",
+        case.verdict()
     );
     if let (Some(c), Some(before)) = (case.counter(), before) {
         let delta = fx.counter(c)? - before;
@@ -384,13 +434,14 @@ fn measure_single(
 ) -> anyhow::Result<()> {
     // A client address per repetition keeps every flow new.
     let client = Ipv4Addr::new(198, 18, 20 + u8::try_from(rep % 200)?, 2);
-    let before: Vec<Option<u64>> = Case::ALL
+    let cases = &Case::ALL[..Case::SINGLE];
+    let before: Vec<Option<u64>> = cases
         .iter()
         .map(|c| c.counter().map(|i| fx.counter(i)).transpose())
         .collect::<anyhow::Result<_>>()?;
     for k in 0..count {
         let sport = 10_000 + u16::try_from(k)?;
-        for (c, case) in Case::ALL.iter().enumerate() {
+        for (c, case) in cases.iter().enumerate() {
             let (fd, pkt) = match case {
                 Case::New => (
                     fx.ingress,
@@ -403,6 +454,9 @@ fn measure_single(
                 Case::Miss => (fx.ingress, tcp(client, sport, MISS_DST, 80, TCP_ACK)),
                 Case::Egress => (fx.egress, tcp(client, sport, MISS_DST, 80, TCP_ACK)),
                 Case::PassThrough => (pass, tcp(client, sport, MISS_DST, 80, TCP_ACK)),
+                Case::XdpNew | Case::XdpEstablished | Case::XdpMiss => {
+                    bail!("{case:?} is not a single-run case")
+                }
             };
             let (retval, duration) = test_run(fd, &pkt, 1)?;
             ensure!(retval == 0, "{case:?}: program returned {retval}");
@@ -410,7 +464,7 @@ fn measure_single(
         }
     }
     // Miss and egress both count as "no service".
-    for (c, case) in Case::ALL.iter().enumerate() {
+    for (c, case) in cases.iter().enumerate() {
         let (Some(index), Some(b)) = (case.counter(), before[c]) else {
             continue;
         };
