@@ -390,7 +390,7 @@ fn measure_repeat(fx: &mut Fixture, pass: RawFd, case: Case, repeat: u32) -> any
             fx.xdp,
             tcp(
                 CLIENT,
-                SPORT_NEW + 1,
+                SPORT_XDP_NEW,
                 workload::vip(0),
                 80,
                 TCP_SYN | TCP_FIN,
