@@ -10,8 +10,8 @@ use std::{
     process::Command,
 };
 
-use aya::maps::{HashMap, Map, MapData, PerCpuArray};
-use lb_common::{MetricValue, Svc4Key, SvcValue, map_names, metrics, scope, svc_flags};
+use aya::maps::{HashMap, Map, MapData};
+use lb_common::{Svc4Key, SvcValue, map_names, metrics, scope, svc_flags};
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
@@ -440,18 +440,6 @@ fn restart_reuses_pinned_maps_without_flushing() {
     reload(&mut lb2, 2);
 }
 
-/// Packets or calls counted under `index` in the pinned `lb_metrics` of `pin_dir`.
-fn pinned_counter(pin_dir: &Path, index: u32) -> u64 {
-    let map = MapData::from_pin(pin_dir.join(map_names::METRICS)).unwrap();
-    PerCpuArray::<_, MetricValue>::try_from(Map::PerCpuArray(map))
-        .unwrap()
-        .get(&index, 0)
-        .unwrap()
-        .iter()
-        .map(|v| v.packets)
-        .sum()
-}
-
 /// A master entry whose slots are gone has no backend for socket LB either: connect() fails
 /// with ECONNREFUSED (this kernel has `bpf_set_retval` for sock_addr programs; EPERM before)
 /// and counts sock_drop_no_backend, as the tc path rejects and counts, instead of going out
@@ -485,7 +473,7 @@ fn socket_lb_refuses_a_frontend_whose_slots_are_gone() {
         services.remove(&key(slot)).unwrap();
     }
 
-    let before = pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND);
+    let before = lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap();
     let o = client(&mut tb, true, "198.19.0.10:80", "tcp", &[]);
     assert_eq!(o.errors.len(), REQUESTS, "every connect() fails: {o:?}");
     for e in &o.errors {
@@ -495,7 +483,7 @@ fn socket_lb_refuses_a_frontend_whose_slots_are_gone() {
         );
     }
     assert_eq!(
-        pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND) - before,
+        lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap() - before,
         REQUESTS as u64
     );
     drop(lb);
@@ -643,7 +631,7 @@ fn tc_masquerades_clients_outside_the_cluster_cidr_only() {
     );
     assert_backend_saw(&mut tb, node4, node6, "outside the cluster CIDRs");
     assert!(
-        pinned_counter(&lb.pin_dir, metrics::TC_SNAT) > 0,
+        lb.counter(metrics::TC_SNAT).unwrap() > 0,
         "tc_snat counted the masqueraded packets"
     );
     assert!(lb.stop().unwrap().success());
@@ -817,7 +805,7 @@ fn tc_path_rejects_like_kube_proxy() {
     let mut lb = LbDaemon::spawn(&mut tb, Path::new(LB), &args, "info").unwrap();
     lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
 
-    let before = pinned_counter(&lb.pin_dir, metrics::TC_REJECT_NO_BACKEND);
+    let before = lb.counter(metrics::TC_REJECT_NO_BACKEND).unwrap();
     for target in ["198.19.0.20:80", "[2001:db8:ffff::20]:80"] {
         assert_refused(&client(&mut tb, false, target, "tcp", &[]), target);
     }
@@ -826,23 +814,23 @@ fn tc_path_rejects_like_kube_proxy() {
         assert_refused(&o, target);
     }
     assert_eq!(
-        pinned_counter(&lb.pin_dir, metrics::TC_REJECT_NO_BACKEND) - before,
+        lb.counter(metrics::TC_REJECT_NO_BACKEND).unwrap() - before,
         4 * REQUESTS as u64
     );
 
-    let before = pinned_counter(&lb.pin_dir, metrics::TC_REJECT_UNKNOWN_PORT);
+    let before = lb.counter(metrics::TC_REJECT_UNKNOWN_PORT).unwrap();
     for target in ["198.19.0.10:81", "[2001:db8:ffff::10]:81"] {
         assert_refused(&client(&mut tb, false, target, "tcp", &[]), target);
         let o = client(&mut tb, false, target, "udp", &["--connected-udp"]);
         assert_refused(&o, target);
     }
     assert_eq!(
-        pinned_counter(&lb.pin_dir, metrics::TC_REJECT_UNKNOWN_PORT) - before,
+        lb.counter(metrics::TC_REJECT_UNKNOWN_PORT).unwrap() - before,
         4 * REQUESTS as u64
     );
 
     // Unallocated: nothing answers, the datagrams are counted as dropped.
-    let before = pinned_counter(&lb.pin_dir, metrics::TC_DROP_UNALLOCATED);
+    let before = lb.counter(metrics::TC_DROP_UNALLOCATED).unwrap();
     for target in ["198.19.0.99:53", "[2001:db8:ffff::99]:53"] {
         let o = client(&mut tb, false, target, "udp", &["--timeout-ms", "100"]);
         assert_eq!(o.errors.len(), REQUESTS, "{target}: no answer: {o:?}");
@@ -852,7 +840,7 @@ fn tc_path_rejects_like_kube_proxy() {
         );
     }
     assert_eq!(
-        pinned_counter(&lb.pin_dir, metrics::TC_DROP_UNALLOCATED) - before,
+        lb.counter(metrics::TC_DROP_UNALLOCATED).unwrap() - before,
         2 * REQUESTS as u64
     );
     // The service itself is unaffected.
@@ -871,7 +859,7 @@ fn socket_lb_refuses_like_kube_proxy() {
     manifests.add("empty.yaml", NO_ENDPOINTS);
     let lb = start_lb(&mut tb, &manifests.0, true);
 
-    let before = pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND);
+    let before = lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap();
     for target in ["198.19.0.20:80", "[2001:db8:ffff::20]:80"] {
         assert_refused(&client(&mut tb, true, target, "tcp", &[]), target);
     }
@@ -881,17 +869,17 @@ fn socket_lb_refuses_like_kube_proxy() {
         assert_refused(&client(&mut tb, true, target, "udp", &[]), target);
     }
     assert_eq!(
-        pinned_counter(&lb.pin_dir, metrics::SOCK_DROP_NO_BACKEND) - before,
+        lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap() - before,
         6 * REQUESTS as u64
     );
 
-    let before = pinned_counter(&lb.pin_dir, metrics::SOCK_REJECT_UNKNOWN_PORT);
+    let before = lb.counter(metrics::SOCK_REJECT_UNKNOWN_PORT).unwrap();
     for target in ["198.19.0.10:81", "[2001:db8:ffff::10]:81"] {
         assert_refused(&client(&mut tb, true, target, "tcp", &[]), target);
         assert_refused(&client(&mut tb, true, target, "udp", &[]), target);
     }
     assert_eq!(
-        pinned_counter(&lb.pin_dir, metrics::SOCK_REJECT_UNKNOWN_PORT) - before,
+        lb.counter(metrics::SOCK_REJECT_UNKNOWN_PORT).unwrap() - before,
         4 * REQUESTS as u64
     );
     drop(lb);

@@ -19,8 +19,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use aya::maps::{Map, MapData, PerCpuArray};
-use lb_common::{MetricValue, map_names, metrics};
+use lb_common::metrics;
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
@@ -431,17 +430,6 @@ fn assert_fails(tb: &mut Testbed, what: &str, targets: &[(String, &str, bool)], 
     }
 }
 
-fn pinned_counter(pin_dir: &Path, index: u32) -> u64 {
-    let map = MapData::from_pin(pin_dir.join(map_names::METRICS)).unwrap();
-    PerCpuArray::<_, MetricValue>::try_from(Map::PerCpuArray(map))
-        .unwrap()
-        .get(&index, 0)
-        .unwrap()
-        .iter()
-        .map(|v| v.packets)
-        .sum()
-}
-
 struct ManifestDir(PathBuf);
 
 impl Drop for ManifestDir {
@@ -544,14 +532,14 @@ fn north_south(xdp: &str) {
         (&client4, &client6),
     );
     // eTP=Local without a local endpoint: dropped, not rejected.
-    let before = pinned_counter(&lb.pin_dir, metrics::TC_DROP_NO_LOCAL_BACKEND);
+    let before = lb.counter(metrics::TC_DROP_NO_LOCAL_BACKEND).unwrap();
     assert_fails(
         &mut tb,
         &format!("{what} np-elsewhere"),
         &np(&SERVICES[2]),
         false,
     );
-    assert!(pinned_counter(&lb.pin_dir, metrics::TC_DROP_NO_LOCAL_BACKEND) >= before + 12);
+    assert!(lb.counter(metrics::TC_DROP_NO_LOCAL_BACKEND).unwrap() >= before + 12);
     // No endpoints at all: rejected.
     assert_fails(
         &mut tb,
@@ -583,9 +571,9 @@ fn north_south(xdp: &str) {
         (&pod4, &pod6),
     );
     // loadBalancerSourceRanges: a client outside is dropped, one inside served.
-    let before = pinned_counter(&lb.pin_dir, metrics::TC_DROP_SOURCE_RANGE);
+    let before = lb.counter(metrics::TC_DROP_SOURCE_RANGE).unwrap();
     assert_fails(&mut tb, &format!("{what} lb-denied"), &lb_ip(42), false);
-    assert!(pinned_counter(&lb.pin_dir, metrics::TC_DROP_SOURCE_RANGE) >= before + 12);
+    assert!(lb.counter(metrics::TC_DROP_SOURCE_RANGE).unwrap() >= before + 12);
     let t = lb_ip(43);
     assert_served(
         &mut tb,
@@ -597,8 +585,8 @@ fn north_south(xdp: &str) {
     );
 
     // Which program did the work.
-    let xdp_sent = pinned_counter(&lb.pin_dir, metrics::XDP_REDIRECT)
-        + pinned_counter(&lb.pin_dir, metrics::XDP_TX);
+    let xdp_sent =
+        lb.counter(metrics::XDP_REDIRECT).unwrap() + lb.counter(metrics::XDP_TX).unwrap();
     if xdp == "off" {
         assert_eq!(xdp_sent, 0, "no XDP program, nothing sent by one");
     } else {

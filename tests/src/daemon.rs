@@ -165,6 +165,17 @@ impl LbDaemon {
     }
 
     /// Waits until lb reports `ready` (programmed and attached).
+    /// Packets (or calls) lb's datapath counted under `index` (a `lb_common::metrics` index),
+    /// summed over CPUs, from its pinned `lb_metrics`.
+    pub fn counter(&self, index: u32) -> anyhow::Result<u64> {
+        let counters = lb::datapath::pinned::read_counters(&self.pin_dir)?;
+        let i = usize::try_from(index)?;
+        counters
+            .get(i)
+            .map(|c| c.packets)
+            .with_context(|| format!("no datapath counter {index}"))
+    }
+
     pub fn wait_ready(&mut self) -> anyhow::Result<()> {
         self.wait_for(|l| l.contains(" ready"), "ready").map(drop)
     }
