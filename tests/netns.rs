@@ -476,11 +476,9 @@ fn socket_lb_refuses_a_frontend_whose_slots_are_gone() {
     let before = lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap();
     let o = client(&mut tb, true, "198.19.0.10:80", "tcp", &[]);
     assert_eq!(o.errors.len(), REQUESTS, "every connect() fails: {o:?}");
+    let refusal = sock_refusal();
     for e in &o.errors {
-        assert!(
-            e.contains("os error 111)"),
-            "ECONNREFUSED from the connect4 hook: {e}"
-        );
+        assert!(e.contains(refusal), "{refusal} from the connect4 hook: {e}");
     }
     assert_eq!(
         lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap() - before,
@@ -776,13 +774,28 @@ spec:
 /// Every request of `o` failed with ECONNREFUSED: a REJECT answered at once, not a timeout
 /// (which would be ETIMEDOUT or EAGAIN).
 fn assert_refused(o: &Outcome, what: &str) {
+    assert_refused_with(o, what, "os error 111)");
+}
+
+/// Every request of `o` failed with `errno` (the end of the error text).
+fn assert_refused_with(o: &Outcome, what: &str, errno: &str) {
     assert_eq!(
         o.errors.len(),
         REQUESTS,
         "{what}: every request fails: {o:?}"
     );
     for e in &o.errors {
-        assert!(e.contains("os error 111)"), "{what}: ECONNREFUSED, got {e}");
+        assert!(e.contains(errno), "{what}: {errno}, got {e}");
+    }
+}
+
+/// How a socket-LB refusal fails: ECONNREFUSED where sock_addr programs have
+/// `bpf_set_retval` (5.18+), EPERM, the hook's plain refusal, before.
+fn sock_refusal() -> &'static str {
+    if lb::datapath::load::sock_set_retval_supported() {
+        "os error 111)"
+    } else {
+        "os error 1)"
     }
 }
 
@@ -851,22 +864,24 @@ fn tc_path_rejects_like_kube_proxy() {
 }
 
 /// The same through socket LB: connect() (TCP, and UDP's connect) and unconnected sendto()
-/// fail at once with ECONNREFUSED, for a service without endpoints and for an unknown port.
+/// fail at once with ECONNREFUSED (EPERM before 5.18, see `sock_refusal`), for a service
+/// without endpoints and for an unknown port.
 #[test]
 fn socket_lb_refuses_like_kube_proxy() {
     let mut tb = Testbed::create(1).expect("testbed");
     let manifests = Manifests::new(&tb.id);
     manifests.add("empty.yaml", NO_ENDPOINTS);
     let lb = start_lb(&mut tb, &manifests.0, true);
+    let refusal = sock_refusal();
 
     let before = lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap();
     for target in ["198.19.0.20:80", "[2001:db8:ffff::20]:80"] {
-        assert_refused(&client(&mut tb, true, target, "tcp", &[]), target);
+        assert_refused_with(&client(&mut tb, true, target, "tcp", &[]), target, refusal);
     }
     for target in ["198.19.0.20:53", "[2001:db8:ffff::20]:53"] {
         let o = client(&mut tb, true, target, "udp", &["--connected-udp"]);
-        assert_refused(&o, target);
-        assert_refused(&client(&mut tb, true, target, "udp", &[]), target);
+        assert_refused_with(&o, target, refusal);
+        assert_refused_with(&client(&mut tb, true, target, "udp", &[]), target, refusal);
     }
     assert_eq!(
         lb.counter(metrics::SOCK_DROP_NO_BACKEND).unwrap() - before,
@@ -875,8 +890,8 @@ fn socket_lb_refuses_like_kube_proxy() {
 
     let before = lb.counter(metrics::SOCK_REJECT_UNKNOWN_PORT).unwrap();
     for target in ["198.19.0.10:81", "[2001:db8:ffff::10]:81"] {
-        assert_refused(&client(&mut tb, true, target, "tcp", &[]), target);
-        assert_refused(&client(&mut tb, true, target, "udp", &[]), target);
+        assert_refused_with(&client(&mut tb, true, target, "tcp", &[]), target, refusal);
+        assert_refused_with(&client(&mut tb, true, target, "udp", &[]), target, refusal);
     }
     assert_eq!(
         lb.counter(metrics::SOCK_REJECT_UNKNOWN_PORT).unwrap() - before,

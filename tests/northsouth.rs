@@ -605,5 +605,14 @@ fn north_south_on_the_tc_path() {
 
 #[test]
 fn north_south_with_native_xdp() {
+    // Kernel-gated: before 5.13 a veth drops XDP frames redirected or sent to it unless its
+    // peer runs an XDP program (5.13 lets GRO give it the NAPI instance instead), so this
+    // topology cannot work there; `--xdp auto` keeps veths on tc for that reason.
+    if aya::util::KernelVersion::current()
+        .is_ok_and(|v| v < aya::util::KernelVersion::new(5, 13, 0))
+    {
+        eprintln!("skipped before 5.13: veth peers need an XDP program to receive XDP frames");
+        return;
+    }
     north_south("native");
 }

@@ -29,10 +29,20 @@ pub struct Flow<A> {
     pub endpoint: Endpoint<A>,
     pub backend_id: u32,
     pub rev_nat_id: u32,
-    /// Masqueraded flows: the node-side source (established) or the client (replies).
-    pub nat: Option<Endpoint<A>>,
+    /// Masqueraded flows (`ct_flags::SNAT` in `flags`): the node-side source (established) or
+    /// the client (replies). Always written, zero otherwise: an `Option` here would be copied
+    /// with an uninitialised payload, a stack read verifiers before 6.x refuse.
+    pub nat: Endpoint<A>,
     /// The entry's `ct_flags`.
     pub flags: u16,
+}
+
+impl<A> Flow<A> {
+    /// Whether the flow is masqueraded (`nat` holds its other side).
+    #[inline(always)]
+    pub fn masqueraded(&self) -> bool {
+        self.flags & ct_flags::SNAT != 0
+    }
 }
 
 #[inline(always)]
@@ -123,19 +133,21 @@ pub fn reply_key<A: Af>(
 }
 
 /// Rewrites the reply entry of a flow of `p` to `backend` with `head` (its NAT fields naming
-/// the client for a masqueraded flow whose node side is `snat`), recreating it if LRU pressure
+/// the client for a masqueraded flow, `masq`, whose node side is `snat`), recreating it if LRU pressure
 /// evicted it; never takes over another flow's entry, since a masqueraded flow's reply key is
 /// only ever claimed with `BPF_NOEXIST` (`nat::allocate`).
 #[inline(always)]
 fn refresh_reply<A: Af>(
     p: &Packet<A::Addr>,
     backend: &Endpoint<A::Addr>,
-    snat: &Option<Endpoint<A::Addr>>,
+    snat: &Endpoint<A::Addr>,
+    masq: bool,
     head: &CtHead,
 ) {
-    let (to_addr, to_port, nat_addr) = match snat {
-        Some(n) => (n.addr, n.port, p.saddr),
-        None => (p.saddr, p.sport, A::ZERO),
+    let (to_addr, to_port, nat_addr) = if masq {
+        (snat.addr, snat.port, p.saddr)
+    } else {
+        (p.saddr, p.sport, A::ZERO)
     };
     let Some(key) = reply_key::<A>(backend, &to_addr, to_port, p.proto) else {
         return;
@@ -186,15 +198,13 @@ fn established_flow<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr
         return None;
     }
     let backend = A::backend(v.backend_id)?;
-    let nat = if v.flags & ct_flags::SNAT != 0 {
-        Some(Endpoint {
-            // SAFETY: as above.
-            addr: unsafe { A::ct_nat_addr(h) },
-            port: v.nat_port,
-        })
-    } else {
-        None
+    // Zero in entries without `ct_flags::SNAT`.
+    let nat = Endpoint {
+        // SAFETY: as above.
+        addr: unsafe { A::ct_nat_addr(h) },
+        port: v.nat_port,
     };
+    let snat = v.flags & ct_flags::SNAT != 0;
     let flags = v.flags | closing(p, ct_flags::TX_CLOSING);
     if let Some(expires) = refreshed(v.flags, v.expires, flags, now, p.proto) {
         // SAFETY: as above.
@@ -205,10 +215,10 @@ fn established_flow<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr
         let head = CtHead {
             flags,
             expires,
-            nat_port: if nat.is_some() { p.sport } else { 0 },
+            nat_port: if snat { p.sport } else { 0 },
             ..v
         };
-        refresh_reply::<A>(p, &backend, &nat, &head);
+        refresh_reply::<A>(p, &backend, &nat, snat, &head);
     }
     Some(Flow {
         endpoint: backend,
@@ -241,32 +251,28 @@ pub fn new_head<A>(
     }
 }
 
-/// Records a new flow of `p` to `backend` starting as `head`. A masqueraded flow (`snat`: its
-/// node-side source) already holds its reply entry (`nat::allocate`), so only the service
+/// Records a new flow of `p` to `backend` starting as `head`. A masqueraded flow (`snat` its
+/// node-side source; a port of 0, which `nat::allocate` never hands out, for none) already holds its reply entry (`nat::allocate`), so only the service
 /// entry is written, with `ct_flags::SNAT` and the node side.
 #[inline(never)]
 pub fn create<A: Af>(
     p: &Packet<A::Addr>,
     backend: &Endpoint<A::Addr>,
     head: &CtHead,
-    snat: &Option<Endpoint<A::Addr>>,
+    snat: &Endpoint<A::Addr>,
 ) -> Result<(), i32> {
     let fkey = service_key::<A>(p).ok_or(-1)?;
-    match snat {
-        Some(n) => {
-            let h = CtHead {
-                flags: head.flags | ct_flags::SNAT,
-                nat_port: n.port,
-                ..*head
-            };
-            A::ct_put(fkey, &h, &n.addr, 0)
-        }
-        None => {
-            A::ct_put(fkey, head, &A::ZERO, 0)?;
-            let rkey = reply_key::<A>(backend, &p.saddr, p.sport, p.proto).ok_or(-1)?;
-            A::ct_put(rkey, head, &A::ZERO, 0)
-        }
+    if snat.port != 0 {
+        let h = CtHead {
+            flags: head.flags | ct_flags::SNAT,
+            nat_port: snat.port,
+            ..*head
+        };
+        return A::ct_put(fkey, &h, &snat.addr, 0);
     }
+    A::ct_put(fkey, head, &A::ZERO, 0)?;
+    let rkey = reply_key::<A>(backend, &p.saddr, p.sport, p.proto).ok_or(-1)?;
+    A::ct_put(rkey, head, &A::ZERO, 0)
 }
 
 /// The frontend a backend's reply must come from (written to `out`), its entries refreshed
@@ -303,14 +309,11 @@ fn reply_flow<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
     let frontend = A::revnat(v.rev_nat_id)?;
     // The client the service entry is keyed on: the reply's destination, or the client a
     // masqueraded flow's reply entry remembers.
-    let nat = if v.flags & ct_flags::SNAT != 0 {
-        Some(Endpoint {
-            // SAFETY: as above.
-            addr: unsafe { A::ct_nat_addr(h) },
-            port: v.nat_port,
-        })
-    } else {
-        None
+    // Zero in entries without `ct_flags::SNAT`.
+    let nat = Endpoint {
+        // SAFETY: as above.
+        addr: unsafe { A::ct_nat_addr(h) },
+        port: v.nat_port,
     };
     let flags = v.flags | ct_flags::SEEN_REPLY | closing(p, ct_flags::RX_CLOSING);
     if let Some(expires) = refreshed(v.flags, v.expires, flags, now, p.proto) {
@@ -319,9 +322,10 @@ fn reply_flow<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
             (*h).flags = flags;
             (*h).expires = expires;
         }
-        let (caddr, cport) = match &nat {
-            Some(c) => (c.addr, c.port),
-            None => (p.daddr, p.dport),
+        let (caddr, cport) = if v.flags & ct_flags::SNAT != 0 {
+            (nat.addr, nat.port)
+        } else {
+            (p.daddr, p.dport)
         };
         let fkey = A::ct_key(
             KeySlot::Service,

@@ -223,16 +223,20 @@ fn xdp_ip_len(ctx: &XdpContext) -> u32 {
 }
 
 /// One's-complement incremental update (RFC 1624, eqn. 3) of the checksum at `csum` for a
-/// 16- or 32-bit field changing from `from` to `to` (native order, as the bytes lie).
+/// 16- or 32-bit field (`size` 2 or 4) changing from `from` to `to` (native order, as the bytes
+/// lie). With `size` 0, as for `bpf_l4_csum_replace`, `to` is a 32-bit checksum difference:
+/// `bpf_csum_diff` returns it folded to 16 bits since 6.12 but unfolded before.
 #[inline(always)]
 fn csum_update(csum: u16, from: u64, to: u64, size: u64) -> u16 {
     let mut sum = u32::from(!csum);
-    if size == 4 {
-        let (f, t) = (from as u32, to as u32);
-        sum += u32::from(!(f as u16)) + u32::from(!((f >> 16) as u16));
-        sum += (t & 0xffff) + (t >> 16);
-    } else {
-        sum += u32::from(!(from as u16)) + u32::from(to as u16);
+    let (f, t) = (from as u32, to as u32);
+    match size {
+        4 => {
+            sum += u32::from(!(f as u16)) + u32::from(!((f >> 16) as u16));
+            sum += (t & 0xffff) + (t >> 16);
+        }
+        2 => sum += u32::from(!(f as u16)) + (t & 0xffff),
+        _ => sum += (t & 0xffff) + (t >> 16),
     }
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);

@@ -270,7 +270,8 @@ fn established_flow<C: PacketCtx, A: FwdAf>(
     svc: &Service<A::Addr>,
     flow: &conntrack::Flow<A::Addr>,
 ) -> Result<Decision, Error> {
-    let Some(action) = to_backend::<C, A>(ctx, p, &flow.endpoint, &flow.nat)? else {
+    let Some(action) = to_backend::<C, A>(ctx, p, &flow.endpoint, &flow.nat, flow.masqueraded())?
+    else {
         return Ok(to_tc::<C>());
     };
     trace::record(|r| {
@@ -281,7 +282,7 @@ fn established_flow<C: PacketCtx, A: FwdAf>(
         r.svc_flags = svc.master.flags;
         r.backend_id = flow.backend_id;
         r.rev_nat_id = flow.rev_nat_id;
-        trace_nat(r, &flow.nat);
+        trace_nat(r, &flow.nat, flow.masqueraded());
     });
     Ok(Decision {
         action,
@@ -343,8 +344,13 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
         }
     };
     let head = conntrack::new_head(p, c.backend_id, c.rev_nat_id, c.svc_flags, now);
-    let snat = match snat_port::<C, A>(ctx, p, c, &head) {
-        0 => None,
+    // Fully written even when not masqueraded: see `conntrack::Flow::nat`.
+    let mut snat = Endpoint {
+        addr: A::ZERO,
+        port: 0,
+    };
+    let masq = match snat_port::<C, A>(ctx, p, c, &head) {
+        0 => false,
         SNAT_EXHAUSTED => {
             trace::record(|r| {
                 r.verdict = trace_verdict::DROP;
@@ -356,16 +362,22 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
                 reason: metrics::TC_SNAT_PORT_EXHAUSTED,
             });
         }
-        port => config().and_then(A::node_ip).map(|addr| Endpoint {
-            addr,
-            port: port as u16,
-        }),
+        port => match config().and_then(A::node_ip) {
+            Some(addr) => {
+                snat = Endpoint {
+                    addr,
+                    port: port as u16,
+                };
+                true
+            }
+            None => false,
+        },
     };
     if conntrack::create::<A>(p, &c.backend, &head, &snat).is_err() {
         // The packet still goes to the chosen backend; later ones may pick another.
         count(metrics::TC_CT_INSERT_FAILED, ctx.len());
     }
-    let Some(action) = to_backend::<C, A>(ctx, p, &c.backend, &snat)? else {
+    let Some(action) = to_backend::<C, A>(ctx, p, &c.backend, &snat, masq)? else {
         // The flow is recorded: tc finds it established and sends it the same way.
         return Ok(to_tc::<C>());
     };
@@ -374,7 +386,7 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
         r.reason = metrics::TC_FWD_NEW as u8;
         r.ct_state = trace_ct::NEW;
         trace_chosen(r, c);
-        trace_nat(r, &snat);
+        trace_nat(r, &snat, masq);
     });
     Ok(Decision {
         action,
@@ -421,7 +433,7 @@ fn snat_port<C: PacketCtx, A: FwdAf>(
     }
 }
 
-/// DNATs the packet to `backend` and, masqueraded, SNATs it to `snat` and forwards it out of
+/// DNATs the packet to `backend` and, masqueraded (`masq`), SNATs it to `to` and forwards it out of
 /// the route to `backend` past the stack (`fwd`); returns the verdict, or `None` when the hook
 /// cannot send it on that route and left it untouched (XDP, next hop unresolved).
 #[inline(never)]
@@ -429,12 +441,13 @@ fn to_backend<C: PacketCtx, A: FwdAf>(
     ctx: &C,
     p: &Packet<A::Addr>,
     backend: &Endpoint<A::Addr>,
-    snat: &Option<Endpoint<A::Addr>>,
+    to: &Endpoint<A::Addr>,
+    masq: bool,
 ) -> Result<Option<i32>, Error> {
-    let Some(to) = snat else {
+    if !masq {
         rewrite::dnat::<C, A>(ctx, p, *backend)?;
         return Ok(Some(C::PASS));
-    };
+    }
     // The route is looked up after the rewrite where any route can be sent on (tc): a route
     // result held across the rewrite would make the verifier walk the rewrite once per value.
     let route = if C::RESOLVES_NEIGH {
@@ -479,8 +492,8 @@ fn source_allowed<A: Af>(p: &Packet<A::Addr>, svc: &Service<A::Addr>) -> bool {
 
 /// The trace record's masquerade fields for `snat`.
 #[inline(always)]
-fn trace_nat<A>(r: &mut TraceRecord, snat: &Option<Endpoint<A>>) {
-    if let Some(to) = snat {
+fn trace_nat<A>(r: &mut TraceRecord, to: &Endpoint<A>, masq: bool) {
+    if masq {
         r.masquerade = 1;
         r.nat_port = to.port;
     }
@@ -489,9 +502,10 @@ fn trace_nat<A>(r: &mut TraceRecord, snat: &Option<Endpoint<A>>) {
 /// The client a reply of `flow` goes back to.
 #[inline(always)]
 fn reply_client<A: Af>(p: &Packet<A::Addr>, flow: &conntrack::Flow<A::Addr>) -> A::Addr {
-    match flow.nat {
-        Some(c) => c.addr,
-        None => p.daddr,
+    if flow.masqueraded() {
+        flow.nat.addr
+    } else {
+        p.daddr
     }
 }
 
@@ -503,9 +517,10 @@ fn reverse_rewrite<C: PacketCtx, A: FwdAf>(
     p: &Packet<A::Addr>,
     flow: &conntrack::Flow<A::Addr>,
 ) -> Result<(), Error> {
-    match flow.nat {
-        Some(client) => rewrite::reverse_snat::<C, A>(ctx, p, flow.endpoint, client),
-        None => rewrite::reverse_nat::<C, A>(ctx, p, flow.endpoint),
+    if flow.masqueraded() {
+        rewrite::reverse_snat::<C, A>(ctx, p, flow.endpoint, flow.nat)
+    } else {
+        rewrite::reverse_nat::<C, A>(ctx, p, flow.endpoint)
     }
 }
 

@@ -1,6 +1,7 @@
 //! Developer tasks for lb, run as `cargo xtask <command>`.
 
 mod bench;
+mod kernels;
 mod process;
 mod setup;
 
@@ -11,7 +12,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 use clap::{Parser, Subcommand};
 
 use crate::process::{cargo, display, run, workspace_root};
@@ -33,8 +34,14 @@ enum Task {
         #[arg(long)]
         release: bool,
     },
-    /// Set up, build the binaries and run every test; needs root.
+    /// Set up, build the binaries and run every test on the host kernel, then the
+    /// kernel-dependent suites on the floor kernel (5.10) in a VM; needs root.
     Test {
+        /// Run the kernel-dependent suites (datapath, netns, trace, northsouth) on these kernels
+        /// instead: `host` (native), `5.10`, `6.1`, `6.12`, `newest` (comma-separated), or
+        /// `all`, which also rewrites the README's kernel table. Without a name: list them.
+        #[arg(long, num_args = 0..=1, default_missing_value = "")]
+        kernel: Option<String>,
         /// Extra arguments for `cargo test`, e.g. `-- -p lb-tests --test netns -- --nocapture`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
@@ -49,6 +56,14 @@ enum Task {
     Lint,
     /// Run the benchmarks (lb-bench) and write docs/benchmarks.md; needs root.
     Bench(bench::BenchArgs),
+    /// Inside a kernel-matrix VM: run the suites, write `result.json` to `--out`.
+    #[command(hide = true)]
+    VmGuest {
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// `NAME=PATH` of each suite's test executable.
+        suites: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -63,10 +78,11 @@ fn run_task(task: Task) -> Result<ExitCode> {
     match task {
         Task::Setup => setup::setup_for_tests()?,
         Task::Build { release } => build(release)?,
-        Task::Test { args } => test(&args)?,
+        Task::Test { kernel, args } => test(kernel.as_deref(), &args)?,
         Task::Demo { args } => demo(&args)?,
         Task::Lint => lint()?,
         Task::Bench(args) => bench::bench(&args)?,
+        Task::VmGuest { out, suites } => kernels::guest(&out, &suites)?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -83,7 +99,12 @@ fn build(release: bool) -> Result<()> {
     run(&mut cmd)
 }
 
-fn test(args: &[OsString]) -> Result<()> {
+fn test(kernel: Option<&str>, args: &[OsString]) -> Result<()> {
+    let selection = kernel.map(kernels::Selection::parse).transpose()?;
+    if let Some(kernels::Selection::List) = selection {
+        kernels::list();
+        return Ok(());
+    }
     if !setup::is_root()? {
         bail!(
             "`cargo xtask test` must run as root: the datapath and network-namespace tests load \
@@ -91,18 +112,109 @@ fn test(args: &[OsString]) -> Result<()> {
         );
     }
     let mut phases = Phases::default();
-    let result = test_phases(&mut phases, args);
+    let result = test_phases(&mut phases, selection, args);
     phases.report();
     result
 }
 
-fn test_phases(phases: &mut Phases, args: &[OsString]) -> Result<()> {
-    phases.time("setup", setup::setup_for_tests)?;
+fn test_phases(
+    phases: &mut Phases,
+    selection: Option<kernels::Selection>,
+    args: &[OsString],
+) -> Result<()> {
+    use kernels::Selection;
+    // Without --kernel: everything on the host, then the floor kernel's VM.
+    let (full_host, host_suites, vms): (bool, bool, Vec<&'static str>) = match &selection {
+        None => (true, false, vec![setup::vm::FLOOR]),
+        Some(Selection::All) => (
+            false,
+            true,
+            setup::vm::KERNELS.iter().map(|k| k.name).collect(),
+        ),
+        Some(Selection::Some(names)) => (
+            false,
+            names.iter().any(|n| n == "host"),
+            setup::vm::KERNELS
+                .iter()
+                .map(|k| k.name)
+                .filter(|k| names.iter().any(|n| n == k))
+                .collect(),
+        ),
+        Some(Selection::List) => unreachable!("listed above"),
+    };
+    if full_host {
+        phases.time("setup", setup::setup_for_tests)?;
+    } else {
+        phases.time("setup", setup::setup)?;
+    }
+    let (tools, kernels) = if vms.is_empty() {
+        (None, Vec::new())
+    } else {
+        let mut found = (None, Vec::new());
+        phases.time("vm setup", || {
+            let tools = setup::vm::vm_tools()?;
+            found = (Some(tools), setup::vm::kernels(&vms)?);
+            Ok(())
+        })?;
+        found
+    };
     // The tests start target/debug/{lb,lb-echo,lb-demo}, which `cargo test` does not build.
     phases.time("build", || run(cargo().args(["build", "--bins"])))?;
-    phases.time("test", || {
-        run(cargo().args(["test", "--no-fail-fast"]).args(args))
-    })
+    if full_host {
+        phases.time("test", || {
+            run(cargo().args(["test", "--no-fail-fast"]).args(args))
+        })?;
+    }
+    if !host_suites && kernels.is_empty() {
+        return Ok(());
+    }
+    let mut bins = Vec::new();
+    phases.time("build suites", || {
+        bins = kernels::suite_binaries()?;
+        Ok(())
+    })?;
+    let mut results = Vec::new();
+    let mut failures = Vec::new();
+    if host_suites {
+        phases.time("host", || {
+            let r = kernels::run_host(&bins)?;
+            if !r.ok() {
+                failures.push("host".to_owned());
+            }
+            results.push(r);
+            Ok(())
+        })?;
+    }
+    if let Some(tools) = &tools {
+        for k in &kernels {
+            let phase: &'static str = match k.name {
+                "5.10" => "vm 5.10",
+                "6.1" => "vm 6.1",
+                "6.12" => "vm 6.12",
+                _ => "vm newest",
+            };
+            let outcome = phases.time(phase, || {
+                let r = kernels::run_vm(tools, k, &bins)?;
+                let ok = r.ok();
+                results.push(r);
+                ensure!(ok, "suites failed");
+                Ok(())
+            });
+            if let Err(e) = outcome {
+                println!("kernel {}: {e:#}", k.name);
+                failures.push(k.name.to_owned());
+            }
+        }
+    }
+    let table = kernels::table(&results);
+    println!("\n{table}");
+    if matches!(selection, Some(Selection::All)) {
+        kernels::write_readme_table(&table)?;
+    }
+    if !failures.is_empty() {
+        bail!("kernel-dependent suites failed on: {}", failures.join(", "));
+    }
+    Ok(())
 }
 
 fn demo(args: &[OsString]) -> Result<()> {

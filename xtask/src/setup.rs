@@ -5,6 +5,7 @@
 //! the eBPF crate is built by Debian's rustc, and bpf-linker must use the same LLVM).
 
 mod kube;
+pub mod vm;
 
 use std::{
     fs,
@@ -37,7 +38,8 @@ pub fn setup() -> Result<()> {
     if !root {
         println!("warning: not root; setup can check but not install packages or mount bpffs");
     }
-    debian_packages(root)?;
+    let wanted = packages();
+    ensure_packages(&wanted.iter().map(String::as_str).collect::<Vec<_>>())?;
     debian_rustc()?;
     rust_src()?;
     bpf_linker()?;
@@ -85,15 +87,16 @@ fn packages() -> Vec<String> {
     .into()
 }
 
-fn debian_packages(root: bool) -> Result<()> {
-    let wanted = packages();
+/// Installs the Debian packages of `wanted` that are missing.
+fn ensure_packages(wanted: &[&str]) -> Result<()> {
+    let wanted: Vec<String> = wanted.iter().map(|p| (*p).to_owned()).collect();
     let missing = missing_packages(&wanted)?;
     if missing.is_empty() {
         println!("ok: Debian packages installed: {}", wanted.join(" "));
         return Ok(());
     }
     ensure!(
-        root,
+        is_root()?,
         "missing Debian packages: {}; run `cargo xtask setup` as root to install them",
         missing.join(" ")
     );

@@ -132,6 +132,8 @@ pub struct Status {
     pub pin_dir: String,
     pub kernel: KernelStatus,
     pub features: Features,
+    /// Every probed feature and what lb chose (`lb features`).
+    pub kernel_features: Vec<crate::datapath::features::Feature>,
     /// lb's programs that use the pinned maps, with their bpf_link attachments.
     pub programs: Vec<ProgramStatus>,
     pub maps: Vec<MapStatus>,
@@ -415,6 +417,14 @@ pub fn render_status(s: &Status) -> String {
         yes_no(s.features.tcx),
         yes_no(s.features.cgroup_link)
     ));
+    out.push_str("Kernel features (available, what lb uses):\n");
+    out.push_str(
+        &crate::datapath::features::Features {
+            release: s.kernel.release.clone(),
+            features: s.kernel_features.clone(),
+        }
+        .render(),
+    );
     out.push_str(&format!("Pin dir:   {}\n", s.pin_dir));
     if s.programs.is_empty() {
         out.push_str("Programs:  none loaded that use these maps (is `lb run` running?)\n");
@@ -760,6 +770,8 @@ pub fn status(dir: &Path) -> anyhow::Result<Status> {
             tcx: at_least(6, 6),
             cgroup_link: at_least(5, 7),
         },
+        kernel_features: crate::datapath::features::probe(&[], crate::datapath::load::XdpMode::Off)
+            .features,
         programs: programs(dir)?,
         maps,
         counters: read_counters(dir)?

@@ -42,6 +42,17 @@ enum Command {
     /// Run a synthetic packet through the real datapath (BPF_PROG_TEST_RUN) and show where it
     /// goes and why; never changes live conntrack.
     Trace(trace::TraceArgs),
+    /// Probe the kernel features lb adapts to and show which fallbacks it would take.
+    Features(FeaturesArgs),
+}
+
+#[derive(clap::Args)]
+struct FeaturesArgs {
+    #[command(flatten)]
+    devices: DeviceArgs,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -191,5 +202,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Services(args) => inspect::services_cmd(&args),
         Command::Backends(args) => inspect::backends_cmd(&args),
         Command::Status(args) => inspect::status_cmd(&args),
+        Command::Features(args) => {
+            let f = crate::datapath::features::probe(&args.devices.devices, args.devices.xdp);
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&f)?);
+            } else {
+                print!("Kernel {}\n{}", f.release, f.render());
+            }
+            Ok(())
+        }
     }
 }

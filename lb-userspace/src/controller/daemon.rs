@@ -206,6 +206,7 @@ fn attach(
     facts: Option<&NodeFacts>,
 ) -> anyhow::Result<()> {
     let devices = external_devices(opts, facts);
+    crate::datapath::features::probe(&devices, opts.xdp).log();
     for iface in &devices {
         // XDP first, tc ingress beside it: tc finishes what XDP hands on, and serves alone
         // where XDP cannot attach.
