@@ -27,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Task {
     /// Install and check what building and testing need (Debian packages, bpf-linker, bpffs,
-    /// the Kubernetes control plane the tests use).
+    /// the Kubernetes control plane the tests use, QEMU, virtme-ng and the 5.10 kernel).
     Setup,
     /// Set up, then build the default workspace members (lb-ebpf comes through lb-userspace).
     Build {
@@ -76,7 +76,11 @@ fn main() -> ExitCode {
 
 fn run_task(task: Task) -> Result<ExitCode> {
     match task {
-        Task::Setup => setup::setup_for_tests()?,
+        Task::Setup => {
+            setup::setup_for_tests()?;
+            setup::vm::vm_tools()?;
+            setup::vm::kernels(&[setup::vm::FLOOR])?;
+        }
         Task::Build { release } => build(release)?,
         Task::Test { kernel, args } => test(kernel.as_deref(), &args)?,
         Task::Demo { args } => demo(&args)?,

@@ -11,7 +11,7 @@ use std::{
     process::Command,
 };
 
-use anyhow::{Context as _, Result, bail, ensure};
+use anyhow::{Context as _, Result, ensure};
 
 use super::{DEBIAN_CARGO, DEBIAN_RUSTC, ensure_packages};
 use crate::process::{probe, run, workspace_root};
@@ -198,18 +198,27 @@ pub fn kernels(names: &[&'static str]) -> Result<Vec<Kernel>> {
     Ok(out)
 }
 
+/// `root/boot/vmlinuz-*` (bullseye, bookworm) or `root/usr/lib/modules/*/vmlinuz` (sid).
 fn find_vmlinuz(dir: &Path) -> Result<PathBuf> {
-    let boot = dir.join("root/boot");
-    for entry in fs::read_dir(&boot).with_context(|| format!("reading {}", boot.display()))? {
-        let path = entry?.path();
-        if path
-            .file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
-        {
-            return Ok(path);
-        }
-    }
-    bail!("no vmlinuz-* in {}", boot.display())
+    let root = dir.join("root");
+    let boot = fs::read_dir(root.join("boot"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
+        });
+    let modules = fs::read_dir(root.join("usr/lib/modules"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("vmlinuz"))
+        .filter(|p| p.is_file());
+    boot.chain(modules)
+        .next()
+        .with_context(|| format!("no vmlinuz in {}", root.display()))
 }
 
 /// apt with its own sources and state under `target/tools/kernels/apt`: bullseye and sid are
