@@ -17,8 +17,20 @@ use anyhow::{Context as _, bail};
 
 use crate::testbed::Testbed;
 
-/// How long [`LbDaemon`] waits for a log line.
+/// How long [`LbDaemon`] waits for a log line, times [`slowdown`].
 pub const LB_LOG_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// `LB_TEST_SLOWDOWN` (default 1): how many times slower than native the tests run. The
+/// kernel-matrix VMs set it, since QEMU's software emulation starts processes 40–80× and
+/// runs code about 12× slower; only waits for lb to come up scale with it, never an assertion
+/// about the datapath.
+pub fn slowdown() -> u32 {
+    std::env::var("LB_TEST_SLOWDOWN")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n >= 1)
+        .unwrap_or(1)
+}
 /// How long lb may take to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a wait looks at lb's exit and the interrupt flag.
@@ -196,7 +208,7 @@ impl LbDaemon {
         if let Some(line) = self.log.iter().skip(from).find(|l| pred(l)) {
             return Ok(line.clone());
         }
-        let deadline = Instant::now() + LB_LOG_TIMEOUT;
+        let deadline = Instant::now() + LB_LOG_TIMEOUT * slowdown();
         while Instant::now() < deadline {
             if self.interrupted.is_some_and(|i| i.load(Ordering::SeqCst)) {
                 bail!("interrupted; cleaning up");

@@ -168,7 +168,7 @@ fn out_dir(kernel: &str) -> Result<PathBuf> {
 pub fn run_host(bins: &[(String, PathBuf)]) -> Result<KernelResult> {
     let out = out_dir("host")?;
     let start = Instant::now();
-    let mut r = run_suites(&out, bins)?;
+    let mut r = run_suites(&out, bins, 1)?;
     r.kernel = "host".into();
     r.secs = start.elapsed().as_secs_f64();
     Ok(r)
@@ -315,14 +315,15 @@ pub fn guest(out: &Path, suites: &[String]) -> Result<()> {
     if !st.success() {
         println!("modprobe -a {} failed ({st})", GUEST_MODULES.join(" "));
     }
-    let r = run_suites(out, &bins)?;
+    // Emulated: waits for lb to start scale with this (tests/src/daemon.rs `slowdown`).
+    let r = run_suites(out, &bins, 3)?;
     fs::write(out.join("result.json"), serde_json::to_string_pretty(&r)?)?;
     Ok(())
 }
 
 /// Runs each suite's executable (from the tests' package directory, as cargo does) with its
-/// output in `out/<suite>.log`.
-fn run_suites(out: &Path, bins: &[(String, PathBuf)]) -> Result<KernelResult> {
+/// output in `out/<suite>.log`; `slowdown` scales the tests' waits for lb to start.
+fn run_suites(out: &Path, bins: &[(String, PathBuf)], slowdown: u32) -> Result<KernelResult> {
     let release = fs::read_to_string("/proc/sys/kernel/osrelease")
         .unwrap_or_default()
         .trim()
@@ -347,6 +348,7 @@ fn run_suites(out: &Path, bins: &[(String, PathBuf)]) -> Result<KernelResult> {
         let start = Instant::now();
         let status = Command::new(exe)
             .arg("--test-threads=2")
+            .env("LB_TEST_SLOWDOWN", slowdown.to_string())
             .current_dir(workspace_root().join("tests"))
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)

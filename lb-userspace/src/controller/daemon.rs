@@ -206,7 +206,10 @@ fn attach(
     facts: Option<&NodeFacts>,
 ) -> anyhow::Result<()> {
     let devices = external_devices(opts, facts);
-    crate::datapath::features::probe(&devices, opts.xdp).log();
+    // Informational (the choices are made where each feature is used), and reading
+    // kallsyms is slow: off the path to the first attach.
+    let (probe_devices, xdp) = (devices.clone(), opts.xdp);
+    std::thread::spawn(move || crate::datapath::features::probe(&probe_devices, xdp).log());
     for iface in &devices {
         // XDP first, tc ingress beside it: tc finishes what XDP hands on, and serves alone
         // where XDP cannot attach.
