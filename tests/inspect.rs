@@ -368,8 +368,17 @@ fn inspection_commands_show_the_live_maps() {
         assert!(text.contains(want), "{want}: {text}");
     }
 
-    // After lb exits the maps stay pinned and readable, and no program is listed any more.
+    // After lb exits its programs stay attached (pinned links) and listed; after `lb detach`
+    // the maps stay pinned and readable, and no program is listed any more.
     lb.stop().unwrap();
+    let status = lb_json(&tb, &["status", "--pin-dir", &pin]);
+    assert_ne!(
+        status["programs"],
+        json!([]),
+        "programs stay after lb exits"
+    );
+    let out = lb_cli(&tb, &["detach", "--pin-dir", &pin]);
+    assert!(out.status.success(), "lb detach: {out:?}");
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let status = lb_json(&tb, &["status", "--pin-dir", &pin]);

@@ -7,7 +7,9 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fs,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
+    thread,
+    time::Duration,
 };
 
 use aya::maps::{HashMap, Map, MapData};
@@ -202,20 +204,31 @@ fn balance_then_remove_backend(socket_lb: bool) {
     reload(&mut lb, 2);
     assert_balanced(&mut tb, socket_lb, &["b1", "b2"], &[]);
 
-    // Stopping lb detaches its programs: nothing translates the VIP any more.
+    // Stopping lb leaves its programs attached (a restart must lose nothing): the VIP still
+    // answers from the pinned state. `lb detach` removes them: then nothing translates it.
     assert!(lb.stop().unwrap().success(), "lb exits cleanly on SIGTERM");
-    let mut cmd = Command::new(LB_ECHO);
-    cmd.args(["client", "--target", "198.19.0.10:80", "--proto", "tcp"])
-        .args(["--count", "1", "--timeout-ms", "500"]);
-    let (ns, cg) = (tb.client.ns.clone(), tb.cgroup.clone());
-    let out = tb
-        .run(&ns, socket_lb.then_some(cg.as_path()), cmd)
-        .expect("client");
-    assert!(
-        !out.status.success(),
-        "VIP still answered after lb stopped: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let vip_answers = |tb: &mut Testbed| {
+        let mut cmd = Command::new(LB_ECHO);
+        cmd.args(["client", "--target", "198.19.0.10:80", "--proto", "tcp"])
+            .args(["--count", "1", "--timeout-ms", "500"]);
+        let (ns, cg) = (tb.client.ns.clone(), tb.cgroup.clone());
+        let out = tb
+            .run(&ns, socket_lb.then_some(cg.as_path()), cmd)
+            .expect("client");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, out) = vip_answers(&mut tb);
+    assert!(ok, "the VIP answers after lb exited: {out}");
+    let mut detach = Command::new(LB);
+    detach.args(["detach", "--pin-dir"]).arg(&lb.pin_dir);
+    let node = tb.node_ns.clone();
+    let out = tb.run(&node, None, detach).expect("lb detach");
+    assert!(out.status.success(), "lb detach: {out:?}");
+    let (ok, out) = vip_answers(&mut tb);
+    assert!(!ok, "VIP still answered after lb detach: {out}");
     drop(lb);
 }
 
@@ -223,7 +236,7 @@ fn balance_then_remove_backend(socket_lb: bool) {
 /// metrics and health endpoints, which listen inside the node netns.
 fn http_get(ns: &str, addr: &str, path: &str) -> (u16, String) {
     let (ns, addr, path) = (ns.to_string(), addr.to_string(), path.to_string());
-    std::thread::spawn(move || {
+    thread::spawn(move || {
         use std::io::{Read as _, Write as _};
         let f = fs::File::open(format!("/run/netns/{ns}")).unwrap();
         nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
@@ -898,4 +911,85 @@ fn socket_lb_refuses_like_kube_proxy() {
         4 * REQUESTS as u64
     );
     drop(lb);
+}
+
+/// Restarting lb under continuous load loses nothing: SIGTERM then start, and SIGKILL then
+/// start, each a second apart, while clients keep sending fresh TCP connections, one
+/// long-lived TCP connection and unconnected UDP requests (socket LB, then the tc path).
+/// Programs stay attached through pinned links, each new lb adopts them (and says so), and
+/// conntrack and socket-LB reverse NAT live in pinned maps: no request fails, the long
+/// connection is never reset, and every UDP reply comes from the VIP.
+#[test]
+fn restart_under_load_loses_nothing() {
+    const COUNT: usize = 400;
+    for socket_lb in [true, false] {
+        let mode = if socket_lb { "socket LB" } else { "tc" };
+        let mut tb = Testbed::create(3).expect("testbed");
+        tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+            .expect("echo servers");
+        let manifests = Manifests::new(&tb.id);
+        let mut lb = start_lb(&mut tb, &manifests.0, socket_lb);
+
+        let loads: [(&str, &str, &[&str]); 3] = [
+            ("tcp", "198.19.0.10:80", &[]),
+            ("tcp", "198.19.0.10:80", &["--keep-connection"]),
+            ("udp", "198.19.0.10:53", &[]),
+        ];
+        let (ns, cg) = (tb.client.ns.clone(), tb.cgroup.clone());
+        let mut clients = Vec::new();
+        for (proto, target, extra) in loads {
+            let mut cmd = Command::new(LB_ECHO);
+            cmd.args(["client", "--target", target, "--proto", proto])
+                .args(["--count", &COUNT.to_string(), "--interval-ms", "20"])
+                .args(["--timeout-ms", "1000"])
+                .args(extra)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null());
+            let child = tb
+                .spawn(&ns, socket_lb.then_some(cg.as_path()), cmd)
+                .expect("client");
+            clients.push((proto, target, extra, child));
+        }
+
+        for kill in [false, true] {
+            thread::sleep(Duration::from_millis(700));
+            // The next lb reuses the pins.
+            lb.keep_dirs();
+            if kill {
+                lb.signal(nix::sys::signal::Signal::SIGKILL).unwrap();
+            }
+            lb.stop().unwrap();
+            // The gap a restarting DaemonSet pod leaves, roughly.
+            thread::sleep(Duration::from_secs(1));
+            lb = start_lb(&mut tb, &manifests.0, socket_lb);
+            let ready = lb
+                .wait_for_from(0, |l| l.contains(" ready"), "ready")
+                .unwrap();
+            assert!(
+                ready.contains("(adopted)"),
+                "{mode}: the new lb adopts the attachments: {ready}"
+            );
+        }
+
+        for (proto, target, extra, child) in clients {
+            let out = child.wait_with_output().expect("client output");
+            let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(|l| serde_json::from_str(l).expect("client JSON"))
+                .collect();
+            let what = format!("{mode} {proto} {extra:?}");
+            assert_eq!(lines.len(), COUNT, "{what}: every request reported");
+            let failed: Vec<&serde_json::Value> =
+                lines.iter().filter(|v| v.get("error").is_some()).collect();
+            assert!(
+                failed.is_empty(),
+                "{what}: {} of {COUNT} requests failed across two restarts: {failed:?}",
+                failed.len()
+            );
+            for v in &lines {
+                assert_eq!(v["peer"], target, "{what}: reply from the VIP: {v}");
+            }
+        }
+        drop(lb);
+    }
 }

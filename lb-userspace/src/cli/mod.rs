@@ -44,6 +44,9 @@ enum Command {
     Trace(trace::TraceArgs),
     /// Probe the kernel features lb adapts to and show which fallbacks it would take.
     Features(FeaturesArgs),
+    /// Detach lb's programs for good (they stay attached when `lb run` exits, so a restart
+    /// or upgrade loses nothing); the pinned maps stay.
+    Detach(inspect::PinDirArgs),
 }
 
 #[derive(clap::Args)]
@@ -202,6 +205,28 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Services(args) => inspect::services_cmd(&args),
         Command::Backends(args) => inspect::backends_cmd(&args),
         Command::Status(args) => inspect::status_cmd(&args),
+        Command::Detach(args) => {
+            use aya::programs::TcAttachType;
+            use lb_common::prog_names;
+            let removed = crate::datapath::links::detach_all(
+                &args.pin_dir,
+                &[
+                    (prog_names::TC_INGRESS, TcAttachType::Ingress),
+                    (prog_names::TC_POD, TcAttachType::Ingress),
+                    (prog_names::TC_EGRESS, TcAttachType::Egress),
+                ],
+            )?;
+            if args.json {
+                println!("{}", serde_json::to_string(&removed)?);
+            } else if removed.is_empty() {
+                println!("nothing attached under {}", args.pin_dir.display());
+            } else {
+                for r in &removed {
+                    println!("detached {r}");
+                }
+            }
+            Ok(())
+        }
         Command::Features(args) => {
             let f = crate::datapath::features::probe(&args.devices.devices, args.devices.xdp);
             if args.json {

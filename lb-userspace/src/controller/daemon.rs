@@ -78,6 +78,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         max_entries: opts.map_max.clone(),
         trace: false,
         no_set_retval: false,
+        // A restart (or upgrade) must not leave a moment without programs: see `links`.
+        persist_links: true,
     })?;
     // Before anything attaches: the pinned tries may hold an earlier run's ranges.
     let service_cidrs: Vec<(std::net::IpAddr, u8)> = opts
@@ -168,7 +170,10 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
             r = tokio::signal::ctrl_c() => { r?; break }
         }
     }
-    tracing::info!("shutting down; detaching programs, keeping pinned maps");
+    tracing::info!(
+        "shutting down; programs stay attached through pinned links and maps (`lb detach` \
+         removes them)"
+    );
     drop(datapath);
     Ok(())
 }
@@ -235,6 +240,10 @@ fn attach(
     }
     if let Some(cgroup) = &opts.cgroup {
         datapath.attach_cgroup(cgroup)?;
+    }
+    let pruned = datapath.prune_links()?;
+    if !pruned.is_empty() {
+        tracing::info!(links = ?pruned, "detached what this run no longer attaches");
     }
     Ok(())
 }

@@ -3,7 +3,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fs::{self, File},
     net::IpAddr,
-    os::unix::fs::PermissionsExt as _,
+    os::{fd::AsFd as _, unix::fs::PermissionsExt as _},
     path::{Path, PathBuf},
 };
 
@@ -13,7 +13,9 @@ use aya::{
     maps::{Array, HashMap, LpmTrie, MapData, MapInfo, MapType, lpm_trie::Key as LpmKey},
     programs::{
         CgroupAttachMode, CgroupSockAddr, Program, ProgramType, SchedClassifier, TcAttachType, Xdp,
-        tc, xdp::XdpMode as AyaXdpMode,
+        links::FdLink,
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions},
+        xdp::XdpMode as AyaXdpMode,
     },
     sys::{BpfHelper, is_helper_supported},
     util::KernelVersion,
@@ -25,7 +27,10 @@ use lb_common::{
     SvcCidrValue, SvcValue, globals, map_names, map_sizes, prog_names,
 };
 
-use super::maps::{BpfMaps, Table};
+use super::{
+    links,
+    maps::{BpfMaps, Table},
+};
 use crate::{model::Family, node_facts::NodeFacts};
 
 /// The eBPF object, built from lb-ebpf by build.rs on every build.
@@ -190,6 +195,9 @@ pub struct LoadOptions {
     /// Refuse socket-LB calls with EPERM even where the kernel would let them fail with
     /// ECONNREFUSED (tests of the fallback older kernels get).
     pub no_set_retval: bool,
+    /// With `pin_dir`: attachments outlive the process (links pinned under `links/`, netlink
+    /// filters left in place) and a later load adopts them (`lb run`; see `links`).
+    pub persist_links: bool,
 }
 
 impl LoadOptions {
@@ -234,6 +242,18 @@ pub const SERVICE_MAPS: [&str; 10] = [
     map_names::SVC_CIDR6,
 ];
 
+/// Pins `link` at `path` (creating the links directory); the pin keeps it attached after this
+/// process exits.
+fn pin_link(link: FdLink, path: &Path) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))?;
+    }
+    link.pin(path)
+        .with_context(|| format!("pinning a link at {}", path.display()))?;
+    Ok(())
+}
+
 /// Whether cgroup sock_addr programs may call `bpf_set_retval` (5.18+ for some hooks, every
 /// connect/sendmsg hook on current kernels), probed by loading a tiny program that calls it.
 pub fn sock_set_retval_supported() -> bool {
@@ -250,6 +270,10 @@ pub fn sock_set_retval_supported() -> bool {
 pub struct Datapath {
     ebpf: Ebpf,
     attachments: Vec<String>,
+    /// The pin dir when attachments persist (`LoadOptions::persist_links`).
+    link_pins: Option<PathBuf>,
+    /// The link pins this run uses (kept by `prune_links`).
+    used_links: Vec<PathBuf>,
     max_entries: BTreeMap<String, u32>,
     set_retval: bool,
 }
@@ -324,6 +348,8 @@ impl Datapath {
         Ok(Self {
             ebpf,
             attachments: Vec::new(),
+            link_pins: opts.pin_dir.clone().filter(|_| opts.persist_links),
+            used_links: Vec::new(),
             max_entries,
             set_retval,
         })
@@ -358,73 +384,197 @@ impl Datapath {
     }
 
     /// Attaches the tc program for `hook` to `iface` (TCX on 6.6+, a clsact qdisc filter
-    /// before).
+    /// before). With persisting links, a predecessor's attachment is adopted instead.
     pub fn attach_tc(&mut self, iface: &str, hook: TcHook) -> anyhow::Result<()> {
         let (name, attach) = match hook {
             TcHook::External => (prog_names::TC_INGRESS, TcAttachType::Ingress),
             TcHook::Pod => (prog_names::TC_POD, TcAttachType::Ingress),
             TcHook::Egress => (prog_names::TC_EGRESS, TcAttachType::Egress),
         };
-        if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
+        let tcx = !KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0));
+        if !tcx {
             // Netlink attachment needs clsact; it may already be there.
             if let Err(e) = tc::qdisc_add_clsact(iface) {
                 tracing::debug!(iface, error = %e, "clsact qdisc not added");
             }
         }
+        let pin = self
+            .link_pins
+            .as_deref()
+            .map(|d| links::path(d, &format!("{name}@{iface}")));
         let prog: &mut SchedClassifier = self
             .ebpf
             .program_mut(name)
             .context("tc program missing from the object")?
             .try_into()?;
-        prog.attach(iface, attach)
-            .with_context(|| format!("attaching {name} to {iface}"))?;
-        self.attachments.push(format!("{name} on {iface}"));
+        let adopted = match (&pin, tcx) {
+            (Some(pin), true) => {
+                if links::adopt(pin, prog.fd()?.as_fd())? {
+                    true
+                } else {
+                    let id = prog
+                        .attach(iface, attach)
+                        .with_context(|| format!("attaching {name} to {iface}"))?;
+                    let link = FdLink::try_from(prog.take_link(id)?)?;
+                    pin_link(link, pin)?;
+                    false
+                }
+            }
+            (Some(_), false) => {
+                // The filter at lb's priority and handle stays when this process exits; a
+                // predecessor's is replaced in place, never duplicated.
+                let opts = TcAttachOptions::Netlink(NlOptions {
+                    priority: links::TC_NETLINK_PRIORITY,
+                    handle: links::TC_NETLINK_HANDLE.into(),
+                    ..NlOptions::default()
+                });
+                let (id, adopted) = match prog.attach_with_options(iface, attach, opts) {
+                    Ok(id) => (id, false),
+                    Err(_) => {
+                        let old = SchedClassifierLink::attached(
+                            iface,
+                            attach,
+                            links::TC_NETLINK_PRIORITY,
+                            links::TC_NETLINK_HANDLE.into(),
+                            None,
+                        )?;
+                        let id = prog
+                            .attach_to_link(old)
+                            .with_context(|| format!("replacing {name}'s filter on {iface}"))?;
+                        (id, true)
+                    }
+                };
+                std::mem::forget(prog.take_link(id)?);
+                adopted
+            }
+            (None, _) => {
+                prog.attach(iface, attach)
+                    .with_context(|| format!("attaching {name} to {iface}"))?;
+                false
+            }
+        };
+        if let Some(pin) = pin {
+            self.used_links.push(pin);
+        }
+        self.attachments.push(format!(
+            "{name} on {iface}{}",
+            if adopted { " (adopted)" } else { "" }
+        ));
         Ok(())
     }
 
     /// Attaches `lb_xdp` to `iface` in `mode` (with bpf_link where the kernel has it). `Off`
     /// attaches nothing. The caller attaches `lb_tc_ingress` beside it: XDP hands it what it
-    /// cannot finish.
+    /// cannot finish. With persisting links, a predecessor's link in the same mode is adopted;
+    /// one in another mode is replaced (XDP cannot change mode in place).
     pub fn attach_xdp(&mut self, iface: &str, mode: XdpMode) -> anyhow::Result<()> {
         let flags = match mode.resolve(iface) {
             XdpMode::Native => AyaXdpMode::Driver,
             XdpMode::Generic => AyaXdpMode::Skb,
             XdpMode::Off | XdpMode::Auto => return Ok(()),
         };
+        let shown = match flags {
+            AyaXdpMode::Driver => "native",
+            _ => "generic",
+        };
+        let pins = self.link_pins.as_deref().map(|d| {
+            let other = if shown == "native" {
+                "generic"
+            } else {
+                "native"
+            };
+            (
+                links::path(d, &format!("{}_{shown}@{iface}", prog_names::XDP)),
+                links::path(d, &format!("{}_{other}@{iface}", prog_names::XDP)),
+            )
+        });
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(prog_names::XDP)
             .context("XDP program missing from the object")?
             .try_into()?;
-        prog.attach(iface, flags)
-            .with_context(|| format!("attaching {} ({mode:?}) to {iface}", prog_names::XDP))?;
-        let mode = match flags {
-            AyaXdpMode::Driver => "native",
-            _ => "generic",
-        };
-        self.attachments
-            .push(format!("{} ({mode}) on {iface}", prog_names::XDP));
+        let mut adopted = false;
+        match &pins {
+            Some((pin, other)) => {
+                if other.exists() {
+                    fs::remove_file(other)
+                        .with_context(|| format!("removing {}", other.display()))?;
+                }
+                adopted = links::adopt(pin, prog.fd()?.as_fd())?;
+                if !adopted {
+                    let id = prog.attach(iface, flags).with_context(|| {
+                        format!("attaching {} ({mode:?}) to {iface}", prog_names::XDP)
+                    })?;
+                    let link = FdLink::try_from(prog.take_link(id)?)?;
+                    pin_link(link, pin)?;
+                }
+                self.used_links.push(pin.clone());
+            }
+            None => {
+                prog.attach(iface, flags).with_context(|| {
+                    format!("attaching {} ({mode:?}) to {iface}", prog_names::XDP)
+                })?;
+            }
+        }
+        self.attachments.push(format!(
+            "{} ({shown}) on {iface}{}",
+            prog_names::XDP,
+            if adopted { " (adopted)" } else { "" }
+        ));
         Ok(())
     }
 
-    /// Attaches the socket-LB programs to the cgroup v2 directory `path`.
+    /// Attaches the socket-LB programs to the cgroup v2 directory `path`; with persisting
+    /// links, a predecessor's are adopted.
     pub fn attach_cgroup(&mut self, path: &Path) -> anyhow::Result<()> {
         let cgroup =
             File::open(path).with_context(|| format!("opening cgroup {}", path.display()))?;
+        // The cgroup id (its directory's inode) names the pins: paths may contain anything.
+        let id = std::os::unix::fs::MetadataExt::ino(&cgroup.metadata()?);
+        let mut adopted = 0;
         for name in SOCK_PROGRAMS {
+            let pin = self
+                .link_pins
+                .as_deref()
+                .map(|d| links::path(d, &format!("{name}@cgroup{id}")));
             let prog: &mut CgroupSockAddr = self
                 .ebpf
                 .program_mut(name)
                 .with_context(|| format!("program {name} missing from the object"))?
                 .try_into()?;
+            if let Some(pin) = &pin
+                && links::adopt(pin, prog.fd()?.as_fd())?
+            {
+                adopted += 1;
+                self.used_links.push(pin.clone());
+                continue;
+            }
             // On 5.7+ aya attaches with bpf_link, which always coexists with other programs
             // and takes no flags (BPF_F_ALLOW_MULTI there is EINVAL).
-            prog.attach(&cgroup, CgroupAttachMode::Single)
+            let link = prog
+                .attach(&cgroup, CgroupAttachMode::Single)
                 .with_context(|| format!("attaching {name} to {}", path.display()))?;
+            if let Some(pin) = pin {
+                let link = FdLink::try_from(prog.take_link(link)?)?;
+                pin_link(link, &pin)?;
+                self.used_links.push(pin);
+            }
         }
-        self.attachments
-            .push(format!("socket LB on cgroup {}", path.display()));
+        self.attachments.push(format!(
+            "socket LB on cgroup {}{}",
+            path.display(),
+            if adopted > 0 { " (adopted)" } else { "" }
+        ));
         Ok(())
+    }
+
+    /// Removes the pinned links of attachments this run did not make or adopt (a device or
+    /// cgroup no longer configured); returns their names.
+    pub fn prune_links(&self) -> anyhow::Result<Vec<String>> {
+        match &self.link_pins {
+            Some(dir) => links::prune(dir, &self.used_links),
+            None => Ok(Vec::new()),
+        }
     }
 
     pub fn attachments(&self) -> &[String] {

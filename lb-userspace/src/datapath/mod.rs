@@ -4,6 +4,7 @@
 //! probing what the kernel offers and which fallbacks lb takes (`features`).
 pub mod cgroup;
 pub mod features;
+pub mod links;
 pub mod load;
 pub mod maps;
 pub mod pinned;

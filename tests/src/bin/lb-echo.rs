@@ -65,6 +65,13 @@ enum Cmd {
         /// Timeout of each connect and each read, in milliseconds.
         #[arg(long, default_value_t = 2000)]
         timeout_ms: u64,
+        /// Pause between requests, in milliseconds (continuous load across a restart).
+        #[arg(long, default_value_t = 0)]
+        interval_ms: u64,
+        /// TCP: send every request over one connection (a long-lived flow) instead of a
+        /// fresh socket each; a reset or stall fails the rest.
+        #[arg(long)]
+        keep_connection: bool,
     },
 }
 
@@ -84,12 +91,16 @@ fn main() -> ExitCode {
             count,
             connected_udp,
             timeout_ms,
+            interval_ms,
+            keep_connection,
         } => client(
             target,
             proto,
             count,
             connected_udp,
             Duration::from_millis(timeout_ms),
+            Duration::from_millis(interval_ms),
+            keep_connection,
         ),
     };
     match result {
@@ -271,14 +282,21 @@ fn client(
     count: u32,
     connected_udp: bool,
     timeout: Duration,
+    interval: Duration,
+    keep_connection: bool,
 ) -> anyhow::Result<ExitCode> {
     if timeout.is_zero() {
         bail!("--timeout-ms must be positive");
     }
     let mut failed = false;
     let mut out = io::stdout().lock();
+    let mut kept: Option<(TcpStream, BufReader<TcpStream>)> = None;
     for seq in 0..count {
+        if seq > 0 && !interval.is_zero() {
+            thread::sleep(interval);
+        }
         let result = match proto {
+            Proto::Tcp if keep_connection => request_kept(&mut kept, target, timeout),
             Proto::Tcp => request_tcp(target, timeout),
             Proto::Udp if connected_udp => request_udp_connected(target, timeout),
             Proto::Udp => request_udp(target, timeout),
@@ -323,6 +341,43 @@ fn request_tcp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
             "connection closed before a full reply line ({} bytes)",
             line.len()
         );
+    }
+    let (backend, seen) = parse_reply(&line)?;
+    Ok(Reply {
+        backend,
+        seen,
+        peer,
+        local,
+    })
+}
+
+/// One request over the connection in `kept`, opened on first use. A failure keeps the
+/// connection broken: the rest fail too, as a reset flow would for an application.
+fn request_kept(
+    kept: &mut Option<(TcpStream, BufReader<TcpStream>)>,
+    target: SocketAddr,
+    timeout: Duration,
+) -> anyhow::Result<Reply> {
+    if kept.is_none() {
+        let stream = TcpStream::connect_timeout(&target, timeout).context("connect")?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        let reader = BufReader::new(stream.try_clone()?);
+        *kept = Some((stream, reader));
+    }
+    let Some((stream, reader)) = kept else {
+        bail!("no connection");
+    };
+    let peer = stream.peer_addr().context("getpeername")?;
+    let local = stream.local_addr().context("getsockname")?;
+    stream.write_all(HELLO).context("send")?;
+    let mut line = Vec::new();
+    reader
+        .read_until(b'\n', &mut line)
+        .map_err(timeout_err)
+        .context("read reply")?;
+    if line.last() != Some(&b'\n') {
+        bail!("connection closed ({} bytes of a reply)", line.len());
     }
     let (backend, seen) = parse_reply(&line)?;
     Ok(Reply {
