@@ -142,12 +142,10 @@ pub fn detach_all(
     let netlink = aya::util::KernelVersion::current()
         .is_ok_and(|v| v < aya::util::KernelVersion::new(6, 6, 0));
     if netlink {
-        for entry in fs::read_dir("/sys/class/net")
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let iface = entry.file_name().to_string_lossy().into_owned();
+        // The devices of this netns (/sys/class/net shows the netns sysfs was mounted in).
+        let ifaces = nix::net::if_::if_nameindex().context("listing network devices")?;
+        for i in ifaces.iter() {
+            let iface = i.name().to_string_lossy().into_owned();
             for (name, attach) in tc_programs {
                 if aya::programs::tc::qdisc_detach_program(&iface, *attach, name).is_ok() {
                     removed.push(format!("{name}@{iface}"));
