@@ -214,9 +214,7 @@ fn bpf_linker() -> Result<()> {
     // Cached under target/ so it is built once per machine (~100 s) and `cargo clean` resets it.
     let tools = workspace_root().join("target/tools");
     let linker = tools.join("bin/bpf-linker");
-    let installed = probe(Command::new(&linker).arg("--version")).ok();
-    if let Some(version) = installed.filter(|version| version.contains(BPF_LINKER_VERSION)) {
-        println!("ok: {} is {}", linker.display(), version.trim());
+    if has_version(&linker, BPF_LINKER_VERSION) {
         return Ok(());
     }
     println!(
@@ -234,6 +232,17 @@ fn bpf_linker() -> Result<()> {
         .env("RUSTC", DEBIAN_RUSTC)
         // Outside the workspace, so its .cargo/config.toml does not apply.
         .current_dir("/"))
+}
+
+/// Whether `bin --version` names `version`; prints the `ok:` line when it does.
+fn has_version(bin: &Path, version: &str) -> bool {
+    match probe(Command::new(bin).arg("--version")) {
+        Ok(v) if v.contains(version) => {
+            println!("ok: {} is {}", bin.display(), v.trim());
+            true
+        }
+        _ => false,
+    }
 }
 
 fn rustup_toolchain() -> Result<()> {

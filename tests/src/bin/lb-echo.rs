@@ -14,7 +14,7 @@
 //!   destination address of the reply (from `IP_PKTINFO`/`IPV6_PKTINFO`). The exit code is 1 if
 //!   any request failed.
 use std::{
-    io::{self, BufRead as _, BufReader, Read as _, Write as _},
+    io::{self, BufRead, BufReader, Read as _, Write as _},
     mem,
     net::{
         IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream,
@@ -325,30 +325,8 @@ fn client(
 }
 
 fn request_tcp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
-    let mut stream = TcpStream::connect_timeout(&target, timeout).context("connect")?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    let peer = stream.peer_addr().context("getpeername")?;
-    let local = stream.local_addr().context("getsockname")?;
-    stream.write_all(HELLO).context("send")?;
-    let mut line = Vec::new();
-    BufReader::new((&stream).take(MAX_REPLY))
-        .read_until(b'\n', &mut line)
-        .map_err(timeout_err)
-        .context("read reply")?;
-    if line.last() != Some(&b'\n') {
-        bail!(
-            "connection closed before a full reply line ({} bytes)",
-            line.len()
-        );
-    }
-    let (backend, seen) = parse_reply(&line)?;
-    Ok(Reply {
-        backend,
-        seen,
-        peer,
-        local,
-    })
+    let stream = connect_tcp(target, timeout)?;
+    exchange(&stream, &mut BufReader::new(&stream))
 }
 
 /// One request over the connection in `kept`, opened on first use. A failure keeps the
@@ -358,26 +336,42 @@ fn request_kept(
     target: SocketAddr,
     timeout: Duration,
 ) -> anyhow::Result<Reply> {
-    if kept.is_none() {
-        let stream = TcpStream::connect_timeout(&target, timeout).context("connect")?;
-        stream.set_read_timeout(Some(timeout))?;
-        stream.set_write_timeout(Some(timeout))?;
-        let reader = BufReader::new(stream.try_clone()?);
-        *kept = Some((stream, reader));
-    }
-    let Some((stream, reader)) = kept else {
-        bail!("no connection");
+    let (stream, reader) = match kept {
+        Some(k) => k,
+        None => {
+            let stream = connect_tcp(target, timeout)?;
+            let reader = BufReader::new(stream.try_clone()?);
+            kept.insert((stream, reader))
+        }
     };
+    exchange(stream, reader)
+}
+
+/// A TCP connection to `target` whose connect, reads and writes time out after `timeout`.
+fn connect_tcp(target: SocketAddr, timeout: Duration) -> anyhow::Result<TcpStream> {
+    let stream = TcpStream::connect_timeout(&target, timeout).context("connect")?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    Ok(stream)
+}
+
+/// Sends `hello` on `stream` and reads the reply line from `reader`, which reads the same
+/// connection.
+fn exchange(stream: &TcpStream, reader: &mut impl BufRead) -> anyhow::Result<Reply> {
     let peer = stream.peer_addr().context("getpeername")?;
     let local = stream.local_addr().context("getsockname")?;
-    stream.write_all(HELLO).context("send")?;
+    (&*stream).write_all(HELLO).context("send")?;
     let mut line = Vec::new();
     reader
+        .take(MAX_REPLY)
         .read_until(b'\n', &mut line)
         .map_err(timeout_err)
         .context("read reply")?;
     if line.last() != Some(&b'\n') {
-        bail!("connection closed ({} bytes of a reply)", line.len());
+        bail!(
+            "connection closed before a full reply line ({} bytes)",
+            line.len()
+        );
     }
     let (backend, seen) = parse_reply(&line)?;
     Ok(Reply {

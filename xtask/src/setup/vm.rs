@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 
-use super::{DEBIAN_CARGO, DEBIAN_RUSTC, ensure_packages};
+use super::{DEBIAN_CARGO, DEBIAN_RUSTC, ensure_packages, has_version};
 use crate::process::{probe, run, workspace_root};
 
 const VIRTME_NG_VERSION: &str = "1.42";
@@ -98,43 +98,33 @@ pub fn vm_tools() -> Result<VmTools> {
     let tools = tools_dir();
     let venv = tools.join("vng");
     let vng = venv.join("bin/vng");
-    match probe(Command::new(&vng).arg("--version")) {
-        Ok(v) if v.contains(VIRTME_NG_VERSION) => {
-            println!("ok: {} is {}", vng.display(), v.trim());
-        }
-        _ => {
-            println!(
-                "installing: virtme-ng {VIRTME_NG_VERSION} into a venv at {}",
-                venv.display()
-            );
-            // Debian's Python: a python3 earlier on PATH (pyenv) may lack venv.
-            run(Command::new("/usr/bin/python3")
-                .args(["-m", "venv", "--clear"])
-                .arg(&venv))?;
-            run(Command::new(venv.join("bin/pip"))
-                .args(["install", "--quiet", "--disable-pip-version-check"])
-                .arg(format!("virtme-ng=={VIRTME_NG_VERSION}")))?;
-        }
+    if !has_version(&vng, VIRTME_NG_VERSION) {
+        println!(
+            "installing: virtme-ng {VIRTME_NG_VERSION} into a venv at {}",
+            venv.display()
+        );
+        // Debian's Python: a python3 earlier on PATH (pyenv) may lack venv.
+        run(Command::new("/usr/bin/python3")
+            .args(["-m", "venv", "--clear"])
+            .arg(&venv))?;
+        run(Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check"])
+            .arg(format!("virtme-ng=={VIRTME_NG_VERSION}")))?;
     }
     let virtiofsd = tools.join("bin/virtiofsd");
-    match probe(Command::new(&virtiofsd).arg("--version")) {
-        Ok(v) if v.contains(VIRTIOFSD_VERSION) => {
-            println!("ok: {} is {}", virtiofsd.display(), v.trim());
-        }
-        _ => {
-            // Debian 12's virtiofsd is too old for virtme-ng, which would fall back to 9p
-            // (1.2–2× slower guests).
-            println!(
-                "installing: virtiofsd {VIRTIOFSD_VERSION} into {} (~90 s)",
-                tools.display()
-            );
-            run(Command::new(DEBIAN_CARGO)
-                .args(["install", "--locked", "--root"])
-                .arg(&tools)
-                .arg(format!("virtiofsd@{VIRTIOFSD_VERSION}"))
-                .env("RUSTC", DEBIAN_RUSTC)
-                .current_dir("/"))?;
-        }
+    if !has_version(&virtiofsd, VIRTIOFSD_VERSION) {
+        // Debian 12's virtiofsd is too old for virtme-ng, which would fall back to 9p
+        // (1.2–2× slower guests).
+        println!(
+            "installing: virtiofsd {VIRTIOFSD_VERSION} into {} (~90 s)",
+            tools.display()
+        );
+        run(Command::new(DEBIAN_CARGO)
+            .args(["install", "--locked", "--root"])
+            .arg(&tools)
+            .arg(format!("virtiofsd@{VIRTIOFSD_VERSION}"))
+            .env("RUSTC", DEBIAN_RUSTC)
+            .current_dir("/"))?;
     }
     let mut path = OsString::from(venv.join("bin"));
     path.push(":");
