@@ -10,13 +10,16 @@ use std::{
     time::{Duration, Instant},
 };
 
+use aya::maps::{Array, HashMap, Map, MapData};
 use lb::{
     cli::inspect::{self, ServiceView},
     datapath::maps::{LbMaps as _, MemMaps},
     model::{Backend, Frontend, L4Addr, Proto},
     state_dir::FrontendName,
 };
-use lb_common::{SvcValue, map_names, metrics, prog_names, svc_flags};
+use lb_common::{
+    LAYOUT_VERSION, PinMeta, Svc4Key, SvcValue, map_names, metrics, prog_names, svc_flags,
+};
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
@@ -265,6 +268,13 @@ fn inspection_commands_show_the_live_maps() {
 
     let status = lb_json(&tb, &["status", "--pin-dir", &pin]);
     assert_eq!(status["pin_dir"], pin.as_str());
+    assert_eq!(
+        status["pins"]["layout_version"], LAYOUT_VERSION,
+        "{status:#}"
+    );
+    assert_eq!(status["pins"]["lb_version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(status["pins"]["same_netns"], true, "{status:#}");
+    assert_status_outside_the_netns(&pin, &status);
     assert!(!status["kernel"]["release"].as_str().unwrap().is_empty());
     assert_eq!(
         status["features"]["btf"],
@@ -394,6 +404,167 @@ fn inspection_commands_show_the_live_maps() {
     let services = lb_json(&tb, &["services", "--pin-dir", &pin, "--state-dir", &state]);
     assert_eq!(without_ids(&services), expected_services());
     drop(lb);
+}
+
+/// `lb status` from the host netns, outside the node netns lb runs in: it says so and names no
+/// tc/XDP interface (their ifindexes are the node netns's), where `inside` (the same status
+/// from the node netns) names them.
+fn assert_status_outside_the_netns(pin: &str, inside: &Value) {
+    let run = |json: bool| {
+        let mut cmd = Command::new(LB);
+        cmd.args(["status", "--pin-dir", pin]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().expect("run lb");
+        assert!(out.status.success(), "lb status outside: {out:?}");
+        String::from_utf8(out.stdout).expect("UTF-8")
+    };
+    let outside: Value = serde_json::from_str(&run(true)).expect("JSON");
+    assert_eq!(outside["pins"]["same_netns"], false, "{outside:#}");
+    let by_ifindex = |s: &Value| -> Vec<(u64, Value)> {
+        let mut v: Vec<(u64, Value)> = s["programs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|p| p["attachments"].as_array().unwrap().clone())
+            .filter_map(|a| Some((a["ifindex"].as_u64()?, a["target"].clone())))
+            .collect();
+        v.sort_by_key(|(i, _)| *i);
+        v
+    };
+    let (inside, outside_links) = (by_ifindex(inside), by_ifindex(&outside));
+    assert_eq!(
+        inside.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        outside_links.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        "the same links from both namespaces"
+    );
+    if !inside.is_empty() {
+        assert!(inside.iter().all(|(_, t)| t.is_string()), "{inside:?}");
+        assert!(
+            outside_links.iter().all(|(_, t)| t.is_null()),
+            "{outside:#}"
+        );
+    }
+    let text = run(false);
+    assert!(
+        text.contains("lb runs in another network namespace"),
+        "{text}"
+    );
+}
+
+/// The service entries pinned in `pin`, and the `lb_meta` entry.
+fn pinned_state(pin: &Path) -> (Vec<String>, PinMeta) {
+    let services: HashMap<MapData, Svc4Key, SvcValue> = HashMap::try_from(Map::HashMap(
+        MapData::from_pin(pin.join(map_names::SERVICES4)).unwrap(),
+    ))
+    .unwrap();
+    let mut entries: Vec<String> = services
+        .iter()
+        .map(|kv| format!("{:?}", kv.unwrap()))
+        .collect();
+    entries.sort();
+    (entries, meta_of(pin).get(&0, 0).unwrap())
+}
+
+fn meta_of(pin: &Path) -> Array<MapData, PinMeta> {
+    Array::try_from(Map::Array(
+        MapData::from_pin(pin.join(map_names::META)).unwrap(),
+    ))
+    .unwrap()
+}
+
+/// The pin and state directories of a daemon that was dropped with `keep_dirs`, removed on drop.
+struct KeptDirs(Vec<PathBuf>);
+
+impl Drop for KeptDirs {
+    fn drop(&mut self) {
+        for d in &self.0 {
+            let _ = fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// Pins of a layout this lb does not read (a newer lb's, made here by bumping `lb_meta`) are
+/// refused by `lb run` and by the inspection commands, naming both versions and the way out,
+/// and are left exactly as they were. Pins without `lb_meta` (an lb from before it) are layout
+/// 1: adopted, and `lb_meta` is written.
+#[test]
+fn pins_of_another_layout_are_refused_and_left_alone() {
+    let mut tb = Testbed::create(1).expect("testbed");
+    let manifests = Manifests::new(&tb.id);
+    let mut lb = start_lb(&mut tb, &manifests.0);
+    let (pin, state) = (lb.pin_dir.clone(), lb.state_dir.clone());
+    let _cleanup = KeptDirs(vec![pin.clone(), state.clone()]);
+    lb.keep_dirs();
+    drop(lb);
+    let (services, mut meta) = pinned_state(&pin);
+    assert!(!services.is_empty());
+    assert_eq!(meta.layout_version, LAYOUT_VERSION);
+    meta.layout_version = LAYOUT_VERSION + 1;
+    meta_of(&pin).set(0, meta, 0).unwrap();
+
+    let want = format!(
+        "have layout version {} (written by lb {}), newer than layout {LAYOUT_VERSION}",
+        LAYOUT_VERSION + 1,
+        env!("CARGO_PKG_VERSION")
+    );
+    let cgroup = tb.cgroup.display().to_string();
+    let ifaces = tb.node_ifaces().join(",");
+    let args = [
+        "run",
+        "--manifests",
+        manifests.0.to_str().unwrap(),
+        "--cgroup-path",
+        &cgroup,
+        "--tc-ingress",
+        &ifaces,
+        "--metrics-bind-address",
+        "off",
+        "--pin-dir",
+        pin.to_str().unwrap(),
+        "--state-dir",
+        state.to_str().unwrap(),
+    ];
+    let out = lb_cli(&tb, &args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "lb run: {stderr}");
+    assert!(stderr.contains(&want), "lb run: {stderr}");
+    assert!(stderr.contains("remove"), "the way out: {stderr}");
+    assert_eq!(
+        pinned_state(&pin),
+        (services.clone(), meta),
+        "the refused lb changed the pins"
+    );
+    let pin_s = pin.to_str().unwrap();
+    let state_s = state.to_str().unwrap();
+    for args in [
+        vec!["services", "--pin-dir", pin_s, "--state-dir", state_s],
+        vec!["backends", "--pin-dir", pin_s],
+        vec!["status", "--pin-dir", pin_s, "--json"],
+    ] {
+        let out = lb_cli(&tb, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(&want), "{args:?}: {stderr}");
+    }
+
+    // No lb_meta at all: an lb from before it, layout 1.
+    fs::remove_file(pin.join(map_names::META)).unwrap();
+    let status = lb_json(&tb, &["status", "--pin-dir", pin_s]);
+    assert_eq!(status["pins"]["layout_version"], Value::Null, "{status:#}");
+    let mut lb = start_lb(&mut tb, &manifests.0);
+    lb.keep_dirs();
+    assert!(
+        lb.log.iter().any(|l| l.contains("(adopted)")),
+        "the old pins' attachments are adopted: {:?}",
+        lb.log
+    );
+    let (after, meta) = pinned_state(&pin);
+    assert_eq!(after, services, "the same services, reused");
+    assert_eq!(meta.layout_version, LAYOUT_VERSION);
+    let out = lb_cli(&tb, &["detach", "--pin-dir", pin_s]);
+    assert!(out.status.success(), "lb detach: {out:?}");
 }
 
 #[test]

@@ -51,9 +51,12 @@ pub mod map_names {
     /// The decision record of traced loads (`TraceRecord`). Never pinned, so not in `ALL`: each
     /// load owns its own, and a trace load cannot touch a running lb's.
     pub const TRACE: &str = "lb_trace";
+    /// Who made the pins (`PinMeta`, one entry): the layout version every other pinned map is
+    /// read with, checked before anything is reused.
+    pub const META: &str = "lb_meta";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 20] = [
+    pub const ALL: [&str; 21] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
@@ -74,7 +77,28 @@ pub mod map_names {
         SVC_CIDR6,
         SRC_RANGE4,
         SRC_RANGE6,
+        META,
     ];
+}
+
+/// The layout of lb's pinned maps: their keys, values and what the fields mean. Bump it with
+/// any change a reader of the old pins would misread, even one that keeps the sizes; lb refuses
+/// (or migrates) pins of another version instead of guessing.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// The one `lb_meta` entry, rewritten by every `lb run` that starts on the pins.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct PinMeta {
+    /// `LAYOUT_VERSION` of the lb that wrote the pins; 0: not written yet.
+    pub layout_version: u32,
+    pub _pad: u32,
+    /// Inode of the network namespace that lb ran in: the ifindexes of its tc/XDP links are
+    /// that namespace's.
+    pub netns_inode: u64,
+    /// lb's version (`CARGO_PKG_VERSION`), NUL-padded.
+    pub lb_version: [u8; 16],
 }
 
 /// Program names as the kernel and bpftool show them (at most 15 bytes).
@@ -661,6 +685,7 @@ mod user {
     unsafe impl aya::Pod for super::SvcCidrValue {}
     unsafe impl aya::Pod for super::SrcRange4 {}
     unsafe impl aya::Pod for super::SrcRange6 {}
+    unsafe impl aya::Pod for super::PinMeta {}
 }
 
 // The sizes are part of the ABI with pinned maps: a change here needs a map migration.
@@ -677,6 +702,7 @@ const _: () = {
     assert!(size_of::<Ct4Value>() == 20);
     assert!(size_of::<Ct6Value>() == 32);
     assert!(size_of::<LbConfig>() == 28);
+    assert!(size_of::<PinMeta>() == 32);
     assert!(size_of::<SkRevNat4Key>() == 16);
     assert!(size_of::<SkRevNat4Value>() == 12);
     assert!(size_of::<SkRevNat6Key>() == 32);
@@ -755,6 +781,9 @@ mod tests {
         assert_eq!(offset_of!(LbConfig, flags), 20);
         assert_eq!(offset_of!(LbConfig, nat_port_min), 24);
         assert_eq!(offset_of!(LbConfig, nat_port_max), 26);
+        assert_eq!(size_of::<PinMeta>(), 32);
+        assert_eq!(offset_of!(PinMeta, netns_inode), 8);
+        assert_eq!(offset_of!(PinMeta, lb_version), 16);
     }
 
     #[test]

@@ -8,9 +8,9 @@ use aya_ebpf::{
 };
 use lb_common::{
     Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
-    SvcCidrValue, SvcValue, TraceRecord, map_sizes,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6,
+    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key,
+    Svc6Key, SvcCidrValue, SvcValue, TraceRecord, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -80,6 +80,9 @@ pub static METRICS: PerCpuArray<MetricValue, { map_sizes::METRICS as usize }> = 
 /// This node's facts (node IPs, masquerade flags), written by userspace before attaching.
 #[btf_map(name = "lb_config")]
 pub static CONFIG: Array<LbConfig, 1> = Array::new();
+/// Written and read by userspace only (`map_names::META`); here so it is pinned with BTF.
+#[btf_map(name = "lb_meta")]
+pub static META: Array<PinMeta, 1> = Array::new();
 /// Cluster CIDRs (`--cluster-cidr`); the value is unused (1).
 #[btf_map(name = "lb4_clustercidr")]
 pub static CLUSTER_CIDR4: LpmTrie<ClusterCidr4, u8, { map_sizes::CLUSTER_CIDR as usize }> =

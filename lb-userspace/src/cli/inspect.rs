@@ -130,6 +130,8 @@ pub struct BackendView {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Status {
     pub pin_dir: String,
+    /// Who made the pins (`lb_meta`).
+    pub pins: PinsStatus,
     pub kernel: KernelStatus,
     pub features: Features,
     /// Every probed feature and what lb chose (`lb features`).
@@ -139,6 +141,20 @@ pub struct Status {
     pub maps: Vec<MapStatus>,
     /// Datapath counters from `lb_metrics`, summed over CPUs.
     pub counters: Vec<CounterStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PinsStatus {
+    /// Layout version of the pinned maps; `null`: not recorded (an lb that never finished
+    /// starting, or one from before `lb_meta`), which is layout 1.
+    pub layout_version: Option<u32>,
+    /// Version of the lb that last started on the pins.
+    pub lb_version: Option<String>,
+    /// Inode of the network namespace that lb ran in (`ls -iL /proc/<pid>/ns/net`).
+    pub netns_inode: Option<u64>,
+    /// Whether this command runs in that namespace: only then are tc/XDP ifindexes resolved to
+    /// interface names. `null` when unknown.
+    pub same_netns: Option<bool>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -176,8 +192,9 @@ pub struct Attachment {
     pub link_id: u32,
     /// `tcx`, `cgroup`, `netkit`, … (the kernel's link type).
     pub link_type: String,
-    /// tcx: the interface name as seen from the caller's network namespace (`null` if the
-    /// ifindex does not exist there); cgroup: the cgroup directory, if found.
+    /// tcx/XDP: the interface name, when this command runs in lb's network namespace (else
+    /// `null`: the ifindex is that namespace's, see `pins.same_netns`); cgroup: the cgroup
+    /// directory, if found.
     pub target: Option<String>,
     /// tcx: the interface index in lb's network namespace.
     pub ifindex: Option<u32>,
@@ -426,6 +443,20 @@ pub fn render_status(s: &Status) -> String {
         .render(),
     );
     out.push_str(&format!("Pin dir:   {}\n", s.pin_dir));
+    out.push_str(&format!(
+        "Pins:      layout {}, written by lb {}{}\n",
+        s.pins
+            .layout_version
+            .map_or_else(|| "1 (not recorded)".to_string(), |v| v.to_string()),
+        s.pins.lb_version.as_deref().unwrap_or("-"),
+        match (s.pins.same_netns, s.pins.netns_inode) {
+            (Some(false), Some(ino)) => format!(
+                "; lb runs in another network namespace (net:[{ino}]): interfaces are shown \
+                 by its ifindexes"
+            ),
+            _ => String::new(),
+        }
+    ));
     if s.programs.is_empty() {
         out.push_str("Programs:  none loaded that use these maps (is `lb run` running?)\n");
     } else {
@@ -440,6 +471,9 @@ pub fn render_status(s: &Status) -> String {
                     let target = match (&a.target, a.ifindex, a.cgroup_id) {
                         (Some(t), Some(i), _) => format!("{t} (ifindex {i})"),
                         (Some(t), None, _) => t.clone(),
+                        (None, Some(i), _) if s.pins.same_netns == Some(false) => {
+                            format!("ifindex {i} in lb's netns")
+                        }
                         (None, Some(i), _) => format!("ifindex {i}"),
                         (None, None, Some(c)) => format!("cgroup id {c}"),
                         (None, None, None) => "?".to_string(),
@@ -567,7 +601,9 @@ fn link_type_name(t: Result<LinkType, aya::programs::links::LinkError>) -> Strin
 
 /// lb's programs that use at least one of the maps pinned in `dir` (so programs of another lb
 /// with another pin dir are not counted), with their bpf_link attachments.
-fn programs(dir: &Path) -> anyhow::Result<Vec<ProgramStatus>> {
+/// lb's programs using the maps in `dir` and their links; tc/XDP ifindexes are named only
+/// when `same_netns` (they are lb's namespace's).
+fn programs(dir: &Path, same_netns: bool) -> anyhow::Result<Vec<ProgramStatus>> {
     let mut pinned_ids = BTreeSet::new();
     for name in map_names::ALL {
         let path = dir.join(name);
@@ -618,7 +654,7 @@ fn programs(dir: &Path) -> anyhow::Result<Vec<ProgramStatus>> {
                 Ok(LinkType::Tcx | LinkType::Netkit | LinkType::Xdp) => {
                     let ifindex = u32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
                     att.ifindex = Some(ifindex);
-                    att.target = if_name(ifindex);
+                    att.target = if_name(ifindex).filter(|_| same_netns);
                 }
                 Ok(LinkType::Cgroup) => {
                     let mut id = [0u8; 8];
@@ -750,6 +786,13 @@ fn find_cgroup(root: &Path, id: u64) -> Option<PathBuf> {
 /// Collects everything `lb status` shows.
 pub fn status(dir: &Path) -> anyhow::Result<Status> {
     check_pin_dir(dir)?;
+    let meta = crate::datapath::meta::check(dir)?;
+    let own_netns = crate::datapath::meta::own_netns_inode();
+    let netns_inode = meta.map(|m| m.netns_inode).filter(|&i| i != 0);
+    let same_netns = match (netns_inode, own_netns) {
+        (Some(theirs), Some(ours)) => Some(theirs == ours),
+        _ => None,
+    };
     let release = fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());
@@ -761,6 +804,12 @@ pub fn status(dir: &Path) -> anyhow::Result<Status> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(Status {
         pin_dir: dir.display().to_string(),
+        pins: PinsStatus {
+            layout_version: meta.map(|m| m.layout_version),
+            lb_version: meta.map(|m| crate::datapath::meta::lb_version(&m)),
+            netns_inode,
+            same_netns,
+        },
         kernel: KernelStatus {
             release,
             version: version.map(|v| v.to_string()),
@@ -772,7 +821,7 @@ pub fn status(dir: &Path) -> anyhow::Result<Status> {
         },
         kernel_features: crate::datapath::features::probe(&[], crate::datapath::load::XdpMode::Off)
             .features,
-        programs: programs(dir)?,
+        programs: programs(dir, same_netns != Some(false))?,
         maps,
         counters: read_counters(dir)?
             .into_iter()

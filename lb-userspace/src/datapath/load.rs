@@ -22,9 +22,9 @@ use aya::{
 };
 use lb_common::{
     Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
-    SvcCidrValue, SvcValue, globals, map_names, map_sizes, prog_names,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6,
+    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key,
+    Svc6Key, SvcCidrValue, SvcValue, globals, map_names, map_sizes, prog_names,
 };
 
 use super::{
@@ -67,7 +67,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 20] = [
+const MAP_SPECS: [MapSpec; 21] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
@@ -88,6 +88,7 @@ const MAP_SPECS: [MapSpec; 20] = [
     ),
     spec::<u32, MetricValue>(map_names::METRICS, MapType::PerCpuArray, map_sizes::METRICS),
     spec::<u32, LbConfig>(map_names::CONFIG, MapType::Array, 1),
+    spec::<u32, PinMeta>(map_names::META, MapType::Array, 1),
     spec::<LpmKey<ClusterCidr4>, u8>(
         map_names::CLUSTER_CIDR4,
         MapType::LpmTrie,
@@ -300,6 +301,8 @@ impl Datapath {
             } else {
                 prepare_pin_dir(dir)?;
             }
+            // The version first: it explains a layout change better than a size mismatch.
+            super::meta::check(dir)?;
             check_pinned_maps(dir, opts)?;
         }
         let mut loader = EbpfLoader::new();
@@ -330,6 +333,12 @@ impl Datapath {
             for (_, path) in &pins {
                 fs::set_permissions(path, fs::Permissions::from_mode(0o600))
                     .with_context(|| format!("chmod 0600 {}", path.display()))?;
+            }
+            if opts.pin_dir.is_some() {
+                super::meta::write(
+                    ebpf.map_mut(map_names::META)
+                        .context("map lb_meta missing")?,
+                )?;
             }
         }
         for (name, program) in ebpf.programs_mut() {

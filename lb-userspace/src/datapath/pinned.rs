@@ -19,6 +19,7 @@ impl BpfMaps {
     /// rather than misread.
     pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
         check_pin_dir(dir)?;
+        super::meta::check(dir)?;
         let mut capacities = BTreeMap::new();
         for t in Table::ALL {
             for f in [Family::V4, Family::V6] {
