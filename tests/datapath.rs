@@ -2657,3 +2657,126 @@ fn set_retval_call_is_dead_code_unless_the_probe_found_the_helper() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Conntrack pressure.
+
+/// `lb4_ct` far smaller than the flows through it. New flows are always forwarded to a
+/// programmed backend, and each is recorded or counted as an insert failure. A mid-stream
+/// packet whose entry LRU pressure evicted is re-balanced over the backends programmed now
+/// (counted as `tc_ct_miss_midstream`, traced as `new_midstream`), an established one keeps
+/// its backend, and after a backend is removed no flow, evicted or not, is sent to it.
+#[test]
+fn conntrack_pressure_never_misforwards() {
+    const CT_MAX: u32 = 64;
+    const FLOWS: u16 = 300;
+    let mut fx = fixture_with(&LoadOptions {
+        trace: true,
+        max_entries: [("lb4_ct".to_string(), CT_MAX)].into_iter().collect(),
+        ..LoadOptions::default()
+    });
+    let programmed: BTreeSet<IpAddr> = backends_of(VIP4.into()).into_iter().collect();
+    let syn = |sport| packet(CLIENT4.into(), sport, VIP4.into(), VPORT, L4::TcpSyn);
+    let ack = |sport| packet(CLIENT4.into(), sport, VIP4.into(), VPORT, L4::TcpAck);
+    let sport = |i: u16| 30_000 + i;
+    let mut chosen = Vec::new();
+    for i in 0..FLOWS {
+        let failed_before = fx.counter(metrics::TC_CT_INSERT_FAILED);
+        let (verdict, out) = fx.ingress(&syn(sport(i)));
+        assert_eq!(verdict, TC_ACT_OK, "flow {i}");
+        let dst = parse_and_verify(&out).dst;
+        assert!(programmed.contains(&dst), "flow {i} went to {dst}");
+        let recorded = fx
+            .ct_entry(
+                CLIENT4.into(),
+                sport(i),
+                VIP4.into(),
+                VPORT,
+                6,
+                ct_dir::SERVICE,
+            )
+            .is_some();
+        let counted = fx.counter(metrics::TC_CT_INSERT_FAILED) > failed_before;
+        assert!(
+            recorded || counted,
+            "flow {i}: neither recorded nor counted"
+        );
+        chosen.push(dst);
+    }
+    assert_eq!(fx.counter(metrics::TC_FWD_NEW), u64::from(FLOWS));
+    let entries = fx.ct4().keys().count();
+    assert!(
+        entries <= CT_MAX as usize,
+        "{entries} entries in a map of {CT_MAX}"
+    );
+    let alive = |fx: &mut Fixture, i: u16| {
+        fx.ct_entry(
+            CLIENT4.into(),
+            sport(i),
+            VIP4.into(),
+            VPORT,
+            6,
+            ct_dir::SERVICE,
+        )
+        .is_some()
+    };
+    let evicted: Vec<u16> = (0..FLOWS).filter(|i| !alive(&mut fx, *i)).collect();
+    assert!(
+        evicted.len() >= usize::from(FLOWS) - CT_MAX as usize / 2,
+        "two entries per flow: most flows lost theirs ({} evicted)",
+        evicted.len()
+    );
+
+    // A mid-stream packet of an evicted flow: re-balanced, counted, traced.
+    let midstream_before = fx.counter(metrics::TC_CT_MISS_MIDSTREAM);
+    let (verdict, out) = fx.ingress(&ack(sport(evicted[0])));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert!(programmed.contains(&parse_and_verify(&out).dst));
+    assert_eq!(
+        fx.counter(metrics::TC_CT_MISS_MIDSTREAM),
+        midstream_before + 1
+    );
+    let r = fx.trace_record();
+    assert_eq!(
+        (r.verdict, u32::from(r.reason), r.ct_state),
+        (
+            trace_verdict::FORWARD,
+            metrics::TC_FWD_NEW,
+            trace_ct::NEW_MIDSTREAM
+        ),
+        "{r:?}"
+    );
+
+    // A flow whose entry survived keeps its backend and is no miss.
+    let kept = (0..FLOWS)
+        .rev()
+        .find(|i| alive(&mut fx, *i))
+        .expect("a flow still tracked");
+    let midstream_before = fx.counter(metrics::TC_CT_MISS_MIDSTREAM);
+    let (_, out) = fx.ingress(&ack(sport(kept)));
+    assert_eq!(parse_and_verify(&out).dst, chosen[usize::from(kept)]);
+    assert_eq!(fx.trace_record().ct_state, trace_ct::ESTABLISHED);
+    assert_eq!(fx.counter(metrics::TC_CT_MISS_MIDSTREAM), midstream_before);
+
+    // Its backend goes: no flow, tracked, evicted or re-balanced, is sent there again.
+    let removed = chosen[usize::from(kept)];
+    let remaining: Vec<IpAddr> = programmed
+        .iter()
+        .copied()
+        .filter(|b| *b != removed)
+        .collect();
+    let (fe, entry) = service(VIP4.into(), Proto::Tcp, &remaining);
+    fx.desired.services.insert(fe, entry);
+    let desired = fx.desired.clone();
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    for i in 0..FLOWS {
+        let (verdict, out) = fx.ingress(&ack(sport(i)));
+        assert_eq!(verdict, TC_ACT_OK, "flow {i}");
+        let dst = parse_and_verify(&out).dst;
+        assert!(
+            remaining.contains(&dst),
+            "flow {i} sent to {dst}, not programmed"
+        );
+    }
+}

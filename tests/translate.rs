@@ -304,7 +304,20 @@ spec:
         // A service without any slice at all.
         service_yaml("ns", "lonely", "198.19.0.21", "http", 80),
     ]));
-    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    // Programmed without endpoints, as kube-proxy does, and reported: slices that list ports
+    // but never this one's name mean a name resolved nowhere. No slice at all is no mismatch.
+    let reasons: Vec<(&str, SkipReason)> = t
+        .skipped
+        .iter()
+        .map(|s| (s.object.as_str(), s.reason))
+        .collect();
+    assert_eq!(
+        reasons,
+        [("ns/api", SkipReason::UnmatchedPort)],
+        "{:?}",
+        t.skipped
+    );
+    assert!(t.skipped[0].detail.contains("\"grpc\""), "{:?}", t.skipped);
     assert_eq!(
         backends(&t, fe(v4("198.19.0.20"), 80, Proto::Tcp)),
         set(&["198.18.0.1:8080/TCP"])

@@ -599,6 +599,9 @@ pub mod trace_ct {
     pub const ESTABLISHED: u8 = 2;
     /// A reply entry matched.
     pub const REPLY: u8 = 3;
+    /// Like `NEW`, for a TCP/SCTP packet that opens no connection: its flow had no usable entry
+    /// (`metrics::TC_CT_MISS_MIDSTREAM`).
+    pub const NEW_MIDSTREAM: u8 = 4;
 }
 
 /// Value of the one-entry array `lb_trace`: the decision of the last packet a tc program

@@ -63,12 +63,17 @@ pub const XDP_PASS_TO_TC: u32 = 22;
 pub const XDP_TX: u32 = 23;
 /// XDP: balanced or reverse-NATed and redirected to the device of its route.
 pub const XDP_REDIRECT: u32 = 24;
+/// tc/XDP: a TCP or SCTP packet that opens no connection (no SYN, no INIT) found no usable
+/// conntrack entry (LRU eviction under pressure, expiry, or its backend was removed); it is
+/// balanced as a new flow over the backends programmed now, never a remembered one. Counted in
+/// addition to its verdict (`TC_FWD_NEW`).
+pub const TC_CT_MISS_MIDSTREAM: u32 = 25;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 25] = [
+pub const NAMES: [&str; 26] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -94,4 +99,5 @@ pub const NAMES: [&str; 25] = [
     "xdp_pass_to_tc",
     "xdp_tx",
     "xdp_redirect",
+    "tc_ct_miss_midstream",
 ];

@@ -73,6 +73,17 @@ fn opening<A>(p: &Packet<A>) -> bool {
     }
 }
 
+/// Whether `p` belongs to a connection it does not open: TCP without SYN, SCTP without INIT.
+/// Such a packet without a conntrack entry lost it (eviction, expiry, a removed backend).
+#[inline(always)]
+pub fn midstream<A>(p: &Packet<A>) -> bool {
+    match p.proto {
+        IPPROTO_TCP => p.tcp_flags & TCP_SYN == 0,
+        IPPROTO_SCTP => p.sctp_chunk != SCTP_INIT,
+        _ => false,
+    }
+}
+
 /// Seconds an entry lives; SCTP uses TCP's lifetimes (see `ct_timeouts`).
 #[inline(always)]
 fn lifetime(proto: u8, flags: u16) -> u32 {

@@ -377,6 +377,12 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
         // The packet still goes to the chosen backend; later ones may pick another.
         count(metrics::TC_CT_INSERT_FAILED, ctx.len());
     }
+    // A flow that lost its entry is re-balanced over what is programmed now (Cilium does the
+    // same): dropping it would cut every long-lived flow LRU pressure evicts.
+    let midstream = conntrack::midstream(p);
+    if midstream {
+        count(metrics::TC_CT_MISS_MIDSTREAM, ctx.len());
+    }
     let Some(action) = to_backend::<C, A>(ctx, p, &c.backend, &snat, masq)? else {
         // The flow is recorded: tc finds it established and sends it the same way.
         return Ok(to_tc::<C>());
@@ -384,7 +390,11 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
     trace::record(|r| {
         r.verdict = trace_verdict::FORWARD;
         r.reason = metrics::TC_FWD_NEW as u8;
-        r.ct_state = trace_ct::NEW;
+        r.ct_state = if midstream {
+            trace_ct::NEW_MIDSTREAM
+        } else {
+            trace_ct::NEW
+        };
         trace_chosen(r, c);
         trace_nat(r, &snat, masq);
     });

@@ -14,6 +14,8 @@
 //! | `lb_map_capacity` | gauge | `map` |
 //! | `lb_services` | gauge | |
 //! | `lb_backends` | gauge | |
+//! | `lb_services_unprogrammed` | gauge | |
+//! | `lb_map_full_total` | counter | `map` |
 //! | `lb_datapath_packets_total` | counter | `event` (a `lb_common::metrics::NAMES` entry) |
 //! | `lb_datapath_bytes_total` | counter | `event` |
 //! | `lb_conntrack_entries` | gauge | `family` = `ipv4` \| `ipv6` |
@@ -113,6 +115,8 @@ pub struct Metrics {
     map_capacity: Family<MapLabels, Gauge>,
     services: Gauge,
     backends: Gauge,
+    unprogrammed: Gauge,
+    map_full: Family<MapLabels, Counter>,
     healthcheck_bind_errors: Counter,
     healthcheck_listeners: Gauge,
     bpf: Arc<BpfCollector>,
@@ -189,6 +193,19 @@ impl Metrics {
             "Backends programmed into the datapath",
             backends.clone(),
         );
+        let unprogrammed = Gauge::default();
+        registry.register(
+            "lb_services_unprogrammed",
+            "Service frontends the last sync could not program (a full map, a failed write); \
+             each is logged by name, and a frontend programmed before keeps its previous state",
+            unprogrammed.clone(),
+        );
+        let map_full = Family::<MapLabels, Counter>::default();
+        registry.register(
+            "lb_map_full",
+            "Service frontends a sync refused because a BPF map had no room for them, by map",
+            map_full.clone(),
+        );
         let healthcheck_bind_errors = Counter::default();
         registry.register(
             "lb_healthcheck_bind_errors",
@@ -214,6 +231,8 @@ impl Metrics {
             map_capacity,
             services,
             backends,
+            unprogrammed,
+            map_full,
             healthcheck_bind_errors,
             healthcheck_listeners,
             bpf,
@@ -264,6 +283,20 @@ impl Metrics {
 
     pub fn set_backends(&self, n: u64) {
         self.backends.set(to_i64(n));
+    }
+
+    /// `n` frontends of the last sync could not be programmed.
+    pub fn set_unprogrammed(&self, n: u64) {
+        self.unprogrammed.set(to_i64(n));
+    }
+
+    /// A frontend did not fit into `map`.
+    pub fn inc_map_full(&self, map: &str) {
+        self.map_full
+            .get_or_create(&MapLabels {
+                map: map.to_owned(),
+            })
+            .inc();
     }
 
     /// A health check node port listener could not be opened.

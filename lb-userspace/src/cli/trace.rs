@@ -100,8 +100,9 @@ pub struct TraceResult {
     /// The counter the datapath bumped for the packet: the precise reason for the verdict
     /// (`tc_forward_new`, `tc_drop_no_backend`, ... from `lb_common::metrics::NAMES`).
     pub reason: &'static str,
-    /// Conntrack: `new` (a backend was chosen), `established` (the flow's entry was reused),
-    /// `reply` (a backend's reply was reverse-NATed), or `null`.
+    /// Conntrack: `new` (a backend was chosen), `new_midstream` (the same, for a TCP/SCTP
+    /// packet that opens no connection and had no usable entry), `established` (the flow's
+    /// entry was reused), `reply` (a backend's reply was reverse-NATed), or `null`.
     pub conntrack: Option<&'static str>,
     /// The backend slot chosen for a new flow (`1..=count`), or `null`.
     pub slot: Option<u16>,
@@ -464,6 +465,7 @@ impl Tracer {
                 .unwrap_or("unknown"),
             conntrack: match record.ct_state {
                 trace_ct::NEW => Some("new"),
+                trace_ct::NEW_MIDSTREAM => Some("new_midstream"),
                 trace_ct::ESTABLISHED => Some("established"),
                 trace_ct::REPLY => Some("reply"),
                 _ => None,
@@ -731,8 +733,13 @@ impl fmt::Display for TraceResult {
             self.service.as_deref().unwrap_or("(none)")
         )?;
         writeln!(f, "verdict:     {} ({})", self.verdict, self.reason)?;
-        if let Some(ct) = self.conntrack {
-            writeln!(f, "conntrack:   {ct}")?;
+        match self.conntrack {
+            Some("new_midstream") => writeln!(
+                f,
+                "conntrack:   new (mid-stream packet without a conntrack entry: re-balanced)"
+            )?,
+            Some(ct) => writeln!(f, "conntrack:   {ct}")?,
+            None => {}
         }
         if let Some(scope) = self.scope {
             let slot = self.slot.map(|s| format!(", slot {s}")).unwrap_or_default();

@@ -302,8 +302,9 @@ pub fn sync_node<M: LbMaps>(
 ) -> Synced {
     let start = Instant::now();
     for p in &snapshot.problems {
-        tracing::warn!(problem = %p, "skipping manifest document");
-        metrics.inc_skipped("Document", "unparsable");
+        let (kind, reason) = p.kind.labels();
+        tracing::warn!(problem = %p, reason, "skipping manifest document");
+        metrics.inc_skipped(kind, reason);
     }
     metrics.set_node_eligible(translate::node_eligible(snapshot.node.as_deref()));
     let node = NodeInfo {
@@ -324,7 +325,11 @@ pub fn sync_node<M: LbMaps>(
             error = %e.error,
             "service not programmed; previous state kept"
         );
+        if let Some(map) = e.full_map {
+            metrics.inc_map_full(map);
+        }
     }
+    metrics.set_unprogrammed(report.errors.len() as u64);
     let ok = report.errors.is_empty();
     let applied_services = translation.state.services.len();
     let event_to_write = written.saturating_duration_since(snapshot.changed_at);

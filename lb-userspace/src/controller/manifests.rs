@@ -1,7 +1,15 @@
 //! The manifest-directory source: Services and EndpointSlices from YAML or JSON files, as
 //! `kubectl apply -f DIR` would read them (multi-document files and `List`s included).
+//!
+//! Subdirectories are read too, following symlinks, but each directory and each file only once
+//! (by device and inode): a ConfigMap mount's `..data` link and its timestamped directory give
+//! each object once, and a symlink loop ends at the directory it comes back to (a problem, not
+//! a hang). Files above [`MAX_FILE_BYTES`] are refused without being read.
 use std::{
+    collections::BTreeSet,
     fs,
+    io::Read as _,
+    os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
 };
 
@@ -21,6 +29,35 @@ pub struct Objects {
     pub nodes: Vec<Node>,
 }
 
+/// The largest manifest file lb reads (16 MiB, four times what the API server accepts in one
+/// request); a bigger one is a problem and is not read at all.
+pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
+/// What kind of problem a [`Problem`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProblemKind {
+    /// A document that is no YAML/JSON, or no valid object of its kind.
+    Unparsable,
+    /// A file above [`MAX_FILE_BYTES`].
+    TooLarge,
+    /// A file or directory that could not be read (permissions, a dangling symlink, ...).
+    Unreadable,
+    /// A directory that contains itself through a symlink.
+    SymlinkLoop,
+}
+
+impl ProblemKind {
+    /// The `kind` and `reason` labels of `lb_objects_skipped_total`.
+    pub fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            ProblemKind::Unparsable => ("Document", "unparsable"),
+            ProblemKind::TooLarge => ("File", "too_large"),
+            ProblemKind::Unreadable => ("File", "unreadable"),
+            ProblemKind::SymlinkLoop => ("File", "symlink_loop"),
+        }
+    }
+}
+
 /// A document that could not be used; the rest of the directory still applies.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {
@@ -28,6 +65,7 @@ pub struct Problem {
     /// 0-based document index within the file.
     pub document: usize,
     pub error: String,
+    pub kind: ProblemKind,
 }
 
 impl std::fmt::Display for Problem {
@@ -52,34 +90,131 @@ fn is_manifest(path: &Path) -> bool {
 /// Reads every `*.yaml`, `*.yml` and `*.json` file below `dir`, in name order. Fails only if
 /// the directory itself cannot be read; bad documents come back as problems.
 pub fn load_dir(dir: &Path) -> anyhow::Result<(Objects, Vec<Problem>)> {
-    let mut files = Vec::new();
-    collect_files(dir, &mut files).with_context(|| format!("reading {}", dir.display()))?;
-    files.sort();
+    let (files, mut problems) =
+        list_files(dir).with_context(|| format!("reading {}", dir.display()))?;
     let mut objects = Objects::default();
-    let mut problems = Vec::new();
-    for file in files {
-        match fs::read_to_string(&file) {
-            Ok(text) => parse_into(&file, &text, &mut objects, &mut problems),
-            Err(e) => problems.push(Problem {
-                file,
-                document: 0,
-                error: e.to_string(),
-            }),
+    for (file, meta) in files {
+        let problem = |kind, error: String| Problem {
+            file: file.clone(),
+            document: 0,
+            error,
+            kind,
+        };
+        if meta.len() > MAX_FILE_BYTES {
+            problems.push(problem(
+                ProblemKind::TooLarge,
+                format!(
+                    "{} bytes, more than the {MAX_FILE_BYTES} lb reads (not read)",
+                    meta.len()
+                ),
+            ));
+            continue;
+        }
+        match read_capped(&file) {
+            Ok(Some(text)) => parse_into(&file, &text, &mut objects, &mut problems),
+            Ok(None) => problems.push(problem(
+                ProblemKind::TooLarge,
+                format!("grew beyond {MAX_FILE_BYTES} bytes while being read"),
+            )),
+            Err(e) => problems.push(problem(ProblemKind::Unreadable, e.to_string())),
         }
     }
     Ok((objects, problems))
 }
 
-fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
-    for entry in fs::read_dir(dir)? {
-        let path = entry?.path();
-        if path.is_dir() {
-            collect_files(&path, out)?;
-        } else if is_manifest(&path) {
-            out.push(path);
-        }
+/// The file's text, or `None` if it holds more than [`MAX_FILE_BYTES`] (it grew since its size
+/// was checked): never more than that is read.
+fn read_capped(file: &Path) -> std::io::Result<Option<String>> {
+    let mut text = String::new();
+    fs::File::open(file)?
+        .take(MAX_FILE_BYTES + 1)
+        .read_to_string(&mut text)?;
+    Ok((text.len() as u64 <= MAX_FILE_BYTES).then_some(text))
+}
+
+/// The manifest files of a directory with their metadata, and what could not be walked.
+pub type Listing = (Vec<(PathBuf, fs::Metadata)>, Vec<Problem>);
+
+/// Every manifest file below `dir` (symlinks followed), in path order, with its metadata; each
+/// directory and file once (see the module docs). Entries that cannot be read and symlink
+/// loops come back as problems. Fails only if `dir` itself cannot be read.
+pub fn list_files(dir: &Path) -> std::io::Result<Listing> {
+    let mut walk = Walk::default();
+    let meta = fs::metadata(dir)?;
+    if !meta.is_dir() {
+        // read_dir's own error, for the caller's message.
+        fs::read_dir(dir)?;
     }
-    Ok(())
+    walk.dir(dir, &meta, &mut Vec::new())?;
+    Ok((walk.files, walk.problems))
+}
+
+#[derive(Default)]
+struct Walk {
+    files: Vec<(PathBuf, fs::Metadata)>,
+    problems: Vec<Problem>,
+    /// (device, inode) of every directory and file taken so far.
+    seen: BTreeSet<(u64, u64)>,
+}
+
+impl Walk {
+    /// Reads `dir` (whose metadata is `meta`); `ancestors` are the directories above it.
+    fn dir(
+        &mut self,
+        dir: &Path,
+        meta: &fs::Metadata,
+        ancestors: &mut Vec<(u64, u64)>,
+    ) -> std::io::Result<()> {
+        let id = (meta.dev(), meta.ino());
+        if ancestors.contains(&id) {
+            self.problems.push(Problem {
+                file: dir.to_path_buf(),
+                document: 0,
+                error: "a symlink loop: this directory contains itself (not read again)".into(),
+                kind: ProblemKind::SymlinkLoop,
+            });
+            return Ok(());
+        }
+        if !self.seen.insert(id) {
+            // Reached before through another link (a ConfigMap's `..data`): read once.
+            return Ok(());
+        }
+        let mut entries: Vec<PathBuf> = fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .collect();
+        entries.sort();
+        ancestors.push(id);
+        for path in entries {
+            // Follows symlinks; a dangling one or an unreadable entry is a problem of its own.
+            let meta = match fs::metadata(&path) {
+                Ok(m) => m,
+                Err(e) => {
+                    if is_manifest(&path) {
+                        self.unreadable(&path, &e);
+                    }
+                    continue;
+                }
+            };
+            if meta.is_dir() {
+                if let Err(e) = self.dir(&path, &meta, ancestors) {
+                    self.unreadable(&path, &e);
+                }
+            } else if is_manifest(&path) && self.seen.insert((meta.dev(), meta.ino())) {
+                self.files.push((path, meta));
+            }
+        }
+        ancestors.pop();
+        Ok(())
+    }
+
+    fn unreadable(&mut self, path: &Path, e: &std::io::Error) {
+        self.problems.push(Problem {
+            file: path.to_path_buf(),
+            document: 0,
+            error: e.to_string(),
+            kind: ProblemKind::Unreadable,
+        });
+    }
 }
 
 /// Parses one file's documents (YAML is a superset of JSON).
@@ -89,6 +224,7 @@ pub fn parse_into(file: &Path, text: &str, objects: &mut Objects, problems: &mut
             file: file.to_path_buf(),
             document,
             error,
+            kind: ProblemKind::Unparsable,
         };
         let value = match serde_yaml::Value::deserialize(de) {
             Ok(serde_yaml::Value::Null) => continue,

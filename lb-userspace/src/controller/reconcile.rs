@@ -44,6 +44,23 @@ pub struct ServiceError {
     pub frontend: Frontend,
     pub service: String,
     pub error: String,
+    /// The map that had no room for it, if that is why (nothing of it was written then).
+    pub full_map: Option<&'static str>,
+}
+
+/// Why `apply_service` failed.
+struct Failure {
+    error: String,
+    full_map: Option<&'static str>,
+}
+
+impl From<String> for Failure {
+    fn from(error: String) -> Self {
+        Self {
+            error,
+            full_map: None,
+        }
+    }
 }
 
 /// What one `apply` did.
@@ -191,6 +208,7 @@ impl<M: LbMaps> Reconciler<M> {
                     frontend: fe,
                     service: String::new(),
                     error: e.to_string(),
+                    full_map: None,
                 });
             }
         }
@@ -228,12 +246,12 @@ impl<M: LbMaps> Reconciler<M> {
         }
         for (fe, entry) in &desired.services {
             let ips = &wanted_ips;
-            if let Err(error) = self.apply_service(fe, entry, &states, ips, &mut room, &mut report)
-            {
+            if let Err(f) = self.apply_service(fe, entry, &states, ips, &mut room, &mut report) {
                 report.errors.push(ServiceError {
                     frontend: *fe,
                     service: entry.name.to_string(),
-                    error,
+                    error: f.error,
+                    full_map: f.full_map,
                 });
             }
         }
@@ -346,14 +364,14 @@ impl<M: LbMaps> Reconciler<M> {
         cluster_ips: &BTreeMap<IpAddr, u32>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
-    ) -> Result<(), String> {
+    ) -> Result<(), Failure> {
         let family = Family::of(&fe.l4.addr);
         if entry
             .backends
             .iter()
             .any(|b| Family::of(&b.l4.addr) != family)
         {
-            return Err("backend address family differs from the frontend's".into());
+            return Err(String::from("backend address family differs from the frontend's").into());
         }
         // Slots 1..=count take new flows, so the active backends go first, the others after
         // them (kept for established flows), each group in the entry's order.
@@ -368,7 +386,8 @@ impl<M: LbMaps> Reconciler<M> {
             return Err(format!(
                 "{total} backends exceed the {} slots of a service",
                 u16::MAX
-            ));
+            )
+            .into());
         }
 
         // Plan: ids (allocated only in the plan until written) and the room it needs.
@@ -415,12 +434,15 @@ impl<M: LbMaps> Reconciler<M> {
         ] {
             let free = room.get(&(table, family)).copied().unwrap_or(0);
             if needed > free {
-                return Err(format!(
-                    "map {} is full: needs {needed} more entries, {} free of {}",
-                    table.map_name(family),
-                    free.max(0),
-                    self.maps.capacity(table, family)
-                ));
+                return Err(Failure {
+                    error: format!(
+                        "map {} is full: needs {needed} more entries, {} free of {}",
+                        table.map_name(family),
+                        free.max(0),
+                        self.maps.capacity(table, family)
+                    ),
+                    full_map: Some(table.map_name(family)),
+                });
             }
         }
 
@@ -498,7 +520,7 @@ impl<M: LbMaps> Reconciler<M> {
             if let Some(old) = old {
                 self.restore(fe, &old, report);
             }
-            return Err(e.to_string());
+            return Err(e.to_string().into());
         }
         // 5. Slots a shrunk service no longer counts.
         let old_len = old.map_or(0, |i| i.slots.len());

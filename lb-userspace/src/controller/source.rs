@@ -39,25 +39,22 @@ pub fn channel() -> (SnapshotSender, SnapshotReceiver) {
 /// also sees ConfigMap-style symlink swaps and files on any filesystem.
 pub const MANIFEST_POLL: Duration = Duration::from_millis(250);
 
-/// A cheap fingerprint of a directory tree's manifest files: path, size and mtime of each.
-fn fingerprint(dir: &Path) -> Option<Vec<(PathBuf, u64, SystemTime)>> {
-    fn walk(dir: &Path, out: &mut Vec<(PathBuf, u64, SystemTime)>) -> std::io::Result<()> {
-        for entry in std::fs::read_dir(dir)? {
-            let path = entry?.path();
-            // Follow symlinks: a ConfigMap mount swaps a `..data` link.
-            let meta = std::fs::metadata(&path)?;
-            if meta.is_dir() {
-                walk(&path, out)?;
-            } else {
-                out.push((path, meta.len(), meta.modified()?));
-            }
-        }
-        Ok(())
-    }
-    let mut out = Vec::new();
-    walk(dir, &mut out).ok()?;
-    out.sort();
-    Some(out)
+/// A cheap fingerprint of a directory tree's manifest files: path, size and mtime of each
+/// (symlinks followed: a ConfigMap mount swaps a `..data` link), and the paths of the entries
+/// that could not be read. Walked as `manifests::list_files` reads it, so a symlink loop or a
+/// dangling link neither hangs the watch nor blinds it to other changes.
+type Fingerprint = (Vec<(PathBuf, u64, SystemTime)>, Vec<PathBuf>);
+
+fn fingerprint(dir: &Path) -> Option<Fingerprint> {
+    let (files, problems) = manifests::list_files(dir).ok()?;
+    let files = files
+        .into_iter()
+        .map(|(path, meta)| {
+            let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+            (path, meta.len(), modified)
+        })
+        .collect();
+    Some((files, problems.into_iter().map(|p| p.file).collect()))
 }
 
 /// Publishes a snapshot of `dir` at start, whenever its files change (added, changed,

@@ -96,9 +96,26 @@ pub enum SkipReason {
     AddressFamilyMismatch,
     UnknownAddressType,
     MissingServiceLabel,
-    /// Another service (first in namespace/name order) already has this frontend.
+    /// Another service already has this frontend: the older one (`creationTimestamp`, then
+    /// namespace/name order) keeps it.
     DuplicateFrontend,
+    /// A Service (not headless) without any port: nothing to program.
+    NoPorts,
+    /// A second Service port with the same name and protocol (kube-proxy's `ServicePortName`);
+    /// the first one is used.
+    DuplicatePortName,
+    /// An EndpointSlice with more endpoints than the API server allows in one
+    /// ([`MAX_SLICE_ENDPOINTS`]).
+    TooManyEndpoints,
+    /// A Service port whose name none of its EndpointSlices' ports carries, though they list
+    /// ports: it is programmed without endpoints (typically the slices were written with the
+    /// `targetPort`'s name instead of the service port's).
+    UnmatchedPort,
 }
+
+/// The API server's cap on endpoints per EndpointSlice (`maxEndpoints` in its validation).
+/// A bigger slice cannot come from a cluster; from a manifest it is refused as a whole.
+pub const MAX_SLICE_ENDPOINTS: usize = 1000;
 
 impl SkipReason {
     /// The label value used in the `skipped objects` metric.
@@ -112,6 +129,10 @@ impl SkipReason {
             SkipReason::UnknownAddressType => "unknown_address_type",
             SkipReason::MissingServiceLabel => "missing_service_label",
             SkipReason::DuplicateFrontend => "duplicate_frontend",
+            SkipReason::NoPorts => "no_ports",
+            SkipReason::DuplicatePortName => "duplicate_port_name",
+            SkipReason::TooManyEndpoints => "too_many_endpoints",
+            SkipReason::UnmatchedPort => "unmatched_port",
         }
     }
 }
@@ -245,6 +266,17 @@ fn index_slices<E: Borrow<EndpointSlice>>(
                 continue;
             }
         };
+        let endpoints = slice.endpoints.as_deref().unwrap_or_default();
+        if endpoints.len() > MAX_SLICE_ENDPOINTS {
+            skipped.push(skip(
+                SkipReason::TooManyEndpoints,
+                format!(
+                    "{} endpoints, more than the {MAX_SLICE_ENDPOINTS} the API server allows in one slice",
+                    endpoints.len()
+                ),
+            ));
+            continue;
+        }
         let mut ports = Vec::new();
         for p in slice.ports.iter().flatten() {
             // kube-proxy ignores ports without a name (the controller writes "" for unnamed
@@ -282,16 +314,16 @@ fn index_slices<E: Borrow<EndpointSlice>>(
             .clone()
             .unwrap_or_else(|| "default".into());
         let by_port = &mut out.entry((namespace, service.clone())).or_default()[family];
-        for ep in slice.endpoints.iter().flatten() {
+        for ep in endpoints {
             let Some(first) = ep.addresses.first() else {
                 continue;
             };
-            let addr: IpAddr = match first.parse() {
+            let addr: IpAddr = match parse_ip(first) {
                 Ok(a) => a,
-                Err(_) => {
+                Err(why) => {
                     skipped.push(skip(
                         SkipReason::InvalidIp,
-                        format!("endpoint address {first:?}"),
+                        format!("endpoint address {first:?}: {why}"),
                     ));
                     continue;
                 }
@@ -340,6 +372,65 @@ fn index_slices<E: Borrow<EndpointSlice>>(
                 }
             }
         }
+    }
+    out
+}
+
+/// Parses an address as Go's `netip.ParseAddr` (kube-proxy's parser) does: a leading zero in an
+/// IPv4 octet (`010.1.1.1`, octal to some parsers), an IPv6 zone (`fe80::1%eth0`), a CIDR and
+/// surrounding spaces are refused. IPv4-mapped IPv6 addresses (`::ffff:198.18.0.1`) are refused
+/// too: their family is ambiguous, and lb never programs one address under two families.
+fn parse_ip(s: &str) -> Result<IpAddr, &'static str> {
+    let Ok(ip) = s.parse::<IpAddr>() else {
+        let octets: Vec<&str> = s.split('.').collect();
+        let leading_zero = octets.len() == 4
+            && octets
+                .iter()
+                .all(|o| !o.is_empty() && o.bytes().all(|b| b.is_ascii_digit()))
+            && octets.iter().any(|o| o.len() > 1 && o.starts_with('0'));
+        return Err(if s.contains('%') {
+            "an IPv6 zone is not allowed"
+        } else if s.contains('/') {
+            "a CIDR, not an address"
+        } else if leading_zero {
+            "an IPv4 octet with a leading zero"
+        } else {
+            "not an IP address"
+        });
+    };
+    if let IpAddr::V6(v6) = ip
+        && v6.to_ipv4_mapped().is_some()
+    {
+        return Err("an IPv4-mapped IPv6 address");
+    }
+    Ok(ip)
+}
+
+/// The port names each service's EndpointSlices list, for `unmatched_port`.
+type SlicePortNames = BTreeMap<(String, String), BTreeSet<String>>;
+
+fn slice_port_names<E: Borrow<EndpointSlice>>(slices: &[E]) -> SlicePortNames {
+    let mut out = SlicePortNames::new();
+    for slice in slices.iter().map(Borrow::borrow) {
+        let Some(service) = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_SERVICE_NAME))
+        else {
+            continue;
+        };
+        if has_label(&slice.metadata, LABEL_HEADLESS) || slice.address_type == "FQDN" {
+            continue;
+        }
+        let namespace = slice
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let names = out.entry((namespace, service.clone())).or_default();
+        // Names of ports `index_slices` refused count too: those are reported there already.
+        names.extend(slice.ports.iter().flatten().filter_map(|p| p.name.clone()));
     }
     out
 }
@@ -455,10 +546,18 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 ) -> Translation {
     let mut skipped = Vec::new();
     let index = index_slices(slices, node, &mut skipped);
+    let slice_ports = slice_port_names(slices);
     let mut state = DesiredState::default();
 
+    // The older service keeps a contested frontend: creation time first (none, as in most
+    // manifests, sorts first, like Go's zero time), then namespace/name.
     let mut services: Vec<&Service> = services.iter().map(Borrow::borrow).collect();
-    services.sort_by_key(|s| object_name(&s.metadata));
+    services.sort_by_cached_key(|s| {
+        (
+            s.metadata.creation_timestamp.clone(),
+            object_name(&s.metadata),
+        )
+    });
     for svc in services {
         let object = object_name(&svc.metadata);
         let skip = |reason, detail: String| Skipped {
@@ -489,9 +588,11 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         let parse_ips = |what: &str, list: Vec<&str>, skipped: &mut Vec<Skipped>| -> Vec<IpAddr> {
             let mut ips = Vec::new();
             for s in list {
-                match s.parse::<IpAddr>() {
+                match parse_ip(s) {
                     Ok(ip) => ips.push(ip),
-                    Err(_) => skipped.push(skip(SkipReason::InvalidIp, format!("{what} {s:?}"))),
+                    Err(why) => {
+                        skipped.push(skip(SkipReason::InvalidIp, format!("{what} {s:?}: {why}")))
+                    }
                 }
             }
             ips
@@ -564,7 +665,16 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         let slices = index
             .get(&(namespace.clone(), name.clone()))
             .unwrap_or(&empty);
-        for port in spec.ports.iter().flatten() {
+        let ports = spec.ports.as_deref().unwrap_or_default();
+        if ports.is_empty() {
+            skipped.push(skip(
+                SkipReason::NoPorts,
+                "no ports (only headless services may have none)".into(),
+            ));
+        }
+        let listed = slice_ports.get(&(namespace.clone(), name.clone()));
+        let mut port_names = BTreeSet::new();
+        for port in ports {
             let port_name = port.name.clone().unwrap_or_default();
             let proto_name = port.protocol.as_deref().unwrap_or("TCP");
             let Some(proto) = Proto::from_k8s(proto_name) else {
@@ -574,6 +684,15 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 ));
                 continue;
             };
+            // kube-proxy keys service ports by (name, protocol); a second one would share the
+            // first's endpoints under another number.
+            if !port_names.insert((port_name.clone(), proto)) {
+                skipped.push(skip(
+                    SkipReason::DuplicatePortName,
+                    format!("port {port_name:?}/{proto} number {} (the first port of that name is used)", port.port),
+                ));
+                continue;
+            }
             if !(1..=65535).contains(&port.port) {
                 skipped.push(skip(
                     SkipReason::InvalidPort,
@@ -581,7 +700,35 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 ));
                 continue;
             }
-            let node_port = port.node_port.unwrap_or(0) != 0;
+            // Slices that name none of their ports like this one: the port gets no endpoints
+            // (and rejects), typically because the slice was written with the targetPort's name.
+            if let Some(listed) = listed
+                && !listed.is_empty()
+                && !listed.contains(&port_name)
+            {
+                let names: Vec<&str> = listed.iter().map(String::as_str).collect();
+                skipped.push(skip(
+                    SkipReason::UnmatchedPort,
+                    format!(
+                        "port {port_name:?} is named by none of its EndpointSlices' ports ({}): no endpoints; slice ports carry the service port's name",
+                        names.join(", ")
+                    ),
+                ));
+            }
+            // A nodePort outside 1..=65535 gets no NodePort frontend (never one truncated to
+            // 16 bits); the port's other frontends stay.
+            let node_port_number = match port.node_port {
+                Some(n @ 1..=65535) => Some(n as u16),
+                None | Some(0) => None,
+                Some(n) => {
+                    skipped.push(skip(
+                        SkipReason::InvalidPort,
+                        format!("port {port_name:?} nodePort {n} (no NodePort frontend)"),
+                    ));
+                    None
+                }
+            };
+            let node_port = node_port_number.is_some();
             let policies = Policies {
                 internal_local,
                 external_local,
@@ -633,9 +780,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 if external_local && local.is_empty() && has_endpoints {
                     flags |= svc_flags::EMPTY_DROP;
                 }
-                let node_port = u16::try_from(port.node_port.unwrap_or(0))
-                    .ok()
-                    .filter(|p| *p != 0);
+                let node_port = node_port_number;
                 // A family's NodePorts belong to services of that family (kube-proxy runs one
                 // proxier per family, and each sees only the services with its ClusterIP).
                 let nodeport_ips: Vec<IpAddr> =

@@ -1,0 +1,315 @@
+//! Map pressure with a real `lb run`: service and backend maps made small with `--bpf-map-max`,
+//! then filled past capacity. lb must name each service it could not program, keep every
+//! service programmed before intact (the baseline byte for byte; no half-written service),
+//! export the failure (`lb_services_unprogrammed`, `lb_map_full_total{map}`), and program the
+//! refused service on the first sync after room is freed. The baseline keeps answering through
+//! socket LB. Conntrack pressure is tested on the datapath itself (tests/datapath.rs,
+//! `conntrack_pressure_never_misforwards`).
+use std::{
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    thread,
+};
+
+use lb::{
+    datapath::maps::{BpfMaps, Dump, LbMaps as _},
+    model::Frontend,
+};
+use lb_tests::{
+    bins::{LB, LB_ECHO},
+    daemon::LbDaemon,
+    testbed::Testbed,
+};
+
+const ECHO_PORT: u16 = 8080;
+
+/// A ClusterIP service `pressure/NAME` at `vip`:80/TCP with `backends` (198.18.98.x) on 8080.
+fn service(name: &str, vip: &str, backends: &[u8]) -> String {
+    let mut s = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: pressure}}\n\
+         spec:\n  clusterIP: {vip}\n  ports: [{{name: http, protocol: TCP, port: 80}}]\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}-1\n  \
+         namespace: pressure\n  labels: {{kubernetes.io/service-name: {name}}}\n\
+         addressType: IPv4\nports: [{{name: http, protocol: TCP, port: 8080}}]\nendpoints:\n"
+    );
+    for b in backends {
+        s.push_str(&format!("  - addresses: [198.18.98.{b}]\n"));
+    }
+    s
+}
+
+struct Dir(PathBuf);
+
+impl Dir {
+    fn add(&self, name: &str, text: &str) {
+        let tmp = self.0.join(format!(".{name}.tmp"));
+        fs::write(&tmp, text).unwrap();
+        fs::rename(&tmp, self.0.join(name)).unwrap();
+    }
+
+    fn remove(&self, name: &str) {
+        fs::remove_file(self.0.join(name)).unwrap();
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn http_get(ns: &str, addr: &str, path: &str) -> String {
+    let (ns, addr, path) = (ns.to_string(), addr.to_string(), path.to_string());
+    thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        let f = fs::File::open(format!("/run/netns/{ns}")).unwrap();
+        nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        resp
+    })
+    .join()
+    .unwrap()
+}
+
+fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            (k == series).then(|| v.parse().ok())?
+        })
+        .unwrap_or(0.0)
+}
+
+fn dump(lb: &LbDaemon) -> Dump {
+    BpfMaps::open_pinned(&lb.pin_dir)
+        .expect("pinned maps")
+        .dump()
+        .expect("dump")
+}
+
+fn entries_of(d: &Dump, frontends: &BTreeSet<Frontend>) -> String {
+    let mut out = String::new();
+    for ((fe, slot), v) in &d.services {
+        if frontends.contains(fe) {
+            out.push_str(&format!("{fe} slot {slot}: {v:?}\n"));
+            if *slot == 0 {
+                out.push_str(&format!("  revnat {:?}\n", d.revnat.get(&v.rev_nat_id)));
+            } else {
+                out.push_str(&format!("  backend {:?}\n", d.backends.get(&v.backend_id)));
+            }
+        }
+    }
+    out
+}
+
+/// The programmed services other than the `baseline`, by VIP, with their backend count, after
+/// checking none is half-written: every master's slots exist and name existing backends, no
+/// slot exists without its master.
+fn programmed(d: &Dump, baseline: &BTreeSet<Frontend>, what: &str) -> Vec<(String, u16)> {
+    for ((fe, slot), v) in &d.services {
+        let master = d
+            .services
+            .get(&(*fe, 0))
+            .unwrap_or_else(|| panic!("{what}: {fe} slot {slot} without a master"));
+        if *slot == 0 {
+            for s in 1..=master.count + master.qcount {
+                let slot = d
+                    .services
+                    .get(&(*fe, s))
+                    .unwrap_or_else(|| panic!("{what}: {fe} misses slot {s}"));
+                assert!(
+                    d.backends.contains_key(&slot.backend_id),
+                    "{what}: {fe} slot {s} names a missing backend"
+                );
+            }
+            assert!(d.revnat.contains_key(&v.rev_nat_id), "{what}: {fe} revnat");
+        } else {
+            assert!(
+                *slot <= master.count + master.qcount,
+                "{what}: {fe} stray slot {slot}"
+            );
+        }
+    }
+    let mut out: Vec<(String, u16)> = d
+        .services
+        .iter()
+        .filter(|((fe, slot), _)| *slot == 0 && !baseline.contains(fe))
+        .map(|((fe, _), v)| (fe.l4.addr.to_string(), v.count))
+        .collect();
+    out.sort();
+    out
+}
+
+/// Waits for the sync after a change made now and returns its log lines.
+fn next_sync(lb: &mut LbDaemon, what: &str) -> Vec<String> {
+    let from = lb.log.len();
+    lb.wait_for(|l| l.contains(" synced"), what).unwrap();
+    lb.log[from..].to_vec()
+}
+
+/// The `service not programmed` lines of `log`: (service, map named in the error).
+fn refused(log: &[String]) -> BTreeSet<(String, String)> {
+    log.iter()
+        .filter(|l| l.contains("service not programmed"))
+        .map(|l| {
+            let service = l
+                .split("service=")
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next())
+                .unwrap_or("")
+                .to_string();
+            let map = l
+                .split("map ")
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next())
+                .unwrap_or("")
+                .to_string();
+            (service, map)
+        })
+        .collect()
+}
+
+fn request_baseline(tb: &mut Testbed) {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args(["client", "--target", "198.19.0.10:80", "--proto", "tcp"])
+        .args(["--count", "3"]);
+    let cg = tb.cgroup.clone();
+    let ns = tb.client.ns.clone();
+    let out = tb.run(&ns, Some(&cg), cmd).expect("run client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.lines().filter(|l| l.contains("\"backend\"")).count(),
+        3,
+        "the baseline answers: {stdout}"
+    );
+}
+
+fn pairs(list: &[(&str, u16)]) -> Vec<(String, u16)> {
+    let mut v: Vec<(String, u16)> = list.iter().map(|(a, n)| ((*a).to_string(), *n)).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn full_maps_name_the_refused_service_and_keep_the_rest() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let dir = Dir(std::env::temp_dir().join(format!("lb-test-pressure-{}", tb.id)));
+    fs::create_dir_all(&dir.0).unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    for entry in fs::read_dir(examples).unwrap() {
+        let path = entry.unwrap().path();
+        fs::copy(&path, dir.0.join(path.file_name().unwrap())).unwrap();
+    }
+    // The baseline (demo/echo) takes 8 IPv4 service entries (2 frontends × master + 3 slots)
+    // and 6 IPv4 backends (3 addresses × TCP, UDP).
+    let dir_arg = dir.0.display().to_string();
+    let cgroup = tb.cgroup.display().to_string();
+    let args = [
+        "--manifests",
+        &dir_arg,
+        "--cgroup-path",
+        &cgroup,
+        "--bpf-map-max",
+        "lb4_services=16",
+        "--bpf-map-max",
+        "lb4_backends=10",
+    ];
+    let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    let node = tb.node_ns.clone();
+    let metrics = || http_get(&node, "127.0.0.1:10249", "/metrics");
+    let before = dump(&lb);
+    let baseline: BTreeSet<Frontend> = before.services.keys().map(|(fe, _)| *fe).collect();
+    let baseline_entries = entries_of(&before, &baseline);
+    let full = |m: &str, map: &str| sample(m, &format!("lb_map_full_total{{map=\"{map}\"}}"));
+    assert_eq!(sample(&metrics(), "lb_services_unprogrammed"), 0.0);
+
+    // a and b fit exactly: services 8 + 3 + 3 = 14 of 16, backends 6 + 2 + 2 = 10 of 10.
+    dir.add("a.yaml", &service("a", "198.19.10.1", &[1, 2]));
+    assert!(refused(&next_sync(&mut lb, "a")).is_empty());
+    dir.add("b.yaml", &service("b", "198.19.10.2", &[3, 4]));
+    assert!(refused(&next_sync(&mut lb, "b")).is_empty());
+    let d = dump(&lb);
+    assert_eq!(
+        programmed(&d, &baseline, "a, b"),
+        pairs(&[("198.19.10.1", 2), ("198.19.10.2", 2)])
+    );
+
+    // c needs 3 service entries (its backends exist already), 2 are free; it sorts before every
+    // other frontend, and still takes nothing from them. d needs 1 new backend, none is free.
+    dir.add("c.yaml", &service("c", "198.19.0.5", &[1, 2]));
+    next_sync(&mut lb, "c");
+    dir.add("d.yaml", &service("d", "198.19.10.4", &[9]));
+    let log = next_sync(&mut lb, "d");
+    assert_eq!(
+        refused(&log),
+        BTreeSet::from([
+            ("pressure/c:http".to_string(), "lb4_services".to_string()),
+            ("pressure/d:http".to_string(), "lb4_backends".to_string()),
+        ]),
+        "{}",
+        log.join("\n")
+    );
+    let d = dump(&lb);
+    assert_eq!(entries_of(&d, &baseline), baseline_entries, "baseline kept");
+    assert_eq!(
+        programmed(&d, &baseline, "full"),
+        pairs(&[("198.19.10.1", 2), ("198.19.10.2", 2)]),
+        "nothing of c or d is written"
+    );
+    let m = metrics();
+    assert_eq!(sample(&m, "lb_services_unprogrammed"), 2.0, "{m}");
+    assert!(
+        full(&m, "lb4_services") >= 2.0,
+        "c refused in two syncs: {m}"
+    );
+    assert!(full(&m, "lb4_backends") >= 1.0, "{m}");
+    assert_eq!(
+        sample(&m, "lb_map_entries{map=\"lb4_services\"}"),
+        14.0,
+        "{m}"
+    );
+    request_baseline(&mut tb);
+
+    // Room freed: removing a makes room for c (a's backends stay: c uses them); d still waits.
+    dir.remove("a.yaml");
+    let log = next_sync(&mut lb, "a removed");
+    assert_eq!(
+        refused(&log),
+        BTreeSet::from([("pressure/d:http".to_string(), "lb4_backends".to_string())]),
+        "{}",
+        log.join("\n")
+    );
+    let d = dump(&lb);
+    assert_eq!(
+        programmed(&d, &baseline, "a removed"),
+        pairs(&[("198.19.0.5", 2), ("198.19.10.2", 2)])
+    );
+    assert_eq!(sample(&metrics(), "lb_services_unprogrammed"), 1.0);
+
+    // Removing b frees its two backends: d gets programmed.
+    dir.remove("b.yaml");
+    let log = next_sync(&mut lb, "b removed");
+    assert!(refused(&log).is_empty(), "{}", log.join("\n"));
+    let d = dump(&lb);
+    assert_eq!(
+        programmed(&d, &baseline, "b removed"),
+        pairs(&[("198.19.0.5", 2), ("198.19.10.4", 1)])
+    );
+    assert_eq!(entries_of(&d, &baseline), baseline_entries, "baseline kept");
+    assert_eq!(sample(&metrics(), "lb_services_unprogrammed"), 0.0);
+    request_baseline(&mut tb);
+    let status = lb.stop().unwrap();
+    assert!(status.success(), "{status}");
+}
