@@ -2,8 +2,9 @@
 //! `podman build -f deploy/Containerfile` on a context holding only that binary). `podman run`
 //! does not work on these machines (crun and the hybrid cgroup layout), so the test exports the
 //! image's filesystem, runs its `lb` chrooted into it (nothing but the binary is there) and on
-//! the host (`lb trace --manifests` through the real datapath), and checks that the DaemonSet
-//! names the image that was built. Needs root and podman (`cargo xtask setup` installs it).
+//! the host (`lb trace --manifests` through the real datapath, and the init container's
+//! `lb mount-bpffs` in a private mount namespace), and checks that the DaemonSet names the
+//! image that was built. Needs root and podman (`cargo xtask setup` installs it).
 use std::{
     collections::BTreeSet,
     fs,
@@ -176,6 +177,28 @@ fn image_builds_and_its_lb_runs_and_traces() {
         .unwrap();
     let version = ok("chroot IMAGE lb --version", out);
     assert_eq!(version.trim(), format!("lb {}", env!("CARGO_PKG_VERSION")));
+
+    // The init container's command, with the image's lb, in a mount namespace of its own: it
+    // mounts bpffs where there is none, and leaves a bpffs alone.
+    let mnt = extracted.dir.join("bpffs");
+    let script = format!(
+        "{lb} mount-bpffs --path {mnt} && {lb} mount-bpffs --path {mnt} && stat -f -c %T {mnt}",
+        lb = lb.display(),
+        mnt = mnt.display()
+    );
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    let mounted = ok("unshare --mount lb mount-bpffs (twice)", out);
+    assert_eq!(
+        mounted.lines().collect::<Vec<_>>(),
+        [
+            format!("mounted bpffs at {}", mnt.display()),
+            format!("bpffs already mounted at {}", mnt.display()),
+            "bpf_fs".to_owned(),
+        ],
+    );
 
     // On the host, the extracted lb loads its embedded datapath and traces the examples'
     // service through it (BPF_PROG_TEST_RUN): all three backends, from 60 new flows.
