@@ -5,9 +5,11 @@
 //! * [`daemon`]: [`daemon::LbDaemon`], `lb run` in a testbed's node netns;
 //! * [`netns`]: the `ip` runner and entering a netns from a child or a thread;
 //! * [`bins`]: where the workspace's binaries (and the tools setup builds) are;
-//! * [`controlplane`]: a real etcd + kube-apiserver + EndpointSlice controller.
+//! * [`controlplane`]: a real etcd + kube-apiserver + EndpointSlice controller;
+//! * [`relay`]: a TCP relay from a netns's loopback to the caller's netns (lb → API server).
 pub mod bins;
 pub mod controlplane;
 pub mod daemon;
 pub mod netns;
+pub mod relay;
 pub mod testbed;

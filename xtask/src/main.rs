@@ -1,6 +1,7 @@
 //! Developer tasks for lb, run as `cargo xtask <command>`.
 
 mod bench;
+mod image;
 mod kernels;
 mod process;
 mod setup;
@@ -48,10 +49,17 @@ enum Task {
     },
     /// Set up, build the binaries and run lb-demo.
     Demo {
+        /// Run the demo against a real control plane (etcd, kube-apiserver, the EndpointSlice
+        /// controller), objects created with kubectl; sets up the Kubernetes binaries first.
+        #[arg(long)]
+        kubernetes: bool,
         /// Arguments for lb-demo.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// Build the container image (deploy/Containerfile, FROM scratch) around a statically
+    /// linked lb with podman, as registry.example.invalid/lb:<version>; needs root.
+    Image,
     /// Check formatting and run clippy with warnings denied.
     Lint,
     /// Run the benchmarks (lb-bench) and write docs/benchmarks.md; needs root.
@@ -83,7 +91,8 @@ fn run_task(task: Task) -> Result<ExitCode> {
         }
         Task::Build { release } => build(release)?,
         Task::Test { kernel, args } => test(kernel.as_deref(), &args)?,
-        Task::Demo { args } => demo(&args)?,
+        Task::Demo { kubernetes, args } => demo(kubernetes, &args)?,
+        Task::Image => image::image()?,
         Task::Lint => lint()?,
         Task::Bench(args) => bench::bench(&args)?,
         Task::VmGuest { out, suites } => kernels::guest(&out, &suites)?,
@@ -221,10 +230,17 @@ fn test_phases(
     Ok(())
 }
 
-fn demo(args: &[OsString]) -> Result<()> {
-    setup::setup()?;
+fn demo(kubernetes: bool, args: &[OsString]) -> Result<()> {
+    if kubernetes {
+        setup::setup_for_demo_kubernetes()?;
+    } else {
+        setup::setup()?;
+    }
     run(cargo().args(["build", "--bins"]))?;
     let mut cmd = Command::new(workspace_root().join("target/debug/lb-demo"));
+    if kubernetes {
+        cmd.arg("--kubernetes");
+    }
     cmd.args(args).current_dir(workspace_root());
     println!("$ {}", display(&cmd));
     // lb-demo replaces this process, so its exit code and signals (Ctrl-C) pass straight through.

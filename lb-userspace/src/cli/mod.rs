@@ -47,6 +47,16 @@ enum Command {
     /// Detach lb's programs for good (they stay attached when `lb run` exits, so a restart
     /// or upgrade loses nothing); the pinned maps stay.
     Detach(inspect::PinDirArgs),
+    /// Mount bpffs at a path unless one is mounted there already (the DaemonSet's init
+    /// container runs this: the image has no shell and no `mount`).
+    MountBpffs(MountBpffsArgs),
+}
+
+#[derive(clap::Args)]
+struct MountBpffsArgs {
+    /// Where bpffs belongs.
+    #[arg(long, default_value = "/sys/fs/bpf")]
+    path: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -224,6 +234,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 for r in &removed {
                     println!("detached {r}");
                 }
+            }
+            Ok(())
+        }
+        Command::MountBpffs(args) => {
+            let mounted = crate::datapath::load::mount_bpffs(&args.path)?;
+            let path = args.path.display();
+            if mounted {
+                println!("mounted bpffs at {path}");
+            } else {
+                println!("bpffs already mounted at {path}");
             }
             Ok(())
         }

@@ -777,6 +777,27 @@ fn raise_memlock_limit() {
     }
 }
 
+/// Mounts bpffs at `path` (created if missing) unless `path` is a bpffs already; returns
+/// whether it mounted one.
+pub fn mount_bpffs(path: &Path) -> anyhow::Result<bool> {
+    fs::create_dir_all(path).with_context(|| format!("creating {}", path.display()))?;
+    let fs_type = nix::sys::statfs::statfs(path)
+        .with_context(|| format!("statfs {}", path.display()))?
+        .filesystem_type();
+    if fs_type == nix::sys::statfs::BPF_FS_MAGIC {
+        return Ok(false);
+    }
+    nix::mount::mount(
+        Some("bpf"),
+        path,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .with_context(|| format!("mount -t bpf bpf {} (needs CAP_SYS_ADMIN)", path.display()))?;
+    Ok(true)
+}
+
 fn prepare_pin_dir(dir: &Path) -> anyhow::Result<()> {
     let parent = dir.parent().unwrap_or(Path::new("/"));
     let fs_type = nix::sys::statfs::statfs(parent)

@@ -12,9 +12,16 @@
 //!    from the client netns as an external client, through XDP on the node's client-facing
 //!    device, showing the source address each backend saw (the node IP where the service
 //!    masquerades, the client's own where `externalTrafficPolicy: Local` keeps it),
-//! 5. tears everything down and prints a summary. The exit code is 0 if every request succeeded
-//!    and every backend was reached for every target in every mode, 1 if not, 2 if the demo
-//!    itself could not run.
+//! 5. tears everything down and prints a summary.
+//!
+//! With `--kubernetes` (`cargo xtask demo --kubernetes`) it runs one other mode instead, mode K:
+//! a real control plane (etcd, kube-apiserver and the EndpointSlice controller, started in the
+//! node netns), the example Service and three Pods created with kubectl, the Pods' status set as
+//! a kubelet would so that the controller writes the EndpointSlices, and `lb run --kubeconfig`
+//! with the ServiceAccount token `deploy/rbac.yaml` binds, balancing the same requests (tc only).
+//!
+//! The exit code is 0 if every request succeeded and every backend was reached for every target
+//! in every mode, 1 if not, 2 if the demo itself could not run.
 //!
 //! `lb` and `lb-echo` are expected next to this binary.
 use std::{
@@ -38,6 +45,7 @@ use lb::datapath::pinned;
 use lb_common::{map_names, metrics};
 use lb_tests::{
     bins,
+    controlplane::{self, ControlPlane},
     daemon::{LbDaemon, LbOptions},
     netns::{in_netns, set_gro, set_tx_checksum},
     testbed::{HOST_IF, Testbed},
@@ -163,6 +171,10 @@ struct Cli {
     /// Wait for Enter while lb runs in each mode, to look at the maps and programs meanwhile.
     #[arg(long)]
     pause: bool,
+    /// Instead of modes A-C: mode K, lb following a real Kubernetes control plane (built by
+    /// `cargo xtask demo --kubernetes`), the Service and Pods created with kubectl.
+    #[arg(long)]
+    kubernetes: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -189,6 +201,8 @@ enum Mode {
     /// NodePorts and a LoadBalancer IP from the client as an external client: XDP (and tc
     /// ingress) on the node's client-facing device.
     NorthSouth,
+    /// `--kubernetes`: the API server as the source, tc only.
+    Kubernetes,
 }
 
 impl Mode {
@@ -197,6 +211,7 @@ impl Mode {
             Mode::SocketLb => "socket LB",
             Mode::TcOnly => "tc only",
             Mode::NorthSouth => "north-south",
+            Mode::Kubernetes => "kubernetes",
         }
     }
 
@@ -205,6 +220,7 @@ impl Mode {
             Mode::SocketLb => 'A',
             Mode::TcOnly => 'B',
             Mode::NorthSouth => 'C',
+            Mode::Kubernetes => 'K',
         }
     }
 }
@@ -225,7 +241,12 @@ fn main() -> ExitCode {
             for w in warnings(results).iter().chain(&report.warnings) {
                 println!("\nWARNING: {w}");
             }
-            let problems = problems(results, cli.requests);
+            let expected = if cli.kubernetes {
+                TARGETS.len()
+            } else {
+                2 * TARGETS.len() + NS_TARGETS.len()
+            };
+            let problems = problems(results, cli.requests, expected);
             if problems.is_empty() {
                 println!(
                     "\nPASS: all {} requests succeeded and every backend was reached for every \
@@ -290,7 +311,11 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
         None => None,
     };
 
-    print_intro(cli, &manifests);
+    if cli.kubernetes {
+        print_intro_kubernetes(cli);
+    } else {
+        print_intro(cli, &manifests);
+    }
 
     step("Creating the testbed");
     let t = Instant::now();
@@ -299,6 +324,9 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
         .context("starting the echo servers")?;
     print_testbed(&tb, t.elapsed());
     check_interrupted()?;
+    if cli.kubernetes {
+        return kubernetes::demo(cli, report, tb, &manifests, log);
+    }
 
     // Declared after the testbed, so it is removed (after lb stopped) before the testbed goes.
     let pin_dir = DirGuard(Path::new(BPFFS).join(format!("lb-demo-{}", tb.id)));
@@ -335,7 +363,10 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
         let mut args = vec!["--manifests", &manifests];
         match mode {
             Mode::SocketLb => args.extend(["--cgroup-path", &cgroup, "--tc-pod", &ifaces]),
-            Mode::TcOnly => args.extend(["--socket-lb=false", "--tc-pod", &ifaces]),
+            // Mode K runs in `kubernetes::demo`, with its own arguments.
+            Mode::TcOnly | Mode::Kubernetes => {
+                args.extend(["--socket-lb=false", "--tc-pod", &ifaces]);
+            }
             Mode::NorthSouth => {
                 args.extend([
                     "--socket-lb=false",
@@ -375,7 +406,7 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
 
         println!();
         match mode {
-            Mode::SocketLb => section(
+            Mode::SocketLb | Mode::Kubernetes => section(
                 mode,
                 &[
                     "lb attaches its connect/sendmsg/recvmsg/getpeername programs to the testbed",
@@ -429,7 +460,7 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
 
         let cgroup = match mode {
             Mode::SocketLb => Some(tb.cgroup.as_path()),
-            Mode::TcOnly | Mode::NorthSouth => None,
+            Mode::TcOnly | Mode::NorthSouth | Mode::Kubernetes => None,
         };
         println!();
         println!(
@@ -498,6 +529,332 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
     );
     println!("  stopped the echo servers, deleted the netns and the cgroup");
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mode K: a real control plane
+
+mod kubernetes {
+    use super::*;
+
+    /// The node the Pods are bound to, and lb's `--hostname-override`.
+    const NODE: &str = "demo-node";
+    /// Generous: the controller batches, and the machine may be busy.
+    const WAIT: Duration = Duration::from_secs(90);
+
+    /// Pods `echo-1..3` of app `echo` on [`NODE`], with the ports the example Service's
+    /// targetPorts name (no scheduler, no kubelet: `nodeName` is set, the image never pulled).
+    fn pods_yaml() -> String {
+        let mut y = String::new();
+        for i in 1..=BACKENDS {
+            y.push_str(&format!(
+                "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: echo-{i}, namespace: demo, \
+                 labels: {{app: echo}}}}\nspec:\n  nodeName: {NODE}\n  containers:\n    - name: \
+                 echo\n      image: lb.invalid/echo:demo\n      ports:\n        - {{name: \
+                 echo-tcp, containerPort: {ECHO_PORT}, protocol: TCP}}\n        - {{name: \
+                 echo-udp, containerPort: {ECHO_PORT}, protocol: UDP}}\n"
+            ));
+        }
+        y
+    }
+
+    const BASE_YAML: &str = "apiVersion: v1
+kind: Namespace
+metadata: {name: demo}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: default, namespace: demo}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: demo-node, labels: {topology.kubernetes.io/zone: zone-a}}
+";
+
+    /// Runs kubectl (admin, in the node netns), showing the command; returns stdout.
+    fn kubectl(cp: &ControlPlane, args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
+        // Quoted where a shell would need it, so the line can be pasted.
+        let shown: Vec<String> = args
+            .iter()
+            .map(|a| {
+                if a.contains(['{', '"', ' ']) {
+                    format!("'{a}'")
+                } else {
+                    (*a).to_owned()
+                }
+            })
+            .collect();
+        let shown = shown.join(" ");
+        match stdin {
+            Some(text) => {
+                println!("  $ kubectl {shown} <<EOF");
+                for l in text.lines() {
+                    println!("    {l}");
+                }
+                println!("  EOF");
+            }
+            None => println!("  $ kubectl {shown}"),
+        }
+        let out = cp.kubectl_ok(args, stdin.map(str::as_bytes))?;
+        for l in out.lines() {
+            println!("    {l}");
+        }
+        Ok(out)
+    }
+
+    /// The JSON merge patch a kubelet's status update amounts to: running at `v4`/`v6`, Ready.
+    fn pod_status(v4: &str, v6: &str) -> String {
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        serde_json::json!({ "status": {
+            "phase": "Running",
+            "podIP": v4,
+            "podIPs": [{ "ip": v4 }, { "ip": v6 }],
+            "conditions": [
+                { "type": "Ready", "status": "True", "lastTransitionTime": now },
+                { "type": "ContainersReady", "status": "True", "lastTransitionTime": now },
+            ],
+        }})
+        .to_string()
+    }
+
+    /// Ready endpoints per address type in the slices of demo/echo.
+    fn ready_endpoints(cp: &ControlPlane) -> anyhow::Result<BTreeMap<String, usize>> {
+        let out = cp.kubectl_ok(
+            &[
+                "get",
+                "endpointslices",
+                "--namespace=demo",
+                "--selector=kubernetes.io/service-name=echo",
+                "--output=json",
+            ],
+            None,
+        )?;
+        let list: Value = serde_json::from_str(&out).context("slice list JSON")?;
+        let mut ready = BTreeMap::new();
+        for slice in list["items"].as_array().into_iter().flatten() {
+            let n = slice["endpoints"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|ep| ep["conditions"]["ready"] == serde_json::json!(true))
+                .count();
+            let family = slice["addressType"].as_str().unwrap_or("?").to_owned();
+            *ready.entry(family).or_default() += n;
+        }
+        Ok(ready)
+    }
+
+    pub(super) fn demo(
+        cli: &Cli,
+        report: &mut Report,
+        mut tb: Testbed,
+        manifests: &Path,
+        log: Option<File>,
+    ) -> anyhow::Result<()> {
+        let lb_bin = bins::LB.path()?;
+        let echo_bin = bins::LB_ECHO.path()?;
+        println!();
+        step("Starting the control plane in the node netns");
+        let cp = ControlPlane::start_with(controlplane::Options {
+            netns: Some(tb.node_ns.clone()),
+            ..controlplane::Options::default()
+        })
+        .context("starting the control plane (`cargo xtask demo --kubernetes` builds it)")?;
+        println!(
+            "  etcd and kube-apiserver at {} ready in {:.1} s; kube-controller-manager runs the \
+             EndpointSlice controller (logs in {})",
+            cp.server,
+            cp.ready_after.as_secs_f64(),
+            cp.dir.display()
+        );
+        check_interrupted()?;
+
+        println!();
+        step("Creating the objects with kubectl");
+        kubectl(&cp, &["apply", "-f", "-"], Some(BASE_YAML))?;
+        let service = manifests.join("echo-service.yaml");
+        kubectl(&cp, &["apply", "-f", &service.display().to_string()], None)?;
+        kubectl(&cp, &["apply", "-f", "-"], Some(&pods_yaml()))?;
+        println!("  No kubelet runs: the demo writes each Pod's status as one would.");
+        for (i, b) in tb.backends.iter().enumerate() {
+            let patch = pod_status(&b.ipv4.to_string(), &b.ipv6.to_string());
+            let name = format!("echo-{}", i + 1);
+            kubectl(
+                &cp,
+                &[
+                    "patch",
+                    "pod",
+                    &name,
+                    "--namespace=demo",
+                    "--subresource=status",
+                    "--type=merge",
+                    "--patch",
+                    &patch,
+                ],
+                None,
+            )?;
+        }
+        let deadline = Instant::now() + WAIT;
+        let want = BTreeMap::from([("IPv4".to_owned(), BACKENDS), ("IPv6".to_owned(), BACKENDS)]);
+        loop {
+            check_interrupted()?;
+            let ready = ready_endpoints(&cp)?;
+            if ready == want {
+                break;
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "the EndpointSlice controller did not publish {BACKENDS} ready endpoints per \
+                 family within {WAIT:?} (saw {ready:?}){}",
+                cp.logs()
+            );
+            thread::sleep(Duration::from_millis(250));
+        }
+        println!("  The EndpointSlice controller wrote the slices:");
+        kubectl(
+            &cp,
+            &["get", "endpointslices", "--namespace=demo", "--output=wide"],
+            None,
+        )?;
+        check_interrupted()?;
+
+        let kubeconfig = cp
+            .lb_kubeconfig()
+            .context("lb's kubeconfig (deploy/rbac.yaml and a token)")?;
+        let kubeconfig = kubeconfig.display().to_string();
+        let pin_dir = DirGuard(Path::new(BPFFS).join(format!("lb-demo-{}", tb.id)));
+        let state_dir = DirGuard(std::env::temp_dir().join(format!("lb-demo-state-{}", tb.id)));
+        let ifaces = tb.node_ifaces().join(",");
+        let args = [
+            "--kubeconfig",
+            &kubeconfig,
+            "--hostname-override",
+            NODE,
+            "--socket-lb=false",
+            "--tc-pod",
+            &ifaces,
+            "--metrics-bind-address",
+            "off",
+        ];
+        let mode = Mode::Kubernetes;
+        let mut log = log;
+        let opts = LbOptions {
+            pin_dir: pin_dir.0.clone(),
+            state_dir: state_dir.0.clone(),
+            rust_log: "info".into(),
+            log_file: log
+                .as_ref()
+                .map(File::try_clone)
+                .transpose()
+                .context("cloning the log file handle")?,
+            on_line: Some(print_lb_line),
+            interrupted: Some(&INTERRUPTED),
+        };
+        let shown = LbDaemon::command_args(&args, &opts).join(" ");
+        println!();
+        section(
+            mode,
+            &[
+                "lb watches Services, EndpointSlices and its Node through the API server with the",
+                "token of ServiceAccount kube-system/lb (deploy/rbac.yaml, read-only), and programs",
+                "what the controller published; the node's tc ingress NATs every packet.",
+            ],
+        );
+        if let Some(f) = log.as_mut() {
+            writeln!(
+                f,
+                "=== lb-demo testbed {} mode K: {} {shown} ===",
+                tb.id,
+                lb_bin.display()
+            )
+            .context("writing the log file")?;
+        }
+        println!("  $ {} {shown}", lb_bin.display());
+        println!("    (in netns {}; its log follows, indented)", tb.node_ns);
+        let before = read_counters(&pin_dir.0);
+        let mut lb = LbDaemon::spawn_with(&mut tb, &lb_bin, &args, opts)?;
+        lb.keep_dirs();
+        lb.wait_ready()?;
+        print_inspect_hints(&tb, &pin_dir.0, mode, cli.pause);
+        println!();
+        println!(
+            "  Sending {} requests per target from netns {}:",
+            cli.requests, tb.client.ns
+        );
+        for &(target, proto) in &TARGETS {
+            check_interrupted()?;
+            let target: SocketAddr = target.parse().context("target address")?;
+            let result = run_client(&tb, &echo_bin, None, mode, target, proto, cli)?;
+            lb.drain();
+            print_table(&result, &tb, cli.requests);
+            report.results.push(result);
+        }
+        check_interrupted()?;
+        match (before, read_counters(&pin_dir.0)) {
+            (Ok(before), Ok(after)) => {
+                if let Some(w) = print_counters(mode, &before, &after) {
+                    report.warnings.push(w);
+                }
+            }
+            (Err(err), _) | (_, Err(err)) => {
+                println!("\n  (could not read lb's counters: {err:#})");
+            }
+        }
+        if cli.pause {
+            pause()?;
+            lb.drain();
+        }
+        println!();
+        println!("  Stopping lb (SIGTERM) and the control plane");
+        let status = lb.stop()?;
+        ensure!(status.success(), "lb exited with {status} in mode K");
+        drop(lb);
+        drop(cp);
+
+        println!();
+        step("Tearing down");
+        let pin_path = pin_dir.0.clone();
+        pin_dir.remove()?;
+        drop(state_dir);
+        println!("  removed {}", pin_path.display());
+        let (node_ns, cgroup) = (tb.node_ns.clone(), tb.cgroup.clone());
+        drop(tb);
+        let leftover: Vec<String> = [Path::new("/run/netns").join(&node_ns), cgroup]
+            .into_iter()
+            .filter(|p| p.exists())
+            .map(|p| p.display().to_string())
+            .collect();
+        ensure!(
+            leftover.is_empty(),
+            "teardown left {}",
+            leftover.join(" and ")
+        );
+        println!("  stopped the echo servers, deleted the netns and the cgroup");
+        Ok(())
+    }
+}
+
+fn print_intro_kubernetes(cli: &Cli) {
+    println!(
+        "lb demo against a real Kubernetes control plane
+===============================================
+
+The demo builds the same throw-away topology of network namespaces:
+
+    client netns --veth-- node netns --veth-- b1, b2, b3 netns
+    198.18.10.2           (runs lb, and       198.18.11.2 .. 198.18.13.2
+    2001:db8:0:10::2       the control plane) 2001:db8:0:11::2 .. 2001:db8:0:13::2
+
+starts etcd, kube-apiserver and kube-controller-manager (the EndpointSlice controller) on the
+node netns's loopback, creates the Service demo/echo of deploy/examples and three Pods with
+kubectl, marks the Pods running and Ready at the backends' addresses (as a kubelet would), and
+lets the controller write the EndpointSlices. lb follows the API server with a read-only token
+and balances {n} requests per service address and protocol, each from a fresh socket:
+
+    Mode K  kubernetes: tc ingress on the node NATs every packet to a Pod the API lists.
+",
+        n = cli.requests
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -739,9 +1096,8 @@ fn print_summary(results: &[TargetResult]) {
 }
 
 /// Why the demo failed: requests that failed and backends never reached.
-fn problems(results: &[TargetResult], requests: u32) -> Vec<String> {
+fn problems(results: &[TargetResult], requests: u32, expected: usize) -> Vec<String> {
     let mut out = Vec::new();
-    let expected = 2 * TARGETS.len() + NS_TARGETS.len();
     if results.len() < expected {
         out.push(format!(
             "only {} of {expected} target runs completed",
@@ -846,7 +1202,7 @@ fn print_counters(mode: Mode, before: &Counters, after: &Counters) -> Option<Str
             );
             None
         }
-        Mode::TcOnly if tc > 0 && sock == 0 => {
+        Mode::TcOnly | Mode::Kubernetes if tc > 0 && sock == 0 => {
             println!("      -> tc ingress translated every new flow; no socket hook ran");
             None
         }
