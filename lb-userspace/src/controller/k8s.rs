@@ -52,7 +52,9 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
 ///
 /// * a read timeout of `watch_timeout` + 10 s, so a path that drops packets (no reset ever
 ///   arrives) fails a request waiting for its answer instead of hanging it forever (kube-rs
-///   sets none; its watch idle timeout covers only streams already open);
+///   sets none; its watch idle timeout covers only streams already open), and a connect
+///   timeout of at most `watch_timeout` + 5 s (kube-rs: 30 s), so with short watch timeouts a
+///   cut path is reported as soon as it is noticed;
 /// * every answer and every transport error reported to `metrics` as API-server contact.
 pub async fn watch_client(
     kubeconfig: Option<&Path>,
@@ -61,6 +63,8 @@ pub async fn watch_client(
 ) -> anyhow::Result<Client> {
     let mut config = config(kubeconfig).await?;
     config.read_timeout = Some(watch_timeout + READ_TIMEOUT_MARGIN);
+    let connect = watch_timeout + Duration::from_secs(5);
+    config.connect_timeout = Some(config.connect_timeout.map_or(connect, |t| t.min(connect)));
     // Count from the request, not from when a pooled connection went idle.
     config.reset_reader_on_write = true;
     // Any HTTP answer, whatever its status, proves the server is there; errors at this layer
