@@ -187,17 +187,36 @@ fn daemonset_has_what_lb_needs_on_a_node() {
     assert_eq!(pod.service_account_name, sa.metadata.name);
     assert_eq!(ds.metadata.namespace, sa.metadata.namespace);
 
+    // Least privilege: every capability dropped but exactly those `lb run` checks for at start
+    // on a 5.8+ kernel (the first of each requirement's alternatives).
     let c = lb_container(ds);
-    let caps: BTreeSet<&str> = c
+    let capabilities = c
         .security_context
         .as_ref()
         .and_then(|s| s.capabilities.as_ref())
-        .and_then(|c| c.add.as_ref())
-        .map(|a| a.iter().map(String::as_str).collect())
-        .unwrap_or_default();
-    for cap in ["BPF", "NET_ADMIN", "SYS_ADMIN", "PERFMON"] {
-        assert!(caps.contains(cap), "capability {cap}: {caps:?}");
-    }
+        .expect("capabilities");
+    let list =
+        |l: &Option<Vec<String>>| -> BTreeSet<String> { l.iter().flatten().cloned().collect() };
+    assert_eq!(list(&capabilities.drop), BTreeSet::from(["ALL".to_owned()]));
+    let needed: BTreeSet<String> = lb::privileges::needs(40)
+        .iter()
+        .map(|n| n.caps[0].name.trim_start_matches("CAP_").to_owned())
+        .collect();
+    assert_eq!(
+        needed,
+        BTreeSet::from(["BPF", "PERFMON", "NET_ADMIN"].map(String::from)),
+        "what lb run checks for"
+    );
+    assert_eq!(
+        list(&capabilities.add),
+        needed,
+        "the DaemonSet adds exactly that"
+    );
+    assert_ne!(
+        c.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true),
+        "the lb container is not privileged"
+    );
 
     // NODE_NAME from the downward API, used for --hostname-override.
     let env = c.env.as_ref().unwrap();

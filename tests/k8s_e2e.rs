@@ -1,7 +1,9 @@
 //! End to end with the Kubernetes API source: `lb run --kubeconfig` in the node netns of a
 //! testbed follows a fake API server (tests/support/apiserver.rs) and steers real TCP
 //! connections from the client netns to the backends the EndpointSlice names; a MODIFIED
-//! slice takes a backend set down to one. Needs root.
+//! slice takes a backend set down to one; the API server gone for many watch timeouts changes
+//! nothing in the datapath, and lb converges on what changed meanwhile once it is back.
+//! Needs root.
 //!
 //! The fake API server runs in this process on a thread that entered the node netns before
 //! binding, so it listens on 127.0.0.1 *inside* the node netns, where `lb` reaches it; the test
@@ -14,13 +16,16 @@ mod support;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    io::{Read as _, Write as _},
     path::Path,
     process::Command,
+    time::{Duration, Instant},
 };
 
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
+    netns::in_netns,
     testbed::Testbed,
 };
 use support::{
@@ -37,8 +42,13 @@ const TARGET: &str = "198.19.0.10:80";
 /// `lb run --kubeconfig` in the node netns, until ready; lb's own debug lines (event-to-write
 /// latency) are logged, not the HTTP stack's.
 fn start_lb(tb: &mut Testbed, kubeconfig: &Path) -> LbDaemon {
+    start_lb_with(tb, kubeconfig, &["--metrics-bind-address", "off"])
+}
+
+/// [`start_lb`] with `extra` arguments instead of `--metrics-bind-address off`.
+fn start_lb_with(tb: &mut Testbed, kubeconfig: &Path, extra: &[&str]) -> LbDaemon {
     let ifaces = tb.node_ifaces().join(",");
-    let args = [
+    let mut args = vec![
         "--kubeconfig",
         kubeconfig.to_str().unwrap(),
         "--hostname-override",
@@ -46,9 +56,8 @@ fn start_lb(tb: &mut Testbed, kubeconfig: &Path) -> LbDaemon {
         "--socket-lb=false",
         "--tc-ingress",
         &ifaces,
-        "--metrics-bind-address",
-        "off",
     ];
+    args.extend_from_slice(extra);
     LbDaemon::start(tb, Path::new(LB), &args, "info,lb=debug").unwrap()
 }
 
@@ -70,11 +79,11 @@ fn field(line: &str, name: &str) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// Replies per backend name from `lb-echo client --count 30` in the client netns (tc path, so
-/// no cgroup), and the peers the client saw.
-fn client(tb: &Testbed) -> (BTreeMap<String, usize>, BTreeSet<String>) {
+/// Replies per backend name from `lb-echo client --count 30` to `target` in the client netns (tc
+/// path, so no cgroup), and the peers the client saw.
+fn client_to(tb: &Testbed, target: &str) -> (BTreeMap<String, usize>, BTreeSet<String>) {
     let mut cmd = Command::new(LB_ECHO);
-    cmd.args(["client", "--target", TARGET, "--proto", "tcp"])
+    cmd.args(["client", "--target", target, "--proto", "tcp"])
         .args(["--count", &REQUESTS.to_string()]);
     let out = tb.run(&tb.client.ns, None, cmd).expect("run client");
     let mut per_backend = BTreeMap::new();
@@ -106,10 +115,15 @@ fn client(tb: &Testbed) -> (BTreeMap<String, usize>, BTreeSet<String>) {
 }
 
 fn backends(tb: &Testbed) -> Vec<String> {
-    let (per_backend, peers) = client(tb);
+    backends_at(tb, TARGET)
+}
+
+/// The backend names that answer [`REQUESTS`] connections to `target`.
+fn backends_at(tb: &Testbed, target: &str) -> Vec<String> {
+    let (per_backend, peers) = client_to(tb, target);
     assert_eq!(
         peers,
-        BTreeSet::from([TARGET.to_string()]),
+        BTreeSet::from([target.to_string()]),
         "the application sees the VIP as its peer"
     );
     per_backend.into_keys().collect()
@@ -195,6 +209,275 @@ fn kubernetes_source_balances_and_follows_slice_changes() {
 
     // Shown with --nocapture.
     eprintln!("lb log:\n{}", lb.log.join("\n"));
+    drop(lb);
+    drop(kubeconfig);
+    drop(api);
+}
+
+/// lb's health and metrics address inside the node netns (private to this testbed).
+const HEALTH: &str = "127.0.0.1:10256";
+const METRICS: &str = "127.0.0.1:10249";
+/// `--watch-timeout` for the outage test: every watch request lasts 1 s.
+const WATCH_TIMEOUT_S: u64 = 1;
+/// How long the API server stays away: many watch timeouts.
+const OUTAGE: Duration = Duration::from_secs(12 * WATCH_TIMEOUT_S);
+/// After the server returns: kube-rs' backoff has grown to up to 30 s by then.
+const CONVERGE: Duration = Duration::from_secs(75);
+const GONE_TARGET: &str = "198.19.0.11:80";
+
+/// `GET path` from inside the node netns: (status, body).
+fn http_get(tb: &Testbed, addr: &str, path: &str) -> (u16, String) {
+    let addr = addr.to_owned();
+    let path = path.to_owned();
+    in_netns(&tb.node_ns, move || {
+        let mut s = std::net::TcpStream::connect(&addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Ok((status, body))
+    })
+    .expect("HTTP GET in the node netns")
+}
+
+/// `/healthz`: status code and JSON body.
+fn healthz(tb: &Testbed) -> (u16, serde_json::Value) {
+    let (status, body) = http_get(tb, HEALTH, "/healthz");
+    let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("healthz JSON ({e}): {body}"));
+    (status, v)
+}
+
+/// The value of the series `name` (with its labels, exactly as exposed) in `/metrics`.
+fn metric(tb: &Testbed, series: &str) -> f64 {
+    let (_, body) = http_get(tb, METRICS, "/metrics");
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
+}
+
+/// `frontend → backend addresses` of the TCP frontends in lb's pinned maps (`lb services`).
+fn programmed(tb: &Testbed, lb: &LbDaemon) -> BTreeMap<String, BTreeSet<String>> {
+    let mut cmd = Command::new(LB);
+    cmd.args(["services", "--json", "--pin-dir"])
+        .arg(&lb.pin_dir)
+        .arg("--state-dir")
+        .arg(&lb.state_dir);
+    let out = tb.run(&tb.node_ns, None, cmd).expect("lb services");
+    assert!(
+        out.status.success(),
+        "lb services: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("lb services JSON");
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|s| {
+            let backends = s["backends"]
+                .as_array()
+                .expect("backends")
+                .iter()
+                .map(|b| b["address"].as_str().unwrap_or_default().to_owned())
+                .collect();
+            (
+                s["frontend"].as_str().unwrap_or_default().to_owned(),
+                backends,
+            )
+        })
+        .collect()
+}
+
+fn frontends(entries: &[(&str, &[&str])]) -> BTreeMap<String, BTreeSet<String>> {
+    entries
+        .iter()
+        .map(|(fe, bs)| {
+            let bs = bs.iter().map(|b| format!("{b}:{ECHO_PORT}")).collect();
+            ((*fe).to_owned(), bs)
+        })
+        .collect()
+}
+
+/// Takes the API server away for [`OUTAGE`] while `change` rewrites its store; meanwhile the
+/// datapath must keep `before` (checked with real connections and the pinned maps), `/healthz`
+/// stay 200 and say disconnected. Then the server returns on the same address and lb must
+/// converge on exactly `after`. Returns how long the outage lasted and how long convergence
+/// took after the server's return.
+fn outage(
+    tb: &Testbed,
+    lb: &LbDaemon,
+    api: &ApiServer,
+    before: &BTreeMap<String, BTreeSet<String>>,
+    after: &BTreeMap<String, BTreeSet<String>>,
+    change: impl FnOnce(&ApiServer),
+) -> (Duration, Duration) {
+    assert_eq!(&programmed(tb, lb), before, "state before the outage");
+    let errors_before = metric(tb, "lb_watch_errors_total{kind=\"services\"}");
+    let started = Instant::now();
+    api.stop();
+    assert!(!api.is_serving());
+    change(api);
+
+    let mut saw_disconnected = false;
+    let mut checks = 0;
+    while started.elapsed() < OUTAGE {
+        // The last state keeps serving: every connection succeeds, to the old backends.
+        assert_eq!(backends(tb), ["b1", "b2", "b3"], "echo during the outage");
+        assert_eq!(
+            backends_at(tb, GONE_TARGET),
+            ["b1"],
+            "gone during the outage"
+        );
+        assert_eq!(&programmed(tb, lb), before, "maps during the outage");
+        let (status, h) = healthz(tb);
+        assert_eq!(status, 200, "healthz stays 200 during an outage: {h}");
+        assert_eq!(h["healthy"], true, "{h}");
+        if h["apiServer"]["connected"] == false {
+            assert!(h["apiServer"]["lastError"].is_string(), "{h}");
+            assert!(h["apiServer"]["lastContact"].is_string(), "{h}");
+            assert_eq!(metric(tb, "lb_apiserver_connected"), 0.0);
+            saw_disconnected = true;
+        }
+        checks += 1;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let lasted = started.elapsed();
+    assert!(
+        saw_disconnected,
+        "healthz reported the API server disconnected"
+    );
+    assert!(checks >= 3, "the outage was checked {checks} times");
+    assert!(
+        metric(tb, "lb_watch_errors_total{kind=\"services\"}") > errors_before,
+        "watch errors counted"
+    );
+
+    api.restart()
+        .expect("the API server back on the same address");
+    let back = Instant::now();
+    let deadline = back + CONVERGE;
+    loop {
+        let now = programmed(tb, lb);
+        let (status, h) = healthz(tb);
+        if &now == after && h["apiServer"]["connected"] == true {
+            assert_eq!(status, 200, "{h}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not converged within {CONVERGE:?} of the server's return: maps {now:?}, want \
+             {after:?}; healthz {h}\nlb log:\n{}",
+            lb.log.join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let converged = back.elapsed();
+    assert_eq!(metric(tb, "lb_apiserver_connected"), 1.0);
+    (lasted, converged)
+}
+
+/// The API server disappears (listener closed, watches dropped, connections refused) for 12
+/// watch timeouts, twice, while the test deletes a Service and changes another's endpoints in
+/// its store. Real connections to both VIPs keep working with the old backends throughout,
+/// `/healthz` stays 200 and reports the disconnection, and when the server is back on the same
+/// address lb converges on exactly the new state:
+///
+/// 1. history kept: the watches resume from their resourceVersion and get the DELETED and
+///    MODIFIED events they missed;
+/// 2. history compacted during the outage (as etcd does in minutes): the resumed watches get
+///    410 Gone and relist; the reflector's store is replaced, so the deleted Service leaves
+///    the maps (cilium#48050 kept such objects).
+#[test]
+fn api_server_outage_keeps_the_last_state_and_converges_after() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let node_ns = Path::new("/run/netns").join(&tb.node_ns);
+    let api =
+        ApiServer::start_on_thread(Some(&node_ns)).expect("fake API server in the node netns");
+    let kubeconfig = api.kubeconfig_file().expect("kubeconfig");
+
+    let [b1, b2, b3] = ["198.18.11.2", "198.18.12.2", "198.18.13.2"];
+    let echo_slice = |eps: &[Ep]| slice("demo", "echo-abc12", "echo", 8080, eps);
+    let gone = service("demo", "gone", "198.19.0.11", 80, 8080);
+    let gone_slice = slice("demo", "gone-abc12", "gone", 8080, &[Ep::ready(b1)]);
+    let setup = |api: &ApiServer| {
+        api.apply(&service("demo", "echo", "198.19.0.10", 80, 8080));
+        api.apply(&echo_slice(&[Ep::ready(b1), Ep::ready(b2), Ep::ready(b3)]));
+        api.apply(&gone);
+        api.apply(&gone_slice);
+    };
+    setup(&api);
+    let timeout = WATCH_TIMEOUT_S.to_string();
+    let lb = start_lb_with(
+        &mut tb,
+        kubeconfig.path(),
+        &[
+            "--metrics-bind-address",
+            METRICS,
+            "--healthz-bind-address",
+            HEALTH,
+            "--watch-timeout",
+            &timeout,
+        ],
+    );
+    let all = [b1, b2, b3];
+    let before = frontends(&[("198.19.0.10:80/TCP", &all), ("198.19.0.11:80/TCP", &[b1])]);
+    let after = frontends(&[("198.19.0.10:80/TCP", &[b3])]);
+    let deadline = Instant::now() + CONVERGE;
+    while programmed(&tb, &lb) != before || healthz(&tb).1["apiServer"]["connected"] != true {
+        assert!(Instant::now() < deadline, "initial state not reached");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, h) = healthz(&tb);
+    assert_eq!(status, 200, "{h}");
+    assert_eq!(metric(&tb, "lb_apiserver_connected"), 1.0);
+
+    // 1. History kept: resumed watches replay what they missed.
+    let first = outage(&tb, &lb, &api, &before, &after, |api| {
+        api.delete(&gone);
+        api.delete(&gone_slice);
+        api.update(&echo_slice(&[Ep::ready(b3)]));
+    });
+    assert_eq!(backends(&tb), ["b3"], "the changed endpoints serve");
+
+    // Back to the first state, through the API.
+    let relists = metric(&tb, "lb_watch_relists_total{kind=\"services\"}");
+    setup(&api);
+    let deadline = Instant::now() + CONVERGE;
+    while programmed(&tb, &lb) != before {
+        assert!(Instant::now() < deadline, "first state not reached again");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // 2. History compacted during the outage: 410 Gone, relist, store replaced.
+    let second = outage(&tb, &lb, &api, &before, &after, |api| {
+        api.delete(&gone);
+        api.delete(&gone_slice);
+        api.update(&echo_slice(&[Ep::ready(b3)]));
+        api.compact();
+    });
+    assert_eq!(backends(&tb), ["b3"], "the changed endpoints serve");
+    assert!(
+        api.gone_count(Kind::Service) >= 1 && api.gone_count(Kind::EndpointSlice) >= 1,
+        "the resumed watches were answered 410 Gone"
+    );
+    assert!(
+        metric(&tb, "lb_watch_relists_total{kind=\"services\"}") > relists,
+        "lb relisted after the 410"
+    );
+    eprintln!(
+        "outages survived (length, convergence after the return): {first:?} resumed, \
+         {second:?} relisted; --watch-timeout {WATCH_TIMEOUT_S} s"
+    );
     drop(lb);
     drop(kubeconfig);
     drop(api);

@@ -11,6 +11,7 @@ use k8s_openapi::api::core::v1::Service;
 use kube::{Api, api::ListParams};
 use lb::{
     controller::daemon,
+    controller::k8s,
     controller::reconcile::Reconciler,
     controller::source::{self, Snapshot, SnapshotReceiver},
     controller::translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
@@ -74,6 +75,12 @@ impl Harness {
     /// Starts the server, lets `setup` create the objects the initial list sees, then starts
     /// the watch.
     async fn start(setup: impl FnOnce(&ApiServer)) -> Harness {
+        Self::start_as(setup, None).await
+    }
+
+    /// With `Some(timeout)`: `lb run`'s client and watch (`watch_client`, `watch_with`) with
+    /// that watch timeout, reporting to the harness's metrics; else the plain `watch`.
+    async fn start_as(setup: impl FnOnce(&ApiServer), watch_timeout: Option<Duration>) -> Harness {
         // RUST_LOG=debug shows the watcher's and lb's view (with --nocapture).
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -82,17 +89,32 @@ impl Harness {
         let server = ApiServer::start().await.expect("fake API server");
         setup(&server);
         let kubeconfig = server.kubeconfig_file().expect("kubeconfig");
-        let client = lb::controller::k8s::client(Some(kubeconfig.path()))
-            .await
-            .expect("kube client");
         let (tx, rx) = source::channel();
-        let task = tokio::spawn(lb::controller::k8s::watch(client, NODE.into(), tx));
+        let metrics = Metrics::new();
+        let task = match watch_timeout {
+            None => {
+                let client = k8s::client(Some(kubeconfig.path()))
+                    .await
+                    .expect("kube client");
+                tokio::spawn(k8s::watch(client, NODE.into(), tx))
+            }
+            Some(timeout) => {
+                let client = k8s::watch_client(Some(kubeconfig.path()), timeout, metrics.clone())
+                    .await
+                    .expect("kube client");
+                let opts = k8s::WatchOptions {
+                    timeout,
+                    metrics: Some(metrics.clone()),
+                };
+                tokio::spawn(k8s::watch_with(client, NODE.into(), tx, opts))
+            }
+        };
         Harness {
             server,
             _kubeconfig: kubeconfig,
             rx,
             reconciler: Reconciler::new(MemMaps::with_capacity(1024)).expect("reconciler"),
-            metrics: Metrics::new(),
+            metrics,
             maps: Maps::default(),
             snapshots: 0,
             seen_services: BTreeSet::new(),
@@ -129,7 +151,17 @@ impl Harness {
     /// Applies snapshots as they arrive until `pred` holds for the maps (after at least one
     /// snapshot), for at most 10 s.
     async fn wait_until(&mut self, what: &str, pred: impl Fn(&Maps) -> bool) -> Maps {
-        let deadline = tokio::time::Instant::now() + WAIT;
+        self.wait_until_within(WAIT, what, pred).await
+    }
+
+    /// [`Harness::wait_until`] for at most `wait`.
+    async fn wait_until_within(
+        &mut self,
+        wait: Duration,
+        what: &str,
+        pred: impl Fn(&Maps) -> bool,
+    ) -> Maps {
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
             if self.snapshots > 0 && pred(&self.maps) {
                 return self.maps.clone();
@@ -143,7 +175,7 @@ impl Harness {
                 }
                 Ok(Err(_)) => panic!("{what}: the watch task ended\n{}", self.maps.text),
                 Err(_) => panic!(
-                    "{what}: not reached within {WAIT:?} ({} snapshots); maps:\n{}\nrequests: {:#?}",
+                    "{what}: not reached within {wait:?} ({} snapshots); maps:\n{}\nrequests: {:#?}",
                     self.snapshots,
                     self.maps.text,
                     self.server.requests()
@@ -604,9 +636,7 @@ async fn fake_server_paginates_and_selects() {
         }
     }
     let kubeconfig = server.kubeconfig_file().unwrap();
-    let client = lb::controller::k8s::client(Some(kubeconfig.path()))
-        .await
-        .unwrap();
+    let client = k8s::client(Some(kubeconfig.path())).await.unwrap();
     let api: Api<Service> = Api::all(client);
 
     let first = api.list(&ListParams::default().limit(2)).await.unwrap();
@@ -680,9 +710,7 @@ async fn fake_server_on_its_own_thread() {
     assert_eq!(server.resource_version(), rv0 + 2);
 
     let kubeconfig = server.kubeconfig_file().unwrap();
-    let client = lb::controller::k8s::client(Some(kubeconfig.path()))
-        .await
-        .unwrap();
+    let client = k8s::client(Some(kubeconfig.path())).await.unwrap();
     let api: Api<Service> = Api::all(client);
     let list = api.list(&ListParams::default()).await.unwrap();
     assert_eq!(list.items.len(), 1);
@@ -697,4 +725,85 @@ async fn fake_server_on_its_own_thread() {
     tokio::task::spawn_blocking(move || drop(server))
         .await
         .unwrap();
+}
+
+/// The series `series` (labels included, as exposed) in the metrics exposition.
+fn metric(m: &Metrics, series: &str) -> f64 {
+    let text = m.render();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
+
+/// The server goes away entirely (listener closed, watches dropped) for many 1 s watch
+/// timeouts while a Service is deleted, another's endpoints change and the history is
+/// compacted. Meanwhile no snapshot is published (the maps keep the last state), health stays
+/// healthy and reports the API server disconnected; once the server is back on its address
+/// the resumed watches get 410, relist, and the maps hold exactly the new state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_gone_keeps_the_state_then_relist_removes_what_was_deleted() {
+    let gone_fe = "198.19.0.11:80/TCP";
+    let gone = service(NS, "gone", "198.19.0.11", 80, 8080);
+    let gone_slice = slice(NS, "gone-1", "gone", 8080, &[Ep::ready(B1)]);
+    let (g, gs) = (gone.clone(), gone_slice.clone());
+    let mut h = Harness::start_as(
+        move |s| {
+            s.create(&echo_service());
+            s.create(&slice(NS, "echo-1", "echo", 8080, &three_backends()));
+            s.create(&g);
+            s.create(&gs);
+        },
+        Some(Duration::from_secs(1)),
+    )
+    .await;
+    h.wait_until("both services", |m| {
+        m.is(&[(FE, &[B1, B2, B3]), (gone_fe, &[B1])])
+    })
+    .await;
+    assert_eq!(h.metrics.api_server_connected(), Some(true));
+    assert_eq!(metric(&h.metrics, "lb_apiserver_connected"), 1.0);
+
+    let server = h.server.clone();
+    tokio::task::block_in_place(|| server.stop());
+    assert!(!server.is_serving());
+    h.server.delete(&gone);
+    h.server.delete(&gone_slice);
+    h.server
+        .update(&slice(NS, "echo-1", "echo", 8080, &[Ep::ready(B3)]));
+    h.server.compact();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while h.metrics.api_server_connected() != Some(false) {
+        assert!(tokio::time::Instant::now() < deadline, "never disconnected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Many watch timeouts without a snapshot: nothing is flushed.
+    assert!(
+        !h.snapshot_within(Duration::from_secs(8)).await,
+        "no snapshot while the server is away"
+    );
+    let (healthy, body) = h.metrics.healthz();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(healthy, "an outage alone keeps /healthz healthy: {v}");
+    assert_eq!(v["apiServer"]["connected"], false, "{v}");
+    assert!(v["apiServer"]["lastError"].is_string(), "{v}");
+    assert_eq!(metric(&h.metrics, "lb_apiserver_connected"), 0.0);
+    assert!(metric(&h.metrics, "lb_watch_errors_total{kind=\"services\"}") >= 1.0);
+    assert_eq!(
+        metric(&h.metrics, "lb_watch_relists_total{kind=\"services\"}"),
+        0.0
+    );
+
+    tokio::task::block_in_place(|| server.restart()).expect("restart");
+    assert!(server.is_serving());
+    // kube-rs' backoff may have grown to several seconds.
+    h.wait_until_within(Duration::from_secs(45), "exactly the new state", |m| {
+        m.is(&[(FE, &[B3])])
+    })
+    .await;
+    assert!(h.server.gone_count(Kind::Service) >= 1, "410 on resume");
+    assert!(metric(&h.metrics, "lb_watch_relists_total{kind=\"services\"}") >= 1.0);
+    assert_eq!(h.metrics.api_server_connected(), Some(true));
+    let v: serde_json::Value = serde_json::from_str(&h.metrics.healthz().1).unwrap();
+    assert_eq!(v["apiServer"]["connected"], true, "{v}");
+    assert!(v["apiServer"]["lastContact"].is_string(), "{v}");
 }

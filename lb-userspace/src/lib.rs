@@ -6,7 +6,8 @@
 //! `datapath::load`) hold it; the kernel programs in lb-ebpf do the balancing. `cli` reads the
 //! live maps back (`lb services`, `lb status`, `lb trace`), with service names from the
 //! daemon's `state_dir`; `metrics` serves Prometheus and health;
-//! `healthcheck` runs the health check node ports of `externalTrafficPolicy: Local` services.
+//! `healthcheck` runs the health check node ports of `externalTrafficPolicy: Local` services;
+//! `privileges` checks at start that `lb run` has the capabilities it needs.
 pub mod cli;
 pub mod controller;
 pub mod datapath;
@@ -14,4 +15,5 @@ pub mod healthcheck;
 pub mod metrics;
 pub mod model;
 pub mod node_facts;
+pub mod privileges;
 pub mod state_dir;

@@ -21,6 +21,10 @@
 //! | `lb_conntrack_entries` | gauge | `family` = `ipv4` \| `ipv6` |
 //! | `lb_healthcheck_bind_errors_total` | counter | |
 //! | `lb_healthcheck_listeners` | gauge | |
+//! | `lb_apiserver_connected` | gauge | (Kubernetes source only) 1 while the API server answers |
+//! | `lb_apiserver_last_contact_timestamp_seconds` | gauge | (Kubernetes source only) |
+//! | `lb_watch_errors_total` | counter | `kind` = `services` \| `endpointslices` \| `node` |
+//! | `lb_watch_relists_total` | counter | `kind` (full relists after the first list: 410 Gone, watcher reset) |
 //!
 //! The datapath and conntrack series are read from the BPF maps at scrape time, and only once
 //! the maps have been handed over ([`Metrics::set_datapath_counters`],
@@ -43,6 +47,21 @@
 //! the time of the last applied sync (Go's zero time, `0001-01-01T00:00:00Z`, before the first).
 //! Each family's `lastUpdated` is the last applied sync: lb programs both families in one sync,
 //! so they share it. `/livez` answers 200 while the process serves.
+//!
+//! With the Kubernetes source the body also says what lb knows of its API server:
+//!
+//! ```json
+//! "apiServer": {"connected": false, "since": "<RFC 3339>", "lastContact": "<RFC 3339>|null",
+//!               "lastError": "<text>|null"}
+//! ```
+//!
+//! `connected` is true while the last request got an HTTP answer and no watch broke since;
+//! `since` is when it last changed, `lastContact` the last answer or watch event. Losing the
+//! API server does *not* make `/healthz` fail, as in kube-proxy: nothing is pending, the
+//! datapath keeps serving the last state it was given, and an outage of the control plane
+//! hits every node at once, so a 503 would make every load balancer drain every node (and a
+//! probe restart every lb) exactly when nothing can be reprogrammed. Alert on
+//! `lb_apiserver_connected == 0` instead.
 use std::{
     fmt::Write as _,
     net::SocketAddr,
@@ -119,12 +138,34 @@ pub struct Metrics {
     map_full: Family<MapLabels, Counter>,
     healthcheck_bind_errors: Counter,
     healthcheck_listeners: Gauge,
+    apiserver_connected: Gauge,
+    apiserver_last_contact: Gauge<f64, std::sync::atomic::AtomicU64>,
+    watch_errors: Family<KindLabels, Counter>,
+    watch_relists: Family<KindLabels, Counter>,
     bpf: Arc<BpfCollector>,
     health: Mutex<Health>,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+/// What lb knows of its API server (Kubernetes source only).
+#[derive(Debug)]
+struct ApiServerState {
+    connected: bool,
+    /// When `connected` last changed (or the source started).
+    since: SystemTime,
+    /// The last HTTP answer or watch event.
+    last_contact: Option<SystemTime>,
+    last_error: Option<String>,
+}
+
 #[derive(Debug, Default)]
 struct Health {
+    /// `None` unless the source is the Kubernetes API.
+    api_server: Option<ApiServerState>,
     /// When the state was last applied, monotonic and wall-clock.
     last_synced: Option<(Instant, SystemTime)>,
     /// The oldest source change not applied yet.
@@ -218,6 +259,31 @@ impl Metrics {
             "Health check node port listeners open (one per port and IP family)",
             healthcheck_listeners.clone(),
         );
+        let apiserver_connected = Gauge::default();
+        registry.register(
+            "lb_apiserver_connected",
+            "1 while the Kubernetes API server answers lb's requests and no watch broke since, \
+             else 0 (the datapath keeps the last state meanwhile)",
+            apiserver_connected.clone(),
+        );
+        let apiserver_last_contact = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "lb_apiserver_last_contact_timestamp_seconds",
+            "Unix time of the last answer or watch event from the Kubernetes API server",
+            apiserver_last_contact.clone(),
+        );
+        let watch_errors = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "lb_watch_errors",
+            "Failed lists, failed watch starts, broken watch streams and watch ERROR events, by kind",
+            watch_errors.clone(),
+        );
+        let watch_relists = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "lb_watch_relists",
+            "Full relists after the first list (410 Gone, watcher reset), by kind",
+            watch_relists.clone(),
+        );
         let bpf = Arc::new(BpfCollector::default());
         registry.register_collector(Box::new(Arc::clone(&bpf)));
         Arc::new(Metrics {
@@ -235,6 +301,10 @@ impl Metrics {
             map_full,
             healthcheck_bind_errors,
             healthcheck_listeners,
+            apiserver_connected,
+            apiserver_last_contact,
+            watch_errors,
+            watch_relists,
             bpf,
             health: Mutex::new(Health::default()),
         })
@@ -307,6 +377,91 @@ impl Metrics {
     /// `n` health check node port listeners are open.
     pub fn set_healthcheck_listeners(&self, n: u64) {
         self.healthcheck_listeners.set(to_i64(n));
+    }
+
+    /// The source is the Kubernetes API: from now on `/healthz` and the `lb_apiserver_*` and
+    /// `lb_watch_*` series report on it (disconnected until the first answer).
+    pub fn watch_api_server(&self) {
+        let mut h = lock(&self.health);
+        if h.api_server.is_none() {
+            h.api_server = Some(ApiServerState {
+                connected: false,
+                since: SystemTime::now(),
+                last_contact: None,
+                last_error: None,
+            });
+        }
+        for kind in ["services", "endpointslices", "node"] {
+            self.watch_errors
+                .get_or_create(&KindLabels { kind })
+                .inc_by(0);
+            self.watch_relists
+                .get_or_create(&KindLabels { kind })
+                .inc_by(0);
+        }
+    }
+
+    /// The API server answered (any HTTP status) or sent a watch event.
+    pub fn api_server_contact(&self) {
+        let now = SystemTime::now();
+        let mut h = lock(&self.health);
+        let state = h.api_server.get_or_insert(ApiServerState {
+            connected: false,
+            since: now,
+            last_contact: None,
+            last_error: None,
+        });
+        if !state.connected {
+            state.connected = true;
+            state.since = now;
+            tracing::info!("API server reachable");
+        }
+        state.last_contact = Some(now);
+        drop(h);
+        self.apiserver_connected.set(1);
+        self.apiserver_last_contact.set(
+            now.duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
+        );
+    }
+
+    /// A request got no answer (refused, timed out, reset) or a watch stream broke.
+    pub fn api_server_unreachable(&self, error: &str) {
+        let now = SystemTime::now();
+        let mut h = lock(&self.health);
+        let state = h.api_server.get_or_insert(ApiServerState {
+            connected: true,
+            since: now,
+            last_contact: None,
+            last_error: None,
+        });
+        if state.connected {
+            state.connected = false;
+            state.since = now;
+            tracing::warn!(
+                error,
+                "API server unreachable; the datapath keeps the last state"
+            );
+        }
+        state.last_error = Some(error.to_owned());
+        drop(h);
+        self.apiserver_connected.set(0);
+    }
+
+    /// A list or watch of `kind` (`services`, `endpointslices`, `node`) failed.
+    pub fn inc_watch_errors(&self, kind: &'static str) {
+        self.watch_errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// `kind` was listed again from scratch after its first list.
+    pub fn inc_watch_relists(&self, kind: &'static str) {
+        self.watch_relists.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// Whether the API server is reachable; `None` for a source without one.
+    pub fn api_server_connected(&self) -> Option<bool> {
+        lock(&self.health).api_server.as_ref().map(|a| a.connected)
     }
 
     /// Datapath counters come from the per-CPU `lb_metrics` map, summed over CPUs at scrape
@@ -386,13 +541,24 @@ impl Metrics {
             .last_synced()
             .map_or_else(|| GO_ZERO_TIME.to_owned(), rfc3339);
         let family = serde_json::json!({ "lastUpdated": last, "healthy": proxier_healthy });
-        let body = serde_json::json!({
+        let api_server = lock(&self.health).api_server.as_ref().map(|a| {
+            serde_json::json!({
+                "connected": a.connected,
+                "since": rfc3339(a.since),
+                "lastContact": a.last_contact.map(rfc3339),
+                "lastError": a.last_error,
+            })
+        });
+        let mut body = serde_json::json!({
             "lastUpdated": if healthy { &now } else { &last },
             "currentTime": now,
             "nodeEligible": node_eligible,
             "healthy": healthy,
             "status": { "IPv4": family, "IPv6": family },
         });
+        if let Some(a) = api_server {
+            body["apiServer"] = a;
+        }
         (healthy, body.to_string())
     }
 }

@@ -11,6 +11,9 @@
 //!   ([`ApiServer::expire_watches_with_410`]), and history dropped at once
 //!   ([`ApiServer::compact`]);
 //! * every open watch connection dropped at a chosen moment ([`ApiServer::drop_watches`]);
+//! * the whole server gone and back on the same address with its store and history kept
+//!   ([`ApiServer::stop`], [`ApiServer::restart`]): listener closed (connections refused),
+//!   watches dropped, keep-alive connections closed;
 //! * lists, watches and 410s counted per kind (proving "no relist", "one initial list");
 //! * small pages (`limit`/`continue`) over a consistent snapshot;
 //! * starting in a netns in this process, in milliseconds (the netns end-to-end test).
@@ -310,6 +313,9 @@ struct Inner {
     /// Watches ended with a 410 ERROR event (on resume or by the test).
     gone: BTreeMap<Kind, usize>,
     requests: Vec<RequestRecord>,
+    /// Between [`ApiServer::stop`] and [`ApiServer::restart`]: a request that raced the
+    /// shutdown on a kept-alive connection is refused with 503.
+    down: bool,
 }
 
 fn event_line(type_: &str, object: &Value) -> String {
@@ -460,6 +466,39 @@ enum WriteMode {
 struct Shared {
     addr: SocketAddr,
     inner: Mutex<Inner>,
+    /// The runtime the server runs on, where [`ApiServer::restart`] binds again (in the netns
+    /// the server was started in).
+    runtime: tokio::runtime::Handle,
+    /// The running HTTP server; `None` while stopped.
+    serving: Mutex<Option<Serving>>,
+}
+
+/// A running HTTP server: a graceful-shutdown trigger and a signal when it has ended.
+struct Serving {
+    stop: tokio::sync::oneshot::Sender<()>,
+    done: std::sync::mpsc::Receiver<()>,
+}
+
+/// Serves `listener` on the current runtime until the returned [`Serving`] is stopped.
+fn serve(shared: &Arc<Shared>, listener: tokio::net::TcpListener) -> Serving {
+    let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (done_tx, done) = std::sync::mpsc::channel();
+    let app = Router::new().fallback(handle).with_state(shared.clone());
+    tokio::spawn(async move {
+        let shutdown = async {
+            let _ = stop_rx.await;
+        };
+        // On shutdown axum drops the listener at once (new connections are refused) and
+        // closes idle keep-alive connections; the test's watches are aborted separately.
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            eprintln!("fake API server: {e}");
+        }
+        let _ = done_tx.send(());
+    });
+    Serving { stop, done }
 }
 
 impl Shared {
@@ -487,14 +526,71 @@ impl ApiServer {
         let shared = Arc::new(Shared {
             addr: listener.local_addr()?,
             inner: Mutex::new(Inner::default()),
+            runtime: tokio::runtime::Handle::current(),
+            serving: Mutex::new(None),
         });
-        let app = Router::new().fallback(handle).with_state(shared.clone());
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                eprintln!("fake API server: {e}");
-            }
-        });
+        let serving = serve(&shared, listener);
+        *shared
+            .serving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(serving);
         Ok(ApiServer { shared })
+    }
+
+    /// Takes the whole server away, keeping its store and history: the listener closes (new
+    /// connections are refused), every watch is dropped abruptly and keep-alive connections
+    /// are closed. Returns once the HTTP server has ended. Blocks: call it from a thread that
+    /// is not driving the server's runtime (servers from [`ApiServer::start_on_thread`]).
+    pub fn stop(&self) {
+        let serving = self
+            .shared
+            .serving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(serving) = serving else { return };
+        self.shared.lock().down = true;
+        let _ = serving.stop.send(());
+        // After the trigger, so a watch that raced it cannot keep the shutdown waiting.
+        self.drop_watches();
+        let _ = serving.done.recv_timeout(Duration::from_secs(10));
+    }
+
+    /// Serves again on the same address (and netns) after [`ApiServer::stop`], with the store
+    /// as the test left it. Blocks like [`ApiServer::stop`].
+    pub fn restart(&self) -> anyhow::Result<()> {
+        let mut serving = self
+            .shared
+            .serving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if serving.is_some() {
+            return Ok(());
+        }
+        let shared = self.shared.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.shared.runtime.spawn(async move {
+            // SO_REUSEADDR (tokio sets it): the old connections' TIME_WAIT does not block this.
+            let bound = tokio::net::TcpListener::bind(shared.addr).await;
+            let _ = tx.send(bound.map(|l| serve(&shared, l)));
+        });
+        let started = rx
+            .recv_timeout(Duration::from_secs(10))
+            .context("the fake API server's runtime did not answer")?
+            .with_context(|| format!("bind {} again", self.shared.addr))?;
+        *serving = Some(started);
+        self.shared.lock().down = false;
+        Ok(())
+    }
+
+    /// Whether the server is serving (not between [`ApiServer::stop`] and
+    /// [`ApiServer::restart`]).
+    pub fn is_serving(&self) -> bool {
+        self.shared
+            .serving
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
     }
 
     /// Starts the server on a dedicated thread with its own runtime. With `netns` (a path such
@@ -869,6 +965,13 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         Err(e) => return status_response(StatusCode::BAD_REQUEST, "BadRequest", &e),
     };
     let mut inner = shared.lock();
+    if inner.down {
+        return status_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailable",
+            "the fake API server is stopped",
+        );
+    }
     inner.requests.push(record.clone());
     if record.watch {
         *inner.watches.entry(kind).or_default() += 1;

@@ -117,6 +117,10 @@ struct RunArgs {
     bpf_map_max: Vec<(String, u32)>,
     #[command(flatten)]
     node_facts: crate::node_facts::NodeFactsArgs,
+    /// Seconds each Kubernetes watch request lasts (`timeoutSeconds`; kube-rs' default) before
+    /// it is resumed; a silent connection counts as dead 5-10 s after that.
+    #[arg(long, default_value_t = 290, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    watch_timeout: u64,
 }
 
 /// The external devices and how XDP runs on them; `lb run` attaches there, `lb trace` runs
@@ -209,6 +213,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 state_dir: args.state_dir,
                 map_max: args.bpf_map_max.into_iter().collect(),
                 node_facts: args.node_facts,
+                watch_timeout: std::time::Duration::from_secs(args.watch_timeout),
             })
             .await
         }

@@ -62,10 +62,14 @@ pub struct RunOptions {
     /// also feed the datapath: addresses in them that are no ClusterIP are dropped on the tc
     /// path.
     pub node_facts: NodeFactsArgs,
+    /// `timeoutSeconds` of the Kubernetes watches (`--watch-timeout`).
+    pub watch_timeout: std::time::Duration,
 }
 
 /// Runs until SIGINT or SIGTERM.
 pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
+    // Before anything is bound, created or loaded: a missing capability changes nothing.
+    crate::privileges::check()?;
     let metrics = Metrics::new();
     if let (Some(m), Some(h)) = (opts.metrics_addr, opts.healthz_addr) {
         let (m, h, _task) = metrics::serve(metrics.clone(), m, h).await?;
@@ -124,9 +128,19 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
             ));
         }
         SourceConfig::Kubernetes { kubeconfig } => {
-            let client = k8s::client(kubeconfig.as_deref()).await?;
-            tracing::info!(node = %opts.node_name, "source: Kubernetes API");
-            tokio::spawn(k8s::watch(client, opts.node_name.clone(), tx));
+            let client =
+                k8s::watch_client(kubeconfig.as_deref(), opts.watch_timeout, metrics.clone())
+                    .await?;
+            tracing::info!(
+                node = %opts.node_name,
+                watch_timeout_s = opts.watch_timeout.as_secs(),
+                "source: Kubernetes API"
+            );
+            let watch = k8s::WatchOptions {
+                timeout: opts.watch_timeout,
+                metrics: Some(metrics.clone()),
+            };
+            tokio::spawn(k8s::watch_with(client, opts.node_name.clone(), tx, watch));
         }
     }
 

@@ -1,7 +1,19 @@
 //! The Kubernetes API source: reflectors on Services, EndpointSlices (never v1 Endpoints) and
 //! this node's Node, with the label selectors kube-proxy's informers use. Once all three have
 //! listed, every change publishes a snapshot of the stores.
-use std::{path::Path, sync::Arc, time::Instant};
+//!
+//! Losing the API server changes nothing in the datapath: while lists and watches fail, the
+//! watchers retry with kube-rs' default backoff (0.8 s doubling to 30 s) and no snapshot is
+//! published, so the maps keep the last state. A watch resumed from its resourceVersion gets
+//! what it missed (deletions included) as events; one answered 410 Gone relists, and the
+//! reflector swaps its whole store at the end of the relist, so objects deleted during the
+//! outage leave the next snapshot. What lb knows of the server goes to `Metrics`
+//! (`/healthz`'s `apiServer`, `lb_apiserver_connected`, `lb_watch_*_total`).
+use std::{
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use anyhow::Context as _;
 use futures::{FutureExt as _, StreamExt as _, stream};
@@ -11,18 +23,66 @@ use k8s_openapi::api::{
 };
 use kube::{
     Api, Client, Config,
+    client::ClientBuilder,
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{WatchStreamExt as _, reflector, watcher},
 };
+
+use crate::metrics::Metrics;
 
 use super::{
     source::{Snapshot, SnapshotSender},
     translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
 };
 
+/// kube-rs' default watch timeout (`timeoutSeconds`), which `lb run --watch-timeout` overrides.
+pub const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(290);
+
+/// How much longer than the watch timeout a response may go without a byte before the
+/// connection counts as dead (kube-rs watches use 5 s; lists get the same bound).
+const READ_TIMEOUT_MARGIN: Duration = Duration::from_secs(10);
+
 /// A client from `kubeconfig`, or else the in-cluster config, or else `$KUBECONFIG` /
 /// `~/.kube/config`.
 pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
+    Client::try_from(config(kubeconfig).await?).context("building the Kubernetes client")
+}
+
+/// The client `lb run` watches with: [`client`]'s configuration, plus
+///
+/// * a read timeout of `watch_timeout` + 10 s, so a path that drops packets (no reset ever
+///   arrives) fails a request waiting for its answer instead of hanging it forever (kube-rs
+///   sets none; its watch idle timeout covers only streams already open), and a connect
+///   timeout of at most `watch_timeout` + 5 s (kube-rs: 30 s), so with short watch timeouts a
+///   cut path is reported as soon as it is noticed;
+/// * every answer and every transport error reported to `metrics` as API-server contact.
+pub async fn watch_client(
+    kubeconfig: Option<&Path>,
+    watch_timeout: Duration,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<Client> {
+    let mut config = config(kubeconfig).await?;
+    config.read_timeout = Some(watch_timeout + READ_TIMEOUT_MARGIN);
+    let connect = watch_timeout + Duration::from_secs(5);
+    config.connect_timeout = Some(config.connect_timeout.map_or(connect, |t| t.min(connect)));
+    // Count from the request, not from when a pooled connection went idle.
+    config.reset_reader_on_write = true;
+    // Any HTTP answer, whatever its status, proves the server is there; errors at this layer
+    // are the transport's (refused, reset, timed out, TLS).
+    let observe = tower::util::MapResultLayer::new(move |r: Result<_, tower::BoxError>| {
+        match &r {
+            Ok(_) => metrics.api_server_contact(),
+            Err(e) => metrics.api_server_unreachable(&e.to_string()),
+        }
+        r
+    });
+    Ok(ClientBuilder::try_from(config)
+        .context("building the Kubernetes client")?
+        .with_layer(&observe)
+        .build())
+}
+
+async fn config(kubeconfig: Option<&Path>) -> anyhow::Result<Config> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path)
@@ -35,7 +95,7 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
             .await
             .context("no in-cluster config or kubeconfig")?,
     };
-    Client::try_from(config).context("building the Kubernetes client")
+    Ok(config)
 }
 
 /// Whether a Kubernetes API is reachable by configuration alone (in a pod, or a kubeconfig).
@@ -44,15 +104,74 @@ pub fn cluster_configured() -> bool {
         || std::env::var_os("KUBECONFIG").is_some()
 }
 
+#[derive(Clone, Copy)]
 enum Kind {
     Services,
     Slices,
     Node,
 }
 
-/// Runs the reflectors and publishes snapshots until `tx` closes. Watch errors (410 Gone,
-/// dropped connections) are retried by the watcher with backoff; a 410 relists.
+impl Kind {
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Services => "services",
+            Kind::Slices => "endpointslices",
+            Kind::Node => "node",
+        }
+    }
+}
+
+/// How [`watch_with`] watches.
+#[derive(Clone, Debug)]
+pub struct WatchOptions {
+    /// `timeoutSeconds` of each watch request: the server ends the watch after it and the
+    /// watcher resumes from its resourceVersion.
+    pub timeout: Duration,
+    /// Where watch errors, relists and API-server contact are reported.
+    pub metrics: Option<Arc<Metrics>>,
+}
+
+impl Default for WatchOptions {
+    fn default() -> Self {
+        Self {
+            timeout: DEFAULT_WATCH_TIMEOUT,
+            metrics: None,
+        }
+    }
+}
+
+/// What one watcher step was, as far as the publishing loop cares.
+enum Step {
+    /// A list started (`Event::Init`): a relist after the first.
+    ListStarted,
+    Other,
+}
+
+/// Whether a watcher error shows the server answered (an API status), rather than the
+/// transport failing.
+fn server_answered(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => matches!(e, kube::Error::Api(_)),
+        watcher::Error::WatchError(_) | watcher::Error::NoResourceVersion => true,
+    }
+}
+
+/// [`watch_with`] with the default options (no metrics).
 pub async fn watch(client: Client, node_name: String, tx: SnapshotSender) {
+    watch_with(client, node_name, tx, WatchOptions::default()).await;
+}
+
+/// Runs the reflectors and publishes snapshots until `tx` closes. Watch errors (410 Gone,
+/// dropped connections, a server gone) are retried by the watcher with backoff; a 410 relists.
+/// Nothing is published while the server is away, so the maps keep the last state.
+pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, opts: WatchOptions) {
+    let metrics = opts.metrics;
+    if let Some(m) = &metrics {
+        m.watch_api_server();
+    }
+    let timeout = u32::try_from(opts.timeout.as_secs().max(1)).unwrap_or(u32::MAX);
     let services: Api<Service> = Api::all(client.clone());
     let slices: Api<EndpointSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
@@ -62,19 +181,27 @@ pub async fn watch(client: Client, node_name: String, tx: SnapshotSender) {
     let (node_store, node_writer) = reflector::store();
 
     // kube-proxy's informers: only services no other proxy claims, no headless slices.
-    let svc_cfg = watcher::Config::default().labels(&format!("!{LABEL_SERVICE_PROXY_NAME}"));
-    let slice_cfg = watcher::Config::default().labels(&format!("!{LABEL_HEADLESS}"));
-    let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+    let cfg = watcher::Config::default().timeout(timeout);
+    let svc_cfg = cfg.clone().labels(&format!("!{LABEL_SERVICE_PROXY_NAME}"));
+    let slice_cfg = cfg.clone().labels(&format!("!{LABEL_HEADLESS}"));
+    let node_cfg = cfg.fields(&format!("metadata.name={node_name}"));
 
+    fn step<K>(e: &watcher::Event<K>) -> Step {
+        if matches!(e, watcher::Event::Init) {
+            Step::ListStarted
+        } else {
+            Step::Other
+        }
+    }
     let svc_events = reflector(svc_writer, watcher(services, svc_cfg))
         .default_backoff()
-        .map(|e| (Kind::Services, e.map(|_| ()).map_err(|e| e.to_string())));
+        .map(|e| (Kind::Services, e.map(|e| step(&e))));
     let slice_events = reflector(slice_writer, watcher(slices, slice_cfg))
         .default_backoff()
-        .map(|e| (Kind::Slices, e.map(|_| ()).map_err(|e| e.to_string())));
+        .map(|e| (Kind::Slices, e.map(|e| step(&e))));
     let node_events = reflector(node_writer, watcher(nodes, node_cfg))
         .default_backoff()
-        .map(|e| (Kind::Node, e.map(|_| ()).map_err(|e| e.to_string())));
+        .map(|e| (Kind::Node, e.map(|e| step(&e))));
     let mut events = stream::select_all([
         svc_events.boxed(),
         slice_events.boxed(),
@@ -101,22 +228,44 @@ pub async fn watch(client: Client, node_name: String, tx: SnapshotSender) {
             .is_some_and(|(a, b)| a.is_ok() && b.is_ok())
     };
 
+    let mut lists = [0u64; 3];
+    // Counts and reports one watcher step; true for an event (the stores may have changed).
+    let mut observe = |kind: Kind, event: Result<Step, watcher::Error>| -> bool {
+        match event {
+            Ok(step) => {
+                if let Some(m) = &metrics {
+                    m.api_server_contact();
+                    if matches!(step, Step::ListStarted) {
+                        let n = &mut lists[kind as usize];
+                        *n += 1;
+                        if *n > 1 {
+                            m.inc_watch_relists(kind.label());
+                        }
+                    }
+                }
+                true
+            }
+            Err(e) => {
+                tracing::warn!(watch = kind.label(), error = %e, "watch error; retrying");
+                if let Some(m) = &metrics {
+                    m.inc_watch_errors(kind.label());
+                    if !server_answered(&e) {
+                        m.api_server_unreachable(&e.to_string());
+                    }
+                }
+                false
+            }
+        }
+    };
+
     while let Some((kind, event)) = events.next().await {
-        if let Err(e) = event {
-            let what = match kind {
-                Kind::Services => "services",
-                Kind::Slices => "endpointslices",
-                Kind::Node => "node",
-            };
-            tracing::warn!(watch = what, error = %e, "watch error; retrying");
+        if !observe(kind, event) {
             continue;
         }
         pending_since.get_or_insert_with(Instant::now);
         // Drain whatever else already arrived, so a burst becomes one snapshot.
-        while let Some(Some((_, e))) = events.next().now_or_never() {
-            if let Err(e) = e {
-                tracing::warn!(error = %e, "watch error; retrying");
-            }
+        while let Some(Some((kind, e))) = events.next().now_or_never() {
+            observe(kind, e);
         }
         if !ready() {
             continue;

@@ -252,6 +252,9 @@ fn pin_link(link: FdLink, path: &Path) -> anyhow::Result<()> {
     }
     link.pin(path)
         .with_context(|| format!("pinning a link at {}", path.display()))?;
+    // Like the map pins: whoever may open a link pin may detach the program.
+    fs::set_permissions(path, fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod 0600 {}", path.display()))?;
     Ok(())
 }
 
