@@ -348,10 +348,18 @@ fn reply_flow<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
             ct_dir::SERVICE,
         );
         if let Some(f) = fkey.and_then(A::ct_get) {
+            // Only the flow this reply entry is of: once the client reopened it, the service
+            // entry names the new flow's backend (or NAT port), and a late reply of the old
+            // one must neither keep it alive nor mark it closing, which would leave the new
+            // reply entry to expire under a live flow.
             // SAFETY: as above.
             unsafe {
-                (*f).flags |= flags;
-                (*f).expires = expires;
+                let ours = (*f).backend_id == v.backend_id
+                    && (v.flags & ct_flags::SNAT == 0 || (*f).nat_port == p.dport);
+                if ours {
+                    (*f).flags |= flags;
+                    (*f).expires = expires;
+                }
             }
         }
     }

@@ -3,7 +3,8 @@
 //!
 //! Only packets lb can translate completely parse: IPv4 fragments (later ones carry no ports),
 //! IPv6 extension headers (not walked), other L4 protocols, bad IHL or TCP data offset, and
-//! truncated headers are `Error::Unparsed`, which the caller passes untouched.
+//! truncated headers (the IP header and the whole TCP, UDP or SCTP common header must be in
+//! the frame) are `Error::Unparsed`, which the caller passes untouched.
 use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
@@ -172,6 +173,9 @@ fn parse_l4<C: PacketCtx, A>(
             (th[13], 0, l4_off + 16)
         }
         IPPROTO_UDP => {
+            // The whole header: a rewrite updates its checksum (bytes 6..8), which a frame cut
+            // inside the header has not got.
+            read::<C, [u8; 8]>(ctx, l4_off)?;
             if l4_len < 8 {
                 return Err(Error::Unparsed);
             }

@@ -64,6 +64,16 @@ enum Task {
     Lint,
     /// Run the benchmarks (lb-bench) and write docs/benchmarks.md; needs root.
     Bench(bench::BenchArgs),
+    /// Set up, then run the datapath fuzzer (the `fuzz` suite) at full length: random and
+    /// mutated frames through every tc and XDP program; needs root.
+    Fuzz {
+        /// Frames to generate, each run through all four packet programs.
+        #[arg(long, default_value_t = FUZZ_PACKETS)]
+        packets: u64,
+        /// Seed of the generator (a failure report names it); random when omitted.
+        #[arg(long)]
+        seed: Option<u64>,
+    },
     /// Inside a kernel-matrix VM: run the suites, write `result.json` to `--out`.
     #[command(hide = true)]
     VmGuest {
@@ -95,6 +105,7 @@ fn run_task(task: Task) -> Result<ExitCode> {
         Task::Image => image::image()?,
         Task::Lint => lint()?,
         Task::Bench(args) => bench::bench(&args)?,
+        Task::Fuzz { packets, seed } => fuzz(packets, seed)?,
         Task::VmGuest { out, suites } => kernels::guest(&out, &suites)?,
     }
     Ok(ExitCode::SUCCESS)
@@ -228,6 +239,33 @@ fn test_phases(
         bail!("kernel-dependent suites failed on: {}", failures.join(", "));
     }
     Ok(())
+}
+
+/// The full fuzz run's frames (the quick form in `cargo test` runs 30,000).
+const FUZZ_PACKETS: u64 = 1_000_000;
+
+fn fuzz(packets: u64, seed: Option<u64>) -> Result<()> {
+    if !setup::is_root()? {
+        bail!("`cargo xtask fuzz` must run as root: it loads the eBPF programs (CAP_BPF)");
+    }
+    setup::setup()?;
+    // The suite itself, as `cargo test` builds it (lb-ebpf comes through lb-userspace), with
+    // the length and seed in its environment.
+    let mut cmd = cargo();
+    cmd.args([
+        "test",
+        "-p",
+        "lb-tests",
+        "--test",
+        "fuzz",
+        "--",
+        "--nocapture",
+    ])
+    .env("LB_FUZZ_PACKETS", packets.to_string());
+    if let Some(seed) = seed {
+        cmd.env("LB_FUZZ_SEED", seed.to_string());
+    }
+    run(&mut cmd)
 }
 
 fn demo(kubernetes: bool, args: &[OsString]) -> Result<()> {
