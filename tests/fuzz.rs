@@ -143,11 +143,14 @@ fn programmed(model: &Model) -> (DesiredState, Option<NodeFactsArgs>) {
                 name: format!("svc{i}"),
                 port_name: "p".into(),
             },
+            // Every other service (not the first, the TCP one the reopen tests use) has session
+            // affinity, so fuzzed new flows walk that path too.
             flags: if s.cluster_ip {
                 svc_flags::CLUSTER_IP
             } else {
                 svc_flags::LOAD_BALANCER | svc_flags::SOURCE_RANGES
-            },
+            } | if i % 2 == 1 { svc_flags::AFFINITY } else { 0 },
+            affinity_timeout: if i % 2 == 1 { 60 } else { 0 },
             backends: s
                 .backends
                 .iter()

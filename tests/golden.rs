@@ -17,7 +17,7 @@ use lb::{
     controller::reconcile::Reconciler,
     controller::translate::{NodeInfo, desired_state},
     datapath::maps::{MemMaps, render},
-    model::flag_names,
+    model::{BackendState, flag_names},
 };
 
 const NODE: &str = "node-a";
@@ -96,7 +96,11 @@ fn run_case(case: &Path) -> Vec<(PathBuf, String)> {
                 let _ = writeln!(actual, "  allow {r}");
             }
             for b in &entry.backends {
-                let _ = writeln!(actual, "  {}", b.l4);
+                let state = match b.state {
+                    BackendState::Active => String::new(),
+                    s => format!(" {}", s.as_str()),
+                };
+                let _ = writeln!(actual, "  {}{state}", b.l4);
             }
         }
         let _ = writeln!(actual, "# apply errors");

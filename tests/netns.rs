@@ -100,6 +100,36 @@ impl Manifests {
 }
 
 impl Manifests {
+    /// Gives every endpoint whose address contains one of `needles` the `conditions` (a YAML
+    /// flow mapping), atomically.
+    fn set_conditions(&self, needles: &[&str], conditions: &str) {
+        let path = self.0.join("echo-endpointslices.yaml");
+        let text = fs::read_to_string(&path).unwrap();
+        let mut out = Vec::new();
+        let mut hit = false;
+        for line in text.lines() {
+            if line.trim_start().starts_with("- addresses:") {
+                hit = needles.iter().any(|n| line.contains(n));
+            } else if hit && line.trim_start().starts_with("conditions:") {
+                out.push(format!("    conditions: {conditions}"));
+                continue;
+            }
+            out.push(line.to_string());
+        }
+        let new = out.join("\n");
+        assert_ne!(new, text, "no endpoint changed");
+        self.add("echo-endpointslices.yaml", &new);
+    }
+
+    /// Edits the echo Service with `edit` (atomically).
+    fn edit_service(&self, edit: impl FnOnce(&str) -> String) {
+        let path = self.0.join("echo-service.yaml");
+        let text = fs::read_to_string(&path).unwrap();
+        let new = edit(&text);
+        assert_ne!(new, text, "service unchanged");
+        self.add("echo-service.yaml", &new);
+    }
+
     /// Adds the manifest file `name` (atomically).
     fn add(&self, name: &str, text: &str) {
         let tmp = self.0.join(format!(".{name}.tmp"));
@@ -989,6 +1019,138 @@ fn restart_under_load_loses_nothing() {
             for v in &lines {
                 assert_eq!(v["peer"], target, "{what}: reply from the VIP: {v}");
             }
+        }
+        drop(lb);
+    }
+}
+
+/// `sessionAffinity: ClientIP`: every request of the client reaches the backend its first one
+/// got, on both paths (socket LB keys the client by its netns, tc by its address), for TCP,
+/// UDP and connected UDP, each a new socket.
+#[test]
+fn session_affinity_keeps_a_client_on_one_backend() {
+    for socket_lb in [true, false] {
+        let mode = if socket_lb { "socket LB" } else { "tc" };
+        let mut tb = Testbed::create(3).expect("testbed");
+        tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+            .expect("echo servers");
+        let manifests = Manifests::new(&tb.id);
+        manifests.edit_service(|s| {
+            s.replace(
+                "  type: ClusterIP\n",
+                "  type: ClusterIP\n  sessionAffinity: ClientIP\n",
+            )
+        });
+        let lb = start_lb(&mut tb, &manifests.0, socket_lb);
+        let mut extras: Vec<&[&str]> = vec![&[]];
+        if socket_lb {
+            extras.push(&["--connected-udp"]);
+        }
+        for extra in extras {
+            for (target, proto) in TARGETS {
+                let o = client(&mut tb, socket_lb, target, proto, extra);
+                assert!(
+                    o.errors.is_empty(),
+                    "{mode} {target}/{proto}: {:?}",
+                    o.errors
+                );
+                assert_eq!(
+                    o.per_backend.len(),
+                    1,
+                    "{mode} {target}/{proto} {extra:?}: one backend for the client: {o:?}"
+                );
+                assert_eq!(
+                    o.peers,
+                    BTreeSet::from([target.to_string()]),
+                    "{mode} {target}/{proto} {extra:?}: the application sees the VIP: {o:?}"
+                );
+            }
+        }
+        drop(lb);
+    }
+}
+
+/// Graceful termination (KEP-1669): the backend a long-lived TCP connection uses turns
+/// terminating (still serving); the connection keeps working to the end, while every new
+/// connection goes to the ready backends. Then the backend leaves the slice and no new
+/// connection or datagram reaches it either.
+#[test]
+fn terminating_backend_keeps_its_connection_and_gets_no_new_ones() {
+    use std::io::BufRead as _;
+    const COUNT: usize = 150;
+    let addr_of = |b: &str| match b {
+        "b1" => ("198.18.11.2", "2001:db8:0:11::2"),
+        "b2" => ("198.18.12.2", "2001:db8:0:12::2"),
+        "b3" => ("198.18.13.2", "2001:db8:0:13::2"),
+        other => panic!("unknown backend {other}"),
+    };
+    for socket_lb in [true, false] {
+        let mode = if socket_lb { "socket LB" } else { "tc" };
+        let mut tb = Testbed::create(3).expect("testbed");
+        tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+            .expect("echo servers");
+        let manifests = Manifests::new(&tb.id);
+        let mut lb = start_lb(&mut tb, &manifests.0, socket_lb);
+
+        let (ns, cg) = (tb.client.ns.clone(), tb.cgroup.clone());
+        let mut cmd = Command::new(LB_ECHO);
+        cmd.args(["client", "--target", "198.19.0.10:80", "--proto", "tcp"])
+            .args(["--count", &COUNT.to_string(), "--interval-ms", "20"])
+            .args(["--timeout-ms", "1000", "--keep-connection"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = tb
+            .spawn(&ns, socket_lb.then_some(cg.as_path()), cmd)
+            .expect("client");
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let first: serde_json::Value =
+            serde_json::from_str(&lines.next().unwrap().unwrap()).expect("client JSON");
+        let pinned = first["backend"].as_str().expect("first reply").to_string();
+        let (v4, v6) = addr_of(&pinned);
+
+        manifests.set_conditions(
+            &[v4, v6],
+            "{ready: false, serving: true, terminating: true}",
+        );
+        reload(&mut lb, 2);
+        for (target, proto) in TARGETS {
+            let o = client(&mut tb, socket_lb, target, proto, &[]);
+            assert!(
+                o.errors.is_empty(),
+                "{mode} {target}/{proto}: {:?}",
+                o.errors
+            );
+            assert!(
+                !o.per_backend.contains_key(&pinned),
+                "{mode} {target}/{proto}: a new flow reached terminating {pinned}: {o:?}"
+            );
+        }
+
+        let rest: Vec<serde_json::Value> = lines
+            .map(|l| serde_json::from_str(&l.unwrap()).expect("client JSON"))
+            .collect();
+        let _ = child.wait();
+        assert_eq!(rest.len(), COUNT - 1, "{mode}: every request reported");
+        for v in &rest {
+            assert_eq!(
+                v["backend"].as_str(),
+                Some(pinned.as_str()),
+                "{mode}: the open connection stays on terminating {pinned}: {v}"
+            );
+        }
+
+        // Gone from the slice: the remaining backends serve everything.
+        manifests.remove_endpoints(&[v4, v6]);
+        reload(&mut lb, 3);
+        for (target, proto) in TARGETS {
+            let o = client(&mut tb, socket_lb, target, proto, &[]);
+            assert!(
+                o.errors.is_empty(),
+                "{mode} {target}/{proto}: {:?}",
+                o.errors
+            );
+            assert_eq!(o.per_backend.len(), 2, "{mode} {target}/{proto}: {o:?}");
+            assert!(!o.per_backend.contains_key(&pinned), "{o:?}");
         }
         drop(lb);
     }

@@ -13,7 +13,7 @@ use std::{
 
 use lb::{
     controller::reconcile::{ApplyReport, Reconciler},
-    datapath::maps::{Dump, LbMaps, MapOp, MapOpError, MemMaps, Table, render},
+    datapath::maps::{AffMatch, Dump, LbMaps, MapOp, MapOpError, MemMaps, Table, render},
     model::{
         Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, Proto, Scope,
         ServiceEntry, ServicePortName,
@@ -115,6 +115,9 @@ enum Op {
     DelClusterIp(String),
     PutSrcRange(u32, String),
     DelSrcRange(u32, String),
+    /// (rev-NAT id, backend id)
+    PutAffMatch(u32, u32),
+    DelAffMatch(u32, u32),
 }
 
 /// The journal entry in the form the assertions match on.
@@ -142,6 +145,8 @@ fn op_of(m: &MapOp) -> Op {
         MapOp::DelClusterIp { addr } => Op::DelClusterIp(addr.to_string()),
         MapOp::PutSrcRange { rev_nat_id, cidr } => Op::PutSrcRange(*rev_nat_id, cidr.to_string()),
         MapOp::DelSrcRange { rev_nat_id, cidr } => Op::DelSrcRange(*rev_nat_id, cidr.to_string()),
+        MapOp::PutAffMatch(m) => Op::PutAffMatch(m.rev_nat_id, m.backend_id),
+        MapOp::DelAffMatch(m) => Op::DelAffMatch(m.rev_nat_id, m.backend_id),
     }
 }
 
@@ -300,8 +305,50 @@ fn assert_converged(dump: &Dump, d: &DesiredState) {
             assert_eq!(sv.count, 0, "{fe} slot {slot}: only masters carry a count");
             used_backends.insert(sv.backend_id);
         }
+        // Session affinity may name exactly the active slots' backends.
+        let want_matches: BTreeSet<u32> = if e.flags & svc_flags::AFFINITY != 0 {
+            (1..=master.count)
+                .map(|s| dump.services[&(*fe, s)].backend_id)
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        let matches: BTreeSet<u32> = dump
+            .aff_match
+            .iter()
+            .filter(|m| m.rev_nat_id == master.rev_nat_id && m.scope == fe.scope)
+            .map(|m| m.backend_id)
+            .collect();
+        assert_eq!(
+            matches,
+            want_matches,
+            "{fe} affinity matches\n{}",
+            render(dump)
+        );
+        let want_timeout = if e.flags & svc_flags::AFFINITY != 0 {
+            e.affinity_timeout
+        } else {
+            0
+        };
+        assert_eq!(
+            master.affinity_timeout, want_timeout,
+            "{fe} affinity timeout"
+        );
         expected_entries += 1 + e.backends.len();
     }
+    let affine_revnat: BTreeSet<(u32, Scope)> = d
+        .services
+        .iter()
+        .filter(|(_, e)| e.flags & svc_flags::AFFINITY != 0)
+        .map(|(fe, _)| (dump.services[&(*fe, 0)].rev_nat_id, fe.scope))
+        .collect();
+    assert!(
+        dump.aff_match
+            .iter()
+            .all(|m| affine_revnat.contains(&(m.rev_nat_id, m.scope))),
+        "no affinity matches of frontends without affinity\n{}",
+        render(dump)
+    );
     assert_eq!(
         dump.services.len(),
         expected_entries,
@@ -365,8 +412,9 @@ fn assert_render_matches(dump: &Dump, d: &DesiredState) {
             ""
         };
         let head = format!(
-            "{}{scope} flags=ClusterIP count={active} qcount={} revnat=",
+            "{}{scope} flags={} count={active} qcount={} revnat=",
             fe.l4,
+            lb::model::flag_names(e.flags),
             e.backends.len() - active
         );
         let at = lines
@@ -374,6 +422,13 @@ fn assert_render_matches(dump: &Dump, d: &DesiredState) {
             .position(|l| l.starts_with(&head))
             .unwrap_or_else(|| panic!("no line {head:?} in\n{text}"));
         assert!(lines[at].ends_with("(ok)"), "{}", lines[at]);
+        let at = if e.flags & svc_flags::AFFINITY != 0 {
+            let want = format!("  affinity timeout={}s match(ok)", e.affinity_timeout);
+            assert_eq!(lines.get(at + 1).copied(), Some(want.as_str()), "{text}");
+            at + 1
+        } else {
+            at
+        };
         for (i, b) in e.backends.iter().enumerate() {
             let state = if b.state == BackendState::Active {
                 "active"
@@ -570,6 +625,21 @@ impl LbMaps for Checked {
         let r = self.inner.del_src_range(id, cidr);
         self.after(r)
     }
+
+    fn put_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+        self.should_fail(
+            &format!("put aff-match {}", m.rev_nat_id),
+            Table::AffinityMatch,
+            m.family,
+        )?;
+        let r = self.inner.put_aff_match(m);
+        self.after(r)
+    }
+
+    fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+        let r = self.inner.del_aff_match(m);
+        self.after(r)
+    }
 }
 
 fn checked(capacity: u32) -> Reconciler<Checked> {
@@ -653,7 +723,8 @@ fn usage_reports_what_the_maps_hold_per_map_and_family() {
         .into_iter()
         .map(|(name, used, cap)| (name, (used, cap)))
         .collect();
-    assert_eq!(usage.len(), 10, "{usage:?}");
+    assert_eq!(usage.len(), 12, "{usage:?}");
+    assert_eq!(usage["lb4_aff_match"], (0, 100));
     assert_eq!(usage["lb4_src_range"], (0, 100));
     assert_eq!(usage["lb4_cluster_ips"], (2, 100));
     assert_eq!(usage["lb6_cluster_ips"], (1, 100));
@@ -1349,6 +1420,12 @@ fn failed_surplus_delete_then_growth_keeps_the_slot() {
         fn del_src_range(&mut self, id: u32, c: &Cidr) -> Result<(), MapOpError> {
             self.inner.del_src_range(id, c)
         }
+        fn put_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+            self.inner.put_aff_match(m)
+        }
+        fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+            self.inner.del_aff_match(m)
+        }
     }
     let mut rec = Reconciler::new(FailDel {
         inner: MemMaps::with_capacity(64),
@@ -1944,4 +2021,77 @@ fn source_ranges_come_before_their_master_and_go_after_it() {
     let gone = position(&ops, "range gone", |o| matches!(o, Op::DelSrcRange(..)));
     assert!(master < gone, "{ops:#?}");
     assert!(rec.maps().dump.src_ranges.is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Session affinity.
+
+fn affine(d: &mut DesiredState, fe: &Frontend, timeout: u32) {
+    let e = d.services.get_mut(fe).expect("frontend");
+    e.flags |= svc_flags::AFFINITY;
+    e.affinity_timeout = timeout;
+}
+
+#[test]
+fn affinity_matches_follow_the_active_backends_in_a_safe_order() {
+    let mut rec = checked(64);
+    let mut d = desired(&[(fe4(1), &[be4(1), be4(2), terminating(be4(3))])]);
+    affine(&mut d, &fe4(1), 30);
+    let (report, ops) = apply_logged(&mut rec, &d);
+    assert!(report.errors.is_empty(), "{report:?}");
+    assert_converged(dump_of(&rec), &d);
+    let rev = revnat_id(dump_of(&rec), &fe4(1));
+    let master = master_put(&ops, &fe4(1));
+    // Both active backends match before the master offers them; the terminating one never.
+    for b in [be4(1), be4(2)] {
+        let id = backend_id(dump_of(&rec), b);
+        let put = position(&ops, "match put", |o| *o == Op::PutAffMatch(rev, id));
+        assert!(put < master, "{ops:#?}");
+    }
+    let draining = backend_id(dump_of(&rec), terminating(be4(3)));
+    assert!(!ops.contains(&Op::PutAffMatch(rev, draining)), "{ops:#?}");
+
+    // be4(1) leaves: its match goes before the master stops offering it, be4(4)'s comes first.
+    let mut d2 = desired(&[(fe4(1), &[be4(2), be4(4)])]);
+    affine(&mut d2, &fe4(1), 30);
+    let gone = backend_id(dump_of(&rec), be4(1));
+    let (_, ops) = apply_logged(&mut rec, &d2);
+    assert_converged(dump_of(&rec), &d2);
+    let master = master_put(&ops, &fe4(1));
+    let new = backend_id(dump_of(&rec), be4(4));
+    assert!(position(&ops, "match del", |o| *o == Op::DelAffMatch(rev, gone)) < master);
+    assert!(position(&ops, "match put", |o| *o == Op::PutAffMatch(rev, new)) < master);
+
+    // Affinity switched off: every match of the frontend goes, the master says no timeout.
+    let d3 = desired(&[(fe4(1), &[be4(2), be4(4)])]);
+    apply_logged(&mut rec, &d3);
+    assert_converged(dump_of(&rec), &d3);
+    assert!(dump_of(&rec).aff_match.is_empty());
+    // And the whole service removed with affinity on leaves no match behind either.
+    apply_logged(&mut rec, &d2);
+    apply_logged(&mut rec, &DesiredState::default());
+    assert!(
+        dump_of(&rec).aff_match.is_empty(),
+        "{}",
+        render(dump_of(&rec))
+    );
+    assert_no_violations(&rec);
+}
+
+#[test]
+fn affinity_matches_are_rewritten_after_a_restart_that_lost_them() {
+    let mut d = desired(&[(fe4(1), &[be4(1), be4(2)])]);
+    affine(&mut d, &fe4(1), 10_800);
+    let mut rec = fresh();
+    rec.apply(&d);
+    // A restart onto pins whose match map is new (empty): an otherwise unchanged service
+    // must get its matches again.
+    let mut dump = dump_of(&rec).clone();
+    dump.aff_match.clear();
+    let mut maps = MemMaps::with_capacity(1024);
+    maps.dump = dump;
+    let mut rec = Reconciler::new(maps).expect("dump");
+    let report = rec.apply(&d);
+    assert!(report.writes >= 2, "{report:?}");
+    assert_converged(dump_of(&rec), &d);
 }

@@ -534,3 +534,62 @@ fn trace_follows_north_south_traffic_through_xdp_and_tc() {
     );
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// Session affinity from the datapath: of 20 traced flows of one client to a `ClientIP`
+/// service, the first makes the client's entry (`new`), the others meet it (`hit`) and reach
+/// the same backend; a second client gets an entry of its own. The text form says so too.
+#[test]
+fn trace_shows_session_affinity() {
+    let dir = std::env::temp_dir().join(format!("lb-trace-affinity-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(
+        dir.join("sticky.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: sticky, namespace: t}\nspec:\n  clusterIP: 198.19.2.2\n  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}\n  ports: [{name: web, protocol: TCP, port: 80, targetPort: 8080}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: sticky-1, namespace: t, labels: {kubernetes.io/service-name: sticky}}\naddressType: IPv4\nports: [{name: web, protocol: TCP, port: 8080}]\nendpoints:\n  - {addresses: [198.18.11.2], conditions: {ready: true}}\n  - {addresses: [198.18.12.2], conditions: {ready: true}}\n  - {addresses: [198.18.13.2], conditions: {ready: true}}\n",
+    )
+    .unwrap();
+    let args = |src: &'static str| {
+        [
+            "--manifests",
+            dir.to_str().unwrap(),
+            "--src",
+            src,
+            "--dst",
+            "198.19.2.2:80",
+            "--proto",
+            "tcp",
+            "--flows",
+            "20",
+        ]
+        .map(String::from)
+    };
+    let results = trace(&args("198.18.10.2").each_ref().map(String::as_str));
+    assert_eq!(results.len(), 20);
+    assert_eq!(results[0]["affinity"], "new", "{}", results[0]);
+    assert!(
+        results[0]["slot"].is_u64(),
+        "a new entry's backend has a slot"
+    );
+    let backend = results[0]["backend"].clone();
+    for r in &results[1..] {
+        assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["affinity"], "hit", "{r}");
+        assert_eq!(r["slot"], serde_json::Value::Null, "{r}");
+        assert_eq!(r["backend"], backend, "{r}");
+    }
+    let out = Command::new(LB)
+        .arg("trace")
+        .args(args("198.18.10.3"))
+        .output()
+        .unwrap();
+    let _ = fs::remove_dir_all(&dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("session affinity: new entry for the client"),
+        "{text}"
+    );
+    assert!(
+        text.contains("session affinity hit (the client's entry chose the backend)"),
+        "{text}"
+    );
+}

@@ -65,10 +65,21 @@ fn entry(t: &Translation, frontend: Frontend) -> &ServiceEntry {
 }
 
 /// A frontend's backends as `addr:port/PROTO` strings, sorted.
+/// The backends new flows of `frontend` may use.
 fn backends(t: &Translation, frontend: Frontend) -> BTreeSet<String> {
+    backends_in(t, frontend, BackendState::Active)
+}
+
+/// The terminating backends of `frontend`, kept for its established flows only.
+fn draining(t: &Translation, frontend: Frontend) -> BTreeSet<String> {
+    backends_in(t, frontend, BackendState::Terminating)
+}
+
+fn backends_in(t: &Translation, frontend: Frontend, state: BackendState) -> BTreeSet<String> {
     entry(t, frontend)
         .backends
         .iter()
+        .filter(|b| b.state == state)
         .map(|b| b.l4.to_string())
         .collect()
 }
@@ -424,6 +435,11 @@ endpoints:
             "198.18.0.4:8080/TCP",
             "198.18.0.5:8080/TCP",
         ])
+    );
+    // The terminating one keeps its established flows (graceful termination).
+    assert_eq!(
+        draining(&t, fe(v4("198.19.0.40"), 80, Proto::Tcp)),
+        set(&["198.18.0.6:8080/TCP"])
     );
 }
 
@@ -1433,11 +1449,18 @@ endpoints:
     let t = translate(&slice(""));
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);
     assert_eq!(backends(&t, f), set(&["198.18.0.1:8080/TCP"]));
-    // With a ready endpoint, only ready ones are used.
+    // The terminating one that is not serving keeps its established flows only.
+    assert_eq!(draining(&t, f), set(&["198.18.0.2:8080/TCP"]));
+    // With a ready endpoint, only ready ones are used; both terminating ones keep their flows
+    // (not-ready, not-terminating endpoints get nothing).
     let t = translate(&slice(
         "  - addresses: [198.18.0.4]\n    conditions: {ready: true}\n",
     ));
     assert_eq!(backends(&t, f), set(&["198.18.0.4:8080/TCP"]));
+    assert_eq!(
+        draining(&t, f),
+        set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
+    );
 }
 
 #[test]

@@ -54,9 +54,18 @@ pub mod map_names {
     /// Who made the pins (`PinMeta`, one entry): the layout version every other pinned map is
     /// read with, checked before anything is reused.
     pub const META: &str = "lb_meta";
+    /// `sessionAffinity: ClientIP` (LRU hashes, `Affinity4Key` → `AffinityValue`): the backend
+    /// each client last got from a frontend, and when.
+    pub const AFFINITY4: &str = "lb4_affinity";
+    pub const AFFINITY6: &str = "lb6_affinity";
+    /// Which backends an affinity entry may still name (`AffinityMatchKey`, value unused):
+    /// the active backends of each frontend with session affinity, so an entry pointing at a
+    /// backend the frontend no longer has is ignored and replaced.
+    pub const AFF_MATCH4: &str = "lb4_aff_match";
+    pub const AFF_MATCH6: &str = "lb6_aff_match";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 21] = [
+    pub const ALL: [&str; 25] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
@@ -78,6 +87,10 @@ pub mod map_names {
         SRC_RANGE4,
         SRC_RANGE6,
         META,
+        AFFINITY4,
+        AFFINITY6,
+        AFF_MATCH4,
+        AFF_MATCH6,
     ];
 }
 
@@ -151,6 +164,11 @@ pub mod map_sizes {
     pub const SVC_CIDR: u32 = 64;
     /// `loadBalancerSourceRanges` entries of one family, over all services.
     pub const SRC_RANGE: u32 = 1 << 14;
+    /// Session affinity entries of one family (clients × frontends with affinity); Cilium's
+    /// `bpf-lb-affinity-map-max` default.
+    pub const AFFINITY: u32 = 1 << 16;
+    /// (frontend, active backend) pairs of frontends with session affinity, one family.
+    pub const AFF_MATCH: u32 = 1 << 18;
 }
 
 /// Names of the read-only globals userspace may set at load time.
@@ -211,8 +229,9 @@ pub mod lb_alg {
     pub const MAGLEV: u8 = 1;
 }
 
-/// `Backend*::state` values. Only `ACTIVE` backends are placed in slots for new flows today;
-/// the others keep established flows (graceful termination builds on this).
+/// `Backend*::state` values. Only `ACTIVE` backends are placed in slots for new flows; the
+/// others stay in the slots after them (`SvcValue::qcount`) for established flows (graceful
+/// termination).
 pub mod backend_state {
     pub const ACTIVE: u8 = 0;
     pub const TERMINATING: u8 = 1;
@@ -572,6 +591,67 @@ pub struct SrcRange6 {
     pub addr: [u8; 16],
 }
 
+/// Map key of `lb4_affinity`: a client of a frontend (`rev_nat_id`, `scope`). Packet hooks key
+/// a client by its address (`netns_cookie` 0); socket hooks, which see no source address at
+/// `connect()`, by the network namespace of the socket (`addr` zero), as Cilium does.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Affinity4Key {
+    pub netns_cookie: u64,
+    pub addr: [u8; 4],
+    pub rev_nat_id: u32,
+    pub scope: u8,
+    pub pad: [u8; 7],
+}
+
+/// Map key of `lb6_affinity`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Affinity6Key {
+    pub netns_cookie: u64,
+    pub addr: [u8; 16],
+    pub rev_nat_id: u32,
+    pub scope: u8,
+    pub pad: [u8; 3],
+}
+
+/// Map value of `lb4_affinity` and `lb6_affinity`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityValue {
+    pub backend_id: u32,
+    /// When a new flow last used the entry, in seconds of `CLOCK_MONOTONIC`: the entry holds
+    /// for the frontend's `affinity_timeout` after it (kube-proxy's `recent --rcheck --seconds`
+    /// with `--set` on each new connection).
+    pub last_used: u32,
+}
+
+/// Map key of `lb4_aff_match` and `lb6_aff_match`: a backend a frontend's affinity entries may
+/// name.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct AffinityMatchKey {
+    pub backend_id: u32,
+    pub rev_nat_id: u32,
+    pub scope: u8,
+    pub pad: [u8; 3],
+}
+
+/// `TraceRecord::affinity` values.
+pub mod trace_affinity {
+    /// The frontend has no session affinity (or the packet met no new-flow choice).
+    pub const NONE: u8 = 0;
+    /// The client's affinity entry chose the backend.
+    pub const HIT: u8 = 1;
+    /// No usable entry (none, expired, or naming a backend the frontend lost): the backend was
+    /// chosen afresh and remembered.
+    pub const NEW: u8 = 2;
+}
+
 /// `TraceRecord::verdict` values: what a tc program did with the packet.
 pub mod trace_verdict {
     /// No record written (tracing off, or no packet run yet).
@@ -629,7 +709,8 @@ pub struct TraceRecord {
     pub rev_nat_id: u32,
     /// 1 if the packet's source was masqueraded (to the node IP and `nat_port`).
     pub masquerade: u8,
-    pub pad: u8,
+    /// `trace_affinity` value.
+    pub affinity: u8,
     /// The masquerade source port (the address is the family's node IP in `lb_config`).
     pub nat_port: u16,
 }
@@ -689,6 +770,10 @@ mod user {
     unsafe impl aya::Pod for super::SrcRange4 {}
     unsafe impl aya::Pod for super::SrcRange6 {}
     unsafe impl aya::Pod for super::PinMeta {}
+    unsafe impl aya::Pod for super::Affinity4Key {}
+    unsafe impl aya::Pod for super::Affinity6Key {}
+    unsafe impl aya::Pod for super::AffinityValue {}
+    unsafe impl aya::Pod for super::AffinityMatchKey {}
 }
 
 // The sizes are part of the ABI with pinned maps: a change here needs a map migration.
@@ -718,6 +803,10 @@ const _: () = {
     assert!(size_of::<SvcCidrValue>() == 4);
     assert!(size_of::<SrcRange4>() == 8);
     assert!(size_of::<SrcRange6>() == 20);
+    assert!(size_of::<Affinity4Key>() == 24);
+    assert!(size_of::<Affinity6Key>() == 32);
+    assert!(size_of::<AffinityValue>() == 8);
+    assert!(size_of::<AffinityMatchKey>() == 12);
     // `TraceRecord::reason` holds a metrics index in a u8.
     assert!(metrics::MAX <= 256);
 };
@@ -767,7 +856,7 @@ mod tests {
         assert_eq!(core::mem::offset_of!(TraceRecord, backend_id), 8);
         assert_eq!(core::mem::offset_of!(TraceRecord, rev_nat_id), 12);
         assert_eq!(core::mem::offset_of!(TraceRecord, masquerade), 16);
-        assert_eq!(core::mem::offset_of!(TraceRecord, pad), 17);
+        assert_eq!(core::mem::offset_of!(TraceRecord, affinity), 17);
         assert_eq!(core::mem::offset_of!(TraceRecord, nat_port), 18);
         assert_eq!(size_of::<TraceRecord>(), 20);
     }

@@ -7,15 +7,16 @@
 //! value copied out is never half-written.
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
-    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
-    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4,
-    SrcRange6, Svc4Key, Svc6Key, SvcValue, config_flags,
+    Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterIp4Key,
+    ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
+    config_flags,
 };
 
 use crate::maps::{
-    BACKENDS4, BACKENDS6, CLUSTER_CIDR4, CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT4, CT6,
-    REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6,
-    SVC_CIDR4, SVC_CIDR6, scratch,
+    AFF_MATCH4, AFF_MATCH6, AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CLUSTER_CIDR4,
+    CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT4, CT6, REVNAT4, REVNAT6, SERVICES4, SERVICES6,
+    SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6, SVC_CIDR4, SVC_CIDR6, scratch,
 };
 
 /// Which scratch slot (`maps::Scratch::keys`) a conntrack key is built in: the two keys a step
@@ -123,6 +124,40 @@ pub trait Af {
         rev_nat_id: u32,
     ) -> Result<(), i32>;
     fn sk_revnat_get(cookie: u64, peer: Endpoint<Self::Addr>) -> Option<Endpoint<Self::Addr>>;
+
+    /// The affinity entry of `client` (address, or netns cookie with the address zero) for
+    /// frontend `rev_nat_id` in `scope`.
+    fn affinity_get(
+        client: &Client<Self::Addr>,
+        rev_nat_id: u32,
+        scope: u8,
+    ) -> Option<*mut AffinityValue>;
+    fn affinity_put(
+        client: &Client<Self::Addr>,
+        rev_nat_id: u32,
+        scope: u8,
+        value: &AffinityValue,
+    ) -> Result<(), i32>;
+    /// Whether `backend_id` is an active backend of frontend `rev_nat_id` in `scope`.
+    fn affinity_match(backend_id: u32, rev_nat_id: u32, scope: u8) -> bool;
+}
+
+/// Who a session-affinity entry is for: a client address (packet hooks) or a network
+/// namespace (socket hooks, keyed by its cookie; `addr` is then zero).
+#[derive(Clone, Copy)]
+pub struct Client<A> {
+    pub addr: A,
+    pub netns_cookie: u64,
+}
+
+#[inline(always)]
+fn match_key(backend_id: u32, rev_nat_id: u32, scope: u8) -> AffinityMatchKey {
+    AffinityMatchKey {
+        backend_id,
+        rev_nat_id,
+        scope,
+        pad: [0; 3],
+    }
 }
 
 pub enum V4 {}
@@ -302,6 +337,32 @@ impl Af for V4 {
                 port: v.port,
             }
         })
+    }
+
+    #[inline(always)]
+    fn affinity_get(
+        client: &Client<Self::Addr>,
+        rev_nat_id: u32,
+        scope: u8,
+    ) -> Option<*mut AffinityValue> {
+        AFFINITY4.get_ptr_mut(&affinity4_key(client, rev_nat_id, scope))
+    }
+
+    #[inline(always)]
+    fn affinity_put(
+        client: &Client<Self::Addr>,
+        rev_nat_id: u32,
+        scope: u8,
+        value: &AffinityValue,
+    ) -> Result<(), i32> {
+        AFFINITY4.insert(&affinity4_key(client, rev_nat_id, scope), value, 0)
+    }
+
+    #[inline(always)]
+    fn affinity_match(backend_id: u32, rev_nat_id: u32, scope: u8) -> bool {
+        AFF_MATCH4
+            .get_ptr(&match_key(backend_id, rev_nat_id, scope))
+            .is_some()
     }
 }
 
@@ -484,5 +545,53 @@ impl Af for V6 {
                 port: v.port,
             }
         })
+    }
+
+    #[inline(always)]
+    fn affinity_get(
+        client: &Client<Self::Addr>,
+        rev_nat_id: u32,
+        scope: u8,
+    ) -> Option<*mut AffinityValue> {
+        AFFINITY6.get_ptr_mut(&affinity6_key(client, rev_nat_id, scope))
+    }
+
+    #[inline(always)]
+    fn affinity_put(
+        client: &Client<Self::Addr>,
+        rev_nat_id: u32,
+        scope: u8,
+        value: &AffinityValue,
+    ) -> Result<(), i32> {
+        AFFINITY6.insert(&affinity6_key(client, rev_nat_id, scope), value, 0)
+    }
+
+    #[inline(always)]
+    fn affinity_match(backend_id: u32, rev_nat_id: u32, scope: u8) -> bool {
+        AFF_MATCH6
+            .get_ptr(&match_key(backend_id, rev_nat_id, scope))
+            .is_some()
+    }
+}
+
+#[inline(always)]
+fn affinity4_key(client: &Client<[u8; 4]>, rev_nat_id: u32, scope: u8) -> Affinity4Key {
+    Affinity4Key {
+        netns_cookie: client.netns_cookie,
+        addr: client.addr,
+        rev_nat_id,
+        scope,
+        pad: [0; 7],
+    }
+}
+
+#[inline(always)]
+fn affinity6_key(client: &Client<[u8; 16]>, rev_nat_id: u32, scope: u8) -> Affinity6Key {
+    Affinity6Key {
+        netns_cookie: client.netns_cookie,
+        addr: client.addr,
+        rev_nat_id,
+        scope,
+        pad: [0; 3],
     }
 }

@@ -7,10 +7,11 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6,
-    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcCidrValue, SvcValue, TraceRecord, map_sizes,
+    Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterCidr4,
+    ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
+    SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, TraceRecord,
+    map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -46,6 +47,28 @@ pub static CT6: LruHashMap<Ct6Key, Ct6Value, { map_sizes::CT as usize }> = LruHa
 #[btf_map(name = "lb6_sk_revnat")]
 pub static SK_REVNAT6: LruHashMap<SkRevNat6Key, SkRevNat6Value, { map_sizes::SK_REVNAT as usize }> =
     LruHashMap::new();
+
+#[btf_map(name = "lb4_affinity")]
+pub static AFFINITY4: LruHashMap<Affinity4Key, AffinityValue, { map_sizes::AFFINITY as usize }> =
+    LruHashMap::new();
+#[btf_map(name = "lb6_affinity")]
+pub static AFFINITY6: LruHashMap<Affinity6Key, AffinityValue, { map_sizes::AFFINITY as usize }> =
+    LruHashMap::new();
+/// Written by userspace only; the value is unused (1).
+#[btf_map(name = "lb4_aff_match")]
+pub static AFF_MATCH4: HashMap<
+    AffinityMatchKey,
+    u8,
+    { map_sizes::AFF_MATCH as usize },
+    NO_PREALLOC,
+> = HashMap::new();
+#[btf_map(name = "lb6_aff_match")]
+pub static AFF_MATCH6: HashMap<
+    AffinityMatchKey,
+    u8,
+    { map_sizes::AFF_MATCH as usize },
+    NO_PREALLOC,
+> = HashMap::new();
 
 #[btf_map(name = "lb4_cluster_ips")]
 pub static CLUSTER_IPS4: HashMap<

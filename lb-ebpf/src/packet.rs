@@ -24,7 +24,7 @@ use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{TraceRecord, ct_flags, metrics, svc_flags, trace_ct, trace_verdict};
 
 use crate::{
-    af::{Af, CtHead, Endpoint, V4, V6},
+    af::{Af, Client, CtHead, Endpoint, V4, V6},
     conntrack,
     ctx::{Error, PacketCtx},
     fwd::{self, FwdAf, Route},
@@ -245,12 +245,22 @@ fn lookup<A: Af>(p: &Packet<A::Addr>, origin: Origin, out: &mut Service<A::Addr>
     }
 }
 
-/// A backend for a new flow of `svc`, picked at random.
+/// A backend for a new flow of `p` to `svc`: the client's affinity entry's, or one picked at
+/// random.
 // A subprogram, like `parse_into`: the slot and backend lookups stay out of `new_flow`'s frame.
 #[inline(never)]
-fn choose<A: Af>(svc: &Service<A::Addr>, out: &mut Chosen<A::Addr>) -> Result<(), Unserved> {
+fn choose<A: Af>(
+    p: &Packet<A::Addr>,
+    svc: &Service<A::Addr>,
+    now: u32,
+    out: &mut Chosen<A::Addr>,
+) -> Result<(), Unserved> {
+    let client = || Client {
+        addr: p.saddr,
+        netns_cookie: 0,
+    };
     // SAFETY: helper without arguments.
-    *out = select::choose::<A>(svc, || unsafe { bpf_get_prandom_u32() })?;
+    *out = select::choose::<A>(svc, client, now, || unsafe { bpf_get_prandom_u32() })?;
     Ok(())
 }
 
@@ -315,7 +325,7 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
     let s = scratch().ok_or(Error::Unparsed)?;
     // SAFETY: this CPU's scratch `chosen` area (see `handle`).
     let c = unsafe { &mut *(*s).chosen.as_mut_ptr().cast::<Chosen<A::Addr>>() };
-    match choose::<A>(svc, c) {
+    match choose::<A>(p, svc, now, c) {
         Ok(()) => {}
         // kube-proxy's no-endpoint-services: REJECT; a service with endpoints, none of them
         // here for external traffic, is DROPped.
@@ -412,6 +422,7 @@ fn trace_chosen<A>(r: &mut TraceRecord, c: &Chosen<A>) {
     r.svc_flags = c.svc_flags;
     r.backend_id = c.backend_id;
     r.rev_nat_id = c.rev_nat_id;
+    r.affinity = c.affinity;
 }
 
 /// `snat_port` found no free NAT port.

@@ -5,9 +5,14 @@
 //! rev-NAT id, algorithm) and slots `1..=count` naming backend ids. A master entry with no
 //! usable backend behind the chosen slot (count 0, a missing slot, a slot naming a missing
 //! backend) is `NoBackend` for every hook: the caller counts it once and drops or denies.
-use lb_common::{SvcValue, lb_alg, scope, select_slot, svc_flags};
+//!
+//! Session affinity (`svc_flags::AFFINITY`) comes before the slot: a client whose entry in
+//! `lb*_affinity` is younger than the frontend's timeout and names one of its active backends
+//! (`lb*_aff_match`) gets that backend again; otherwise the slot's backend is chosen and
+//! remembered. Packet hooks key clients by address, socket hooks by network namespace.
+use lb_common::{AffinityValue, SvcValue, lb_alg, scope, select_slot, svc_flags, trace_affinity};
 
-use crate::af::{Af, Endpoint};
+use crate::af::{Af, Client, Endpoint};
 
 /// Where a flow's client is, which decides the scope of a two-scope frontend.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -36,6 +41,8 @@ pub struct Chosen<A> {
     pub scope: u8,
     pub slot: u16,
     pub svc_flags: u16,
+    /// `trace_affinity` value.
+    pub affinity: u8,
 }
 
 /// A frontend nothing can serve. `slot` and `backend_id` are 0 unless a slot was chosen (it
@@ -80,11 +87,14 @@ pub fn lookup<A: Af>(
     })
 }
 
-/// Chooses a backend of `svc`. `input` supplies the random number or hash the slot is picked
-/// with; it is called only when there is a slot to pick.
+/// Chooses a backend of `svc` for a new flow of the client `client` names, at `now` (seconds of
+/// `CLOCK_MONOTONIC`). `input` supplies the random number or hash the slot is picked with; it is
+/// called only when there is a slot to pick, `client` only for a frontend with session affinity.
 #[inline(always)]
 pub fn choose<A: Af>(
     svc: &Service<A::Addr>,
+    client: impl FnOnce() -> Client<A::Addr>,
+    now: u32,
     input: impl FnOnce() -> u32,
 ) -> Result<Chosen<A::Addr>, Unserved> {
     let (m, scope) = (&svc.master, svc.scope);
@@ -97,6 +107,29 @@ pub fn choose<A: Af>(
     };
     if m.count == 0 {
         return Err(no_backend(0, 0));
+    }
+    let affine = m.flags & svc_flags::AFFINITY != 0;
+    let mut who = Client {
+        addr: A::ZERO,
+        netns_cookie: 0,
+    };
+    if affine {
+        who = client();
+        let mut hit = Chosen {
+            backend: Endpoint {
+                addr: A::ZERO,
+                port: 0,
+            },
+            backend_id: 0,
+            rev_nat_id: 0,
+            scope,
+            slot: 0,
+            svc_flags: 0,
+            affinity: trace_affinity::NONE,
+        };
+        if affinity_hit::<A>(svc, &who, now, &mut hit) {
+            return Ok(hit);
+        }
     }
     let slot = match m.lb_alg {
         lb_alg::RANDOM => select_slot(input(), m.count),
@@ -111,6 +144,9 @@ pub fn choose<A: Af>(
     let Some(backend) = A::backend(entry.backend_id) else {
         return Err(no_backend(slot, entry.backend_id));
     };
+    if affine {
+        remember::<A>(&who, m.rev_nat_id, scope, entry.backend_id, now);
+    }
     Ok(Chosen {
         backend,
         backend_id: entry.backend_id,
@@ -118,7 +154,70 @@ pub fn choose<A: Af>(
         scope,
         slot,
         svc_flags: m.flags,
+        affinity: if affine {
+            trace_affinity::NEW
+        } else {
+            trace_affinity::NONE
+        },
     })
+}
+
+/// The backend `client`'s affinity entry for `svc` names (written to `out`), if the entry is
+/// within the frontend's timeout and the backend still one of its active ones; the entry's
+/// time is refreshed (every new flow restarts the timeout, as kube-proxy's `--set` does).
+// A subprogram: the affinity keys stay out of the callers' frames.
+#[inline(never)]
+fn affinity_hit<A: Af>(
+    svc: &Service<A::Addr>,
+    client: &Client<A::Addr>,
+    now: u32,
+    out: &mut Chosen<A::Addr>,
+) -> bool {
+    let m = &svc.master;
+    let Some(v) = A::affinity_get(client, m.rev_nat_id, svc.scope) else {
+        return false;
+    };
+    // SAFETY: map value pointer from a successful lookup, valid for this run (see `af`).
+    let (backend_id, last_used) = unsafe { ((*v).backend_id, (*v).last_used) };
+    if now.wrapping_sub(last_used) > m.affinity_timeout
+        || !A::affinity_match(backend_id, m.rev_nat_id, svc.scope)
+    {
+        return false;
+    }
+    let Some(backend) = A::backend(backend_id) else {
+        return false;
+    };
+    if last_used != now {
+        // SAFETY: as above; a plain store into the entry.
+        unsafe { (*v).last_used = now };
+    }
+    *out = Chosen {
+        backend,
+        backend_id,
+        rev_nat_id: m.rev_nat_id,
+        scope: svc.scope,
+        slot: 0,
+        svc_flags: m.flags,
+        affinity: trace_affinity::HIT,
+    };
+    true
+}
+
+/// Records that `client` got `backend_id` from frontend `rev_nat_id` at `now`. A failed insert
+/// (the LRU map cannot fail for room) only costs the next flow its affinity.
+#[inline(never)]
+fn remember<A: Af>(
+    client: &Client<A::Addr>,
+    rev_nat_id: u32,
+    scope: u8,
+    backend_id: u32,
+    now: u32,
+) {
+    let v = AffinityValue {
+        backend_id,
+        last_used: now,
+    };
+    let _ = A::affinity_put(client, rev_nat_id, scope, &v);
 }
 
 /// `lookup`, then `choose`: for the socket hooks, which have nothing to check in between (the
@@ -130,12 +229,13 @@ pub fn select<A: Af>(
     frontend: Endpoint<A::Addr>,
     proto: u8,
     origin: Origin,
+    client: impl FnOnce() -> Client<A::Addr>,
     input: impl FnOnce() -> u32,
 ) -> Selected<A::Addr> {
     match lookup::<A>(frontend, proto, origin) {
         None => Selected::NotAService,
         Some(svc) if svc.master.flags & svc_flags::SOURCE_RANGES != 0 => Selected::NotAService,
-        Some(svc) => match choose::<A>(&svc, input) {
+        Some(svc) => match choose::<A>(&svc, client, crate::conntrack::now_secs(), input) {
             Ok(c) => Selected::Backend(c),
             Err(_) => Selected::NoBackend,
         },

@@ -6,14 +6,14 @@
 //! frontend the application asked for. IPv4-mapped IPv6 destinations (`::ffff:a.b.c.d`) on
 //! IPv6 sockets use the IPv4 services.
 use aya_ebpf::{
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64};
 
 use crate::{
-    af::{Af, Endpoint, V4, V6},
+    af::{Af, Client, Endpoint, V4, V6},
     maps::count,
     select::{Origin, Selected, select},
 };
@@ -129,23 +129,27 @@ fn balance<A: Af>(
     proto: u8,
     pick: Pick,
 ) -> Selected<A::Addr> {
-    // Fetched only once there is a slot to pick: a cookie is allocated on first use, and most
-    // connect() calls are not to a frontend.
-    let mut cookie = 0;
-    let selected = select::<A>(frontend, proto, Origin::Cluster, || {
-        // SAFETY: the helpers accept any sock_addr context.
-        cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-        match pick {
-            // SAFETY: helper without arguments.
-            Pick::Random => unsafe { bpf_get_prandom_u32() },
-            Pick::SocketHash => mix64(cookie),
-        }
+    // Session affinity keys a socket's client by its network namespace (a pod), since the
+    // source address is not known at connect().
+    let client = || Client {
+        addr: A::ZERO,
+        // SAFETY: the helper accepts any sock_addr context.
+        netns_cookie: unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) },
+    };
+    // The cookie is fetched only for a frontend's socket: it is allocated on first use, and
+    // most connect() calls are not to a frontend.
+    let selected = select::<A>(frontend, proto, Origin::Cluster, client, || match pick {
+        // SAFETY: helper without arguments.
+        Pick::Random => unsafe { bpf_get_prandom_u32() },
+        // SAFETY: the helper accepts any sock_addr context.
+        Pick::SocketHash => mix64(unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) }),
     });
-    // `Backend` implies the closure ran, so `cookie` is set.
-    if let Selected::Backend(c) = &selected
-        && A::sk_revnat_put(cookie, c.backend, frontend, c.rev_nat_id).is_err()
-    {
-        count(metrics::SOCK_REVNAT_INSERT_FAILED, 0);
+    if let Selected::Backend(c) = &selected {
+        // SAFETY: as above.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+        if A::sk_revnat_put(cookie, c.backend, frontend, c.rev_nat_id).is_err() {
+            count(metrics::SOCK_REVNAT_INSERT_FAILED, 0);
+        }
     }
     selected
 }

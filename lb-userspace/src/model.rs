@@ -247,6 +247,8 @@ pub struct ServiceEntry {
     /// With `svc_flags::SOURCE_RANGES`: the sources (of the frontend's family) allowed to open
     /// flows; all others are dropped.
     pub source_ranges: BTreeSet<Cidr>,
+    /// With `svc_flags::AFFINITY`: the session affinity timeout in seconds; 0 otherwise.
+    pub affinity_timeout: u32,
 }
 
 impl ServiceEntry {

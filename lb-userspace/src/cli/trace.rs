@@ -19,8 +19,8 @@ use aya::{
     programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp},
 };
 use lb_common::{
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, TraceRecord, ct_dir, map_names, metrics, prog_names,
-    trace_ct, trace_verdict,
+    Affinity4Key, Affinity6Key, AffinityValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value, TraceRecord,
+    ct_dir, map_names, metrics, prog_names, trace_affinity, trace_ct, trace_verdict,
 };
 use serde::Serialize;
 
@@ -104,8 +104,13 @@ pub struct TraceResult {
     /// packet that opens no connection and had no usable entry), `established` (the flow's
     /// entry was reused), `reply` (a backend's reply was reverse-NATed), or `null`.
     pub conntrack: Option<&'static str>,
-    /// The backend slot chosen for a new flow (`1..=count`), or `null`.
+    /// The backend slot chosen for a new flow (`1..=count`), or `null` (none chosen, or the
+    /// client's session affinity entry chose the backend).
     pub slot: Option<u16>,
+    /// Session affinity of a new flow: `hit` (the client's entry chose the backend), `new` (no
+    /// usable entry: the backend was chosen afresh and remembered), or `null` (the frontend has
+    /// no session affinity).
+    pub affinity: Option<&'static str>,
     /// The frontend scope the datapath used: `external` or `internal`, or `null`.
     pub scope: Option<&'static str>,
     /// The backend `ip:port` the packet was sent to, if any.
@@ -206,6 +211,12 @@ type LiveCt = (
     HashMap<MapData, Ct6Key, Ct6Value>,
 );
 
+/// The running lb's IPv4 and IPv6 session affinity maps.
+type LiveAffinity = (
+    HashMap<MapData, Affinity4Key, AffinityValue>,
+    HashMap<MapData, Affinity6Key, AffinityValue>,
+);
+
 pub struct Tracer {
     datapath: Datapath,
     reconciler: Reconciler<BpfMaps>,
@@ -213,6 +224,8 @@ pub struct Tracer {
     names: StdHashMap<(String, Scope), String>,
     /// The running lb's conntrack, to copy an established flow's entry from.
     live_ct: Option<LiveCt>,
+    /// The running lb's session affinity, to copy the traced client's entries from.
+    live_affinity: Option<LiveAffinity>,
     /// The node facts of a private config; `None` when the running lb's are shared.
     facts: Option<NodeFacts>,
     /// External packets meet `lb_xdp` first (`--xdp`).
@@ -275,6 +288,10 @@ impl Tracer {
             reconciler,
             names,
             live_ct,
+            live_affinity: Some((
+                open_hash(pin_dir, map_names::AFFINITY4)?,
+                open_hash(pin_dir, map_names::AFFINITY6)?,
+            )),
             facts: facts.cloned(),
             xdp: false,
         })
@@ -338,6 +355,7 @@ impl Tracer {
                 reconciler,
                 names,
                 live_ct: None,
+                live_affinity: None,
                 facts: Some(resolved.clone()),
                 xdp: false,
             },
@@ -356,6 +374,7 @@ impl Tracer {
             Origin::External => (prog_names::TC_INGRESS, "tc ingress (lb_tc_ingress)"),
         };
         self.copy_live_flow(probe)?;
+        self.copy_live_affinity(probe.src)?;
         self.set_record(TraceRecord::default())?;
 
         let pkt = build_packet(probe);
@@ -471,6 +490,11 @@ impl Tracer {
                 _ => None,
             },
             slot: (record.slot != 0).then_some(record.slot),
+            affinity: match record.affinity {
+                trace_affinity::HIT => Some("hit"),
+                trace_affinity::NEW => Some("new"),
+                _ => None,
+            },
             scope: is_service.then(|| scope.as_str()),
             backend,
             masquerade: record.masquerade != 0,
@@ -573,6 +597,34 @@ impl Tracer {
             }
             _ => bail!("source and destination are of different address families"),
         }
+    }
+}
+
+impl Tracer {
+    /// Copies the live session affinity entries of client address `src` into the scratch
+    /// maps, so a traced new flow meets the affinity the running lb would apply.
+    fn copy_live_affinity(&mut self, src: IpAddr) -> anyhow::Result<()> {
+        let Some((live4, live6)) = &self.live_affinity else {
+            return Ok(());
+        };
+        let ebpf = self.datapath.ebpf_mut();
+        match src {
+            IpAddr::V4(a) => {
+                for (k, _) in live4.iter().filter_map(Result::ok) {
+                    if k.netns_cookie == 0 && k.addr == a.octets() {
+                        copy_entry(live4, ebpf, map_names::AFFINITY4, k)?;
+                    }
+                }
+            }
+            IpAddr::V6(a) => {
+                for (k, _) in live6.iter().filter_map(Result::ok) {
+                    if k.netns_cookie == 0 && k.addr == a.octets() {
+                        copy_entry(live6, ebpf, map_names::AFFINITY6, k)?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -743,7 +795,12 @@ impl fmt::Display for TraceResult {
         }
         if let Some(scope) = self.scope {
             let slot = self.slot.map(|s| format!(", slot {s}")).unwrap_or_default();
-            writeln!(f, "selection:   {scope} scope{slot}")?;
+            let affinity = match self.affinity {
+                Some("hit") => ", session affinity hit (the client's entry chose the backend)",
+                Some(_) => ", session affinity: new entry for the client",
+                None => "",
+            };
+            writeln!(f, "selection:   {scope} scope{slot}{affinity}")?;
         }
         writeln!(f, "backend:     {}", self.backend.as_deref().unwrap_or("-"))?;
         writeln!(

@@ -26,7 +26,10 @@ use std::{
 use lb_common::{SvcValue, lb_alg, svc_flags};
 
 use crate::{
-    datapath::maps::{Dump, LbMaps, MapOpError, Table, backends_of, revnat_of, src_ranges_of},
+    datapath::maps::{
+        AffMatch, Dump, LbMaps, MapOpError, Table, aff_match_of, backends_of, revnat_of,
+        src_ranges_of,
+    },
     model::{Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, ServiceEntry},
 };
 
@@ -84,6 +87,8 @@ pub struct Reconciler<M> {
     cluster_ips: BTreeMap<IpAddr, u32>,
     /// Source ranges as written: (rev-NAT id, range).
     src_ranges: BTreeSet<(u32, Cidr)>,
+    /// Session affinity's backend matches as written.
+    aff_match: BTreeSet<AffMatch>,
     next_backend_id: u32,
     next_revnat_id: u32,
 }
@@ -135,6 +140,7 @@ impl<M: LbMaps> Reconciler<M> {
             stray_slots,
             cluster_ips: dump.cluster_ips,
             src_ranges: dump.src_ranges,
+            aff_match: dump.aff_match,
             next_backend_id,
             next_revnat_id,
         }
@@ -186,6 +192,7 @@ impl<M: LbMaps> Reconciler<M> {
                 .filter(|a| Family::of(a) == family)
                 .count(),
             Table::SourceRanges => src_ranges_of(&self.src_ranges, family),
+            Table::AffinityMatch => aff_match_of(&self.aff_match, family),
         }
     }
 
@@ -238,6 +245,7 @@ impl<M: LbMaps> Reconciler<M> {
             Table::Backends,
             Table::RevNat,
             Table::SourceRanges,
+            Table::AffinityMatch,
         ] {
             for f in [Family::V4, Family::V6] {
                 let free = self.maps.capacity(t, f) as i64 - self.used(t, f) as i64;
@@ -261,7 +269,29 @@ impl<M: LbMaps> Reconciler<M> {
         self.collect_garbage(&BTreeSet::new(), &mut report);
         self.sync_cluster_ips(&mut report);
         self.prune_src_ranges(desired, &mut report);
+        self.prune_aff_match(&mut report);
         report
+    }
+
+    /// Deletes the affinity matches no installed frontend with session affinity wants: after
+    /// the masters and slots changed, so a backend stops matching only once no slot of the
+    /// frontend offers it to new flows.
+    fn prune_aff_match(&mut self, report: &mut ApplyReport) {
+        let wanted: BTreeSet<AffMatch> = self
+            .services
+            .iter()
+            .flat_map(|(fe, i)| aff_matches(fe, &i.master, &i.slots))
+            .collect();
+        let stale: Vec<AffMatch> = self.aff_match.difference(&wanted).copied().collect();
+        for m in stale {
+            match self.maps.del_aff_match(&m) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.aff_match.remove(&m);
+                }
+                Err(e) => tracing::warn!(?m, error = %e, "cannot delete affinity match"),
+            }
+        }
     }
 
     /// Deletes the source ranges no installed frontend with `SOURCE_RANGES` wants any more:
@@ -426,11 +456,29 @@ impl<M: LbMaps> Reconciler<M> {
         } else {
             Vec::new()
         };
+        let master = SvcValue {
+            backend_id: 0,
+            count: active as u16,
+            qcount: (total - active) as u16,
+            rev_nat_id,
+            flags: entry.flags,
+            lb_alg: lb_alg::RANDOM,
+            pad: 0,
+            affinity_timeout: if entry.flags & svc_flags::AFFINITY != 0 {
+                entry.affinity_timeout
+            } else {
+                0
+            },
+        };
+        let matches: Vec<AffMatch> = aff_matches(fe, &master, &planned_ids)
+            .filter(|m| !self.aff_match.contains(m))
+            .collect();
         for (table, needed) in [
             (Table::Services, needed_services),
             (Table::Backends, new_backends.len() as i64),
             (Table::RevNat, i64::from(new_revnat)),
             (Table::SourceRanges, ranges.len() as i64),
+            (Table::AffinityMatch, matches.len() as i64),
         ] {
             let free = room.get(&(table, family)).copied().unwrap_or(0);
             if needed > free {
@@ -446,22 +494,13 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
 
-        let master = SvcValue {
-            backend_id: 0,
-            count: active as u16,
-            qcount: (total - active) as u16,
-            rev_nat_id,
-            flags: entry.flags,
-            lb_alg: lb_alg::RANDOM,
-            pad: 0,
-            affinity_timeout: 0,
-        };
         // The state a backend gets in the (shared) backends map.
         let global = |b: &Backend| Backend {
             l4: b.l4,
             state: states.get(&b.l4).copied().unwrap_or(b.state),
         };
         let unchanged = ranges.is_empty()
+            && matches.is_empty()
             && existing
                 .as_ref()
                 .is_some_and(|i| i.master == master && i.slots == planned_ids)
@@ -478,6 +517,7 @@ impl<M: LbMaps> Reconciler<M> {
             (Table::Backends, new_backends.len() as i64),
             (Table::RevNat, i64::from(new_revnat)),
             (Table::SourceRanges, ranges.len() as i64),
+            (Table::AffinityMatch, matches.len() as i64),
         ] {
             *room.entry((table, family)).or_default() -= needed;
         }
@@ -513,6 +553,28 @@ impl<M: LbMaps> Reconciler<M> {
                 .map_err(|e| e.to_string())?;
             report.writes += 1;
             self.src_ranges.insert((rev_nat_id, *cidr));
+        }
+        // 2c. Affinity matches: the new active backends' before the master offers them (an
+        // affinity entry naming one is honoured from the first packet that can pick it), and
+        // the ones the frontend no longer offers deleted before the master drops them, so no
+        // client is kept on a backend the frontend has left.
+        for m in &matches {
+            self.maps.put_aff_match(m).map_err(|e| e.to_string())?;
+            report.writes += 1;
+            self.aff_match.insert(*m);
+        }
+        let keep: BTreeSet<AffMatch> = aff_matches(fe, &master, &planned_ids).collect();
+        let stale: Vec<AffMatch> = self
+            .aff_match
+            .iter()
+            .filter(|m| m.family == family && m.rev_nat_id == rev_nat_id && m.scope == fe.scope)
+            .filter(|m| !keep.contains(m))
+            .copied()
+            .collect();
+        for m in stale {
+            self.maps.del_aff_match(&m).map_err(|e| e.to_string())?;
+            report.deletes += 1;
+            self.aff_match.remove(&m);
         }
         // 3. Slots, then 4. the master entry that makes them visible.
         let old = existing;
@@ -719,6 +781,30 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
     }
+}
+
+/// The affinity matches a frontend with `master` and slot backend ids `slots` needs: its active
+/// backends (slots `1..=count`), if it has session affinity.
+fn aff_matches<'a>(
+    fe: &'a Frontend,
+    master: &'a SvcValue,
+    slots: &'a [u32],
+) -> impl Iterator<Item = AffMatch> + 'a {
+    let affine = master.flags & svc_flags::AFFINITY != 0;
+    let active = if affine {
+        &slots[..(master.count as usize).min(slots.len())]
+    } else {
+        &[]
+    };
+    active
+        .iter()
+        .filter(|id| **id != 0)
+        .map(move |id| AffMatch {
+            family: Family::of(&fe.l4.addr),
+            rev_nat_id: master.rev_nat_id,
+            scope: fe.scope,
+            backend_id: *id,
+        })
 }
 
 /// Frontends per ClusterIP address among `frontends` (frontend, `svc_flags`).

@@ -29,7 +29,8 @@ use k8s_openapi::api::{
 use lb_common::svc_flags;
 
 use crate::model::{
-    Backend, Cidr, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry, ServicePortName,
+    Backend, BackendState, Cidr, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry,
+    ServicePortName,
 };
 
 /// Label naming the service an EndpointSlice belongs to.
@@ -111,7 +112,15 @@ pub enum SkipReason {
     /// ports: it is programmed without endpoints (typically the slices were written with the
     /// `targetPort`'s name instead of the service port's).
     UnmatchedPort,
+    /// `sessionAffinityConfig.clientIP.timeoutSeconds` outside what the API server allows
+    /// (1..=86400): kube-proxy's default timeout is used instead.
+    InvalidSessionAffinity,
 }
+
+/// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
+/// The largest timeout the API server accepts (1 day).
+pub const MAX_AFFINITY_TIMEOUT: u32 = 86_400;
 
 /// The API server's cap on endpoints per EndpointSlice (`maxEndpoints` in its validation).
 /// A bigger slice cannot come from a cluster; from a manifest it is refused as a whole.
@@ -129,6 +138,7 @@ impl SkipReason {
             SkipReason::UnknownAddressType => "unknown_address_type",
             SkipReason::MissingServiceLabel => "missing_service_label",
             SkipReason::DuplicateFrontend => "duplicate_frontend",
+            SkipReason::InvalidSessionAffinity => "invalid_session_affinity",
             SkipReason::NoPorts => "no_ports",
             SkipReason::DuplicatePortName => "duplicate_port_name",
             SkipReason::TooManyEndpoints => "too_many_endpoints",
@@ -490,31 +500,56 @@ fn available_for_topology(e: &Endpoint, mode: Topology, node: &NodeInfo) -> bool
     }
 }
 
-/// kube-proxy's `CategorizeEndpoints`: (cluster endpoints, local endpoints).
+/// kube-proxy's `CategorizeEndpoints`: (cluster endpoints, local endpoints), each with the
+/// endpoints new flows may use first (`Active`), then the terminating endpoints they do not use
+/// (`Terminating`): those keep their established flows (graceful termination, KEP-1669) until
+/// they leave the EndpointSlice. Serving terminating endpoints take new flows only when no
+/// ready one is left.
 fn categorize(
     endpoints: &[&Endpoint],
     policies: Policies,
     node: &NodeInfo,
-) -> (Vec<L4Addr>, Vec<L4Addr>) {
+) -> (Vec<Backend>, Vec<Backend>) {
     let pick = |f: &dyn Fn(&Endpoint) -> bool| -> Vec<L4Addr> {
         endpoints.iter().filter(|e| f(e)).map(|e| e.l4).collect()
+    };
+    // The chosen endpoints, then the terminating ones among `candidates` not chosen.
+    let with_draining = |chosen: Vec<L4Addr>, candidates: &dyn Fn(&Endpoint) -> bool| {
+        let draining = endpoints
+            .iter()
+            .filter(|e| e.terminating && candidates(e) && !chosen.contains(&e.l4))
+            .map(|e| Backend {
+                l4: e.l4,
+                state: BackendState::Terminating,
+            })
+            .collect::<Vec<_>>();
+        let mut out = backends(&chosen);
+        out.extend(draining);
+        out
     };
     let mut cluster = Vec::new();
     if policies.uses_cluster() {
         let mode = topology_mode(endpoints, node);
-        cluster = pick(&|e| e.ready && available_for_topology(e, mode, node));
-        if cluster.is_empty() {
-            cluster = pick(&|e| e.serving && e.terminating);
+        let mut chosen = pick(&|e| e.ready && available_for_topology(e, mode, node));
+        if chosen.is_empty() {
+            chosen = pick(&|e| e.serving && e.terminating);
         }
+        cluster = with_draining(chosen, &|_| true);
     }
     let mut local = Vec::new();
     if policies.uses_local() {
-        local = pick(&|e| e.local && e.ready);
-        if local.is_empty() {
-            local = pick(&|e| e.local && e.serving && e.terminating);
+        let mut chosen = pick(&|e| e.local && e.ready);
+        if chosen.is_empty() {
+            chosen = pick(&|e| e.local && e.serving && e.terminating);
         }
+        local = with_draining(chosen, &|e| e.local);
     }
     (cluster, local)
+}
+
+/// Whether any of `backends` takes new flows.
+fn any_active(backends: &[Backend]) -> bool {
+    backends.iter().any(|b| b.state == BackendState::Active)
 }
 
 /// Adds a frontend unless an earlier service (namespace/name order) already has it.
@@ -655,6 +690,30 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 }
             }
         }
+        // `sessionAffinity: ClientIP`: flag and timeout on every frontend of the service.
+        let (aff_flag, affinity_timeout) = if spec.session_affinity.as_deref() == Some("ClientIP") {
+            let t = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            let timeout = match t {
+                None => DEFAULT_AFFINITY_TIMEOUT,
+                Some(t) if (1..=MAX_AFFINITY_TIMEOUT as i32).contains(&t) => t as u32,
+                Some(t) => {
+                    skipped.push(skip(
+                        SkipReason::InvalidSessionAffinity,
+                        format!(
+                            "sessionAffinityConfig.clientIP.timeoutSeconds {t} outside 1..={MAX_AFFINITY_TIMEOUT} (the default {DEFAULT_AFFINITY_TIMEOUT} is used)"
+                        ),
+                    ));
+                    DEFAULT_AFFINITY_TIMEOUT
+                }
+            };
+            (svc_flags::AFFINITY, timeout)
+        } else {
+            (0, 0)
+        };
         let internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
         let externally_accessible_type = matches!(type_, "NodePort" | "LoadBalancer")
             || (type_ == "ClusterIP" && !external_ips.is_empty());
@@ -759,8 +818,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         Frontend::new(*ip, port.port as u16, proto),
                         ServiceEntry {
                             name: svc_name.clone(),
-                            flags: flags | svc_flags::CLUSTER_IP,
-                            backends: backends(internal),
+                            flags: flags | svc_flags::CLUSTER_IP | aff_flag,
+                            backends: internal.clone(),
+                            affinity_timeout,
                             ..ServiceEntry::default()
                         },
                     );
@@ -769,15 +829,14 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 // External frontends: external IPs, LoadBalancer IPs and NodePorts on this
                 // node's NodePort addresses, all with the external policy's endpoints.
                 let external = if external_local { &local } else { &cluster };
-                let has_endpoints = !cluster.is_empty() || !local.is_empty();
-                let mut flags = if external_local {
-                    svc_flags::EXT_LOCAL
-                } else {
-                    0
-                };
+                let has_endpoints = any_active(&cluster) || any_active(&local);
+                let mut flags = aff_flag;
+                if external_local {
+                    flags |= svc_flags::EXT_LOCAL;
+                }
                 // kube-proxy DROPs external traffic of a service whose endpoints are all
                 // elsewhere (eTP=Local), and REJECTs only when it has none at all.
-                if external_local && local.is_empty() && has_endpoints {
+                if external_local && !any_active(&local) && has_endpoints {
                     flags |= svc_flags::EMPTY_DROP;
                 }
                 let node_port = node_port_number;
@@ -823,8 +882,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                             ServiceEntry {
                                 name: svc_name.clone(),
                                 flags: fe_flags,
-                                backends: backends(external),
+                                backends: external.clone(),
                                 source_ranges: ranges.clone(),
+                                affinity_timeout,
                             },
                         );
                         if two_scopes {
@@ -840,8 +900,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                 ServiceEntry {
                                     name: svc_name.clone(),
                                     flags: fe_flags & !svc_flags::EMPTY_DROP,
-                                    backends: backends(&cluster),
+                                    backends: cluster.clone(),
                                     source_ranges: ranges,
+                                    affinity_timeout,
                                 },
                             );
                         }

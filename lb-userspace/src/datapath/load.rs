@@ -21,10 +21,11 @@ use aya::{
     util::KernelVersion,
 };
 use lb_common::{
-    Backend4, Backend6, ClusterCidr4, ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
-    Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6,
-    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcCidrValue, SvcValue, globals, map_names, map_sizes, prog_names,
+    Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterCidr4,
+    ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
+    SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, globals,
+    map_names, map_sizes, prog_names,
 };
 
 use super::{
@@ -67,7 +68,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 21] = [
+const MAP_SPECS: [MapSpec; 25] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
@@ -129,6 +130,18 @@ const MAP_SPECS: [MapSpec; 21] = [
         MapType::LpmTrie,
         map_sizes::SRC_RANGE,
     ),
+    spec::<Affinity4Key, AffinityValue>(
+        map_names::AFFINITY4,
+        MapType::LruHash,
+        map_sizes::AFFINITY,
+    ),
+    spec::<Affinity6Key, AffinityValue>(
+        map_names::AFFINITY6,
+        MapType::LruHash,
+        map_sizes::AFFINITY,
+    ),
+    spec::<AffinityMatchKey, u8>(map_names::AFF_MATCH4, MapType::Hash, map_sizes::AFF_MATCH),
+    spec::<AffinityMatchKey, u8>(map_names::AFF_MATCH6, MapType::Hash, map_sizes::AFF_MATCH),
 ];
 
 /// How `lb_xdp` is attached to external devices (`--xdp`).
@@ -230,7 +243,7 @@ impl LoadOptions {
 }
 
 /// The maps that describe services: what a read-only tool shares with a running lb.
-pub const SERVICE_MAPS: [&str; 10] = [
+pub const SERVICE_MAPS: [&str; 12] = [
     map_names::SERVICES4,
     map_names::BACKENDS4,
     map_names::REVNAT4,
@@ -241,6 +254,8 @@ pub const SERVICE_MAPS: [&str; 10] = [
     map_names::CLUSTER_IPS6,
     map_names::SVC_CIDR4,
     map_names::SVC_CIDR6,
+    map_names::AFF_MATCH4,
+    map_names::AFF_MATCH6,
 ];
 
 /// Pins `link` at `path` (creating the links directory); the pin keeps it attached after this
@@ -663,6 +678,8 @@ impl Datapath {
             cluster_ips6: self.take(map_names::CLUSTER_IPS6)?,
             src_ranges4: self.take_trie(map_names::SRC_RANGE4)?,
             src_ranges6: self.take_trie(map_names::SRC_RANGE6)?,
+            aff_match4: self.take(map_names::AFF_MATCH4)?,
+            aff_match6: self.take(map_names::AFF_MATCH6)?,
             capacities,
         })
     }

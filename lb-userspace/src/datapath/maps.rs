@@ -10,8 +10,9 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key as LpmKey};
 use lb_common::{
-    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, MetricValue, RevNat4,
-    RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, map_names, svc_flags,
+    AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
+    MetricValue, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, map_names,
+    svc_flags,
 };
 
 use crate::{
@@ -28,16 +29,19 @@ pub enum Table {
     ClusterIps,
     /// `loadBalancerSourceRanges` per rev-NAT id (`lb*_src_range`).
     SourceRanges,
+    /// The backends session affinity may name per frontend (`lb*_aff_match`).
+    AffinityMatch,
 }
 
 impl Table {
     /// Every table the reconciler owns, in a stable order.
-    pub const ALL: [Table; 5] = [
+    pub const ALL: [Table; 6] = [
         Table::Services,
         Table::Backends,
         Table::RevNat,
         Table::ClusterIps,
         Table::SourceRanges,
+        Table::AffinityMatch,
     ];
 
     pub fn map_name(self, family: Family) -> &'static str {
@@ -52,6 +56,8 @@ impl Table {
             (Table::ClusterIps, Family::V6) => map_names::CLUSTER_IPS6,
             (Table::SourceRanges, Family::V4) => map_names::SRC_RANGE4,
             (Table::SourceRanges, Family::V6) => map_names::SRC_RANGE6,
+            (Table::AffinityMatch, Family::V4) => map_names::AFF_MATCH4,
+            (Table::AffinityMatch, Family::V6) => map_names::AFF_MATCH6,
         }
     }
 }
@@ -92,6 +98,29 @@ pub struct Dump {
     pub cluster_ips: BTreeMap<IpAddr, u32>,
     /// (rev-NAT id, allowed source range) of frontends with `loadBalancerSourceRanges`.
     pub src_ranges: BTreeSet<(u32, Cidr)>,
+    /// The backends session affinity may name, per frontend (`lb*_aff_match`).
+    pub aff_match: BTreeSet<AffMatch>,
+}
+
+/// An `lb*_aff_match` entry: `backend_id` is an active backend of frontend `rev_nat_id` in
+/// `scope`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AffMatch {
+    pub family: Family,
+    pub rev_nat_id: u32,
+    pub scope: Scope,
+    pub backend_id: u32,
+}
+
+impl AffMatch {
+    fn key(&self) -> AffinityMatchKey {
+        AffinityMatchKey {
+            backend_id: self.backend_id,
+            rev_nat_id: self.rev_nat_id,
+            scope: self.scope as u8,
+            pad: [0; 3],
+        }
+    }
 }
 
 impl Dump {
@@ -111,8 +140,14 @@ impl Dump {
                 .filter(|a| Family::of(a) == family)
                 .count(),
             Table::SourceRanges => src_ranges_of(&self.src_ranges, family),
+            Table::AffinityMatch => aff_match_of(&self.aff_match, family),
         }
     }
+}
+
+/// Affinity-match entries of `family`.
+pub fn aff_match_of(entries: &BTreeSet<AffMatch>, family: Family) -> usize {
+    entries.iter().filter(|m| m.family == family).count()
 }
 
 /// Source-range entries of `family`.
@@ -187,6 +222,9 @@ pub trait LbMaps {
     /// Allows sources in `cidr` to open flows to the frontend with `rev_nat_id`.
     fn put_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError>;
     fn del_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError>;
+    /// Lets affinity entries of a frontend name a backend.
+    fn put_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError>;
+    fn del_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError>;
 }
 
 /// The `lb4_services` key of `fe`'s `slot`.
@@ -225,6 +263,8 @@ pub struct BpfMaps {
     pub cluster_ips6: HashMap<MapData, ClusterIp6Key, ClusterIpValue>,
     pub src_ranges4: LpmTrie<MapData, SrcRange4, u8>,
     pub src_ranges6: LpmTrie<MapData, SrcRange6, u8>,
+    pub aff_match4: HashMap<MapData, AffinityMatchKey, u8>,
+    pub aff_match6: HashMap<MapData, AffinityMatchKey, u8>,
     pub capacities: BTreeMap<(Table, Family), u32>,
 }
 
@@ -324,6 +364,22 @@ impl LbMaps for BpfMaps {
             let addr = Ipv6Addr::from(d.addr).into();
             dump.src_ranges
                 .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
+        }
+        for (family, map, name) in [
+            (Family::V4, &self.aff_match4, map_names::AFF_MATCH4),
+            (Family::V6, &self.aff_match6, map_names::AFF_MATCH6),
+        ] {
+            for k in map.keys() {
+                let k = k?;
+                let scope =
+                    Scope::try_from(k.scope).with_context(|| format!("{name} key {k:?}"))?;
+                dump.aff_match.insert(AffMatch {
+                    family,
+                    rev_nat_id: k.rev_nat_id,
+                    scope,
+                    backend_id: k.backend_id,
+                });
+            }
         }
         Ok(dump)
     }
@@ -488,6 +544,23 @@ impl LbMaps for BpfMaps {
             Ok(())
         }
     }
+
+    fn put_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError> {
+        let (map, name) = match entry.family {
+            Family::V4 => (&mut self.aff_match4, map_names::AFF_MATCH4),
+            Family::V6 => (&mut self.aff_match6, map_names::AFF_MATCH6),
+        };
+        map.insert(entry.key(), 1, 0)
+            .map_err(|e| MapOpError::from_aya(name, e))
+    }
+
+    fn del_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError> {
+        let (map, name) = match entry.family {
+            Family::V4 => (&mut self.aff_match4, map_names::AFF_MATCH4),
+            Family::V6 => (&mut self.aff_match6, map_names::AFF_MATCH6),
+        };
+        ignore_missing(map.remove(&entry.key())).map_err(|e| MapOpError::from_aya(name, e))
+    }
 }
 
 /// Point lookups in the live maps, for views that must read what the datapath reads (trace).
@@ -590,6 +663,8 @@ pub enum MapOp {
         rev_nat_id: u32,
         cidr: Cidr,
     },
+    PutAffMatch(AffMatch),
+    DelAffMatch(AffMatch),
 }
 
 impl MapOp {
@@ -601,6 +676,7 @@ impl MapOp {
                 | MapOp::PutService { .. }
                 | MapOp::PutClusterIp { .. }
                 | MapOp::PutSrcRange { .. }
+                | MapOp::PutAffMatch(_)
         )
     }
 }
@@ -632,6 +708,20 @@ impl std::fmt::Display for MapOp {
             MapOp::DelSrcRange { rev_nat_id, cidr } => {
                 write!(f, "del source-range {rev_nat_id} {cidr}")
             }
+            MapOp::PutAffMatch(m) => write!(
+                f,
+                "put aff-match revnat {} {} backend {}",
+                m.rev_nat_id,
+                m.scope.as_str(),
+                m.backend_id
+            ),
+            MapOp::DelAffMatch(m) => write!(
+                f,
+                "del aff-match revnat {} {} backend {}",
+                m.rev_nat_id,
+                m.scope.as_str(),
+                m.backend_id
+            ),
         }
     }
 }
@@ -774,6 +864,20 @@ impl LbMaps for MemMaps {
         self.dump.src_ranges.remove(&(rev_nat_id, *cidr));
         Ok(())
     }
+
+    fn put_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError> {
+        let exists = self.dump.aff_match.contains(entry);
+        self.check_room(Table::AffinityMatch, entry.family, exists)?;
+        self.journal.push(MapOp::PutAffMatch(*entry));
+        self.dump.aff_match.insert(*entry);
+        Ok(())
+    }
+
+    fn del_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError> {
+        self.journal.push(MapOp::DelAffMatch(*entry));
+        self.dump.aff_match.remove(entry);
+        Ok(())
+    }
 }
 
 /// A stable, human-readable rendering of the maps: one block per frontend with its slots
@@ -807,6 +911,30 @@ pub fn render(dump: &Dump) -> String {
             v.qcount,
             v.rev_nat_id
         );
+        if v.flags & svc_flags::AFFINITY != 0 {
+            // The match entries must name exactly the active slots' backends.
+            let family = Family::of(&fe.l4.addr);
+            let active: BTreeSet<u32> = (1..=v.count)
+                .filter_map(|s| dump.services.get(&(*fe, s)).map(|sv| sv.backend_id))
+                .collect();
+            let matched: BTreeSet<u32> = dump
+                .aff_match
+                .iter()
+                .filter(|m| m.family == family && m.rev_nat_id == v.rev_nat_id)
+                .filter(|m| m.scope == fe.scope)
+                .map(|m| m.backend_id)
+                .collect();
+            let check = if matched == active {
+                "ok".to_string()
+            } else {
+                format!("MISMATCH {matched:?}")
+            };
+            let _ = writeln!(
+                out,
+                "  affinity timeout={}s match({check})",
+                v.affinity_timeout
+            );
+        }
         for s in 1..=v.slots() {
             match dump.services.get(&(*fe, s)) {
                 Some(sv) => {
@@ -866,6 +994,23 @@ pub fn render(dump: &Dump) -> String {
         });
         let check = if used { "ok" } else { "ORPHAN" };
         let _ = writeln!(out, "source-range revnat={id} {cidr}({check})");
+    }
+    for m in &dump.aff_match {
+        let used = dump.services.iter().any(|((fe, slot), v)| {
+            *slot == 0
+                && v.rev_nat_id == m.rev_nat_id
+                && fe.scope == m.scope
+                && v.flags & svc_flags::AFFINITY != 0
+        });
+        if !used {
+            let _ = writeln!(
+                out,
+                "orphan aff-match revnat={} {} backend {}",
+                m.rev_nat_id,
+                m.scope.as_str(),
+                m.backend_id
+            );
+        }
     }
     out
 }

@@ -6,8 +6,8 @@ use std::{collections::BTreeMap, fs, io, path::Path};
 use anyhow::{Context as _, bail};
 use aya::maps::{HashMap, Map, MapData, MapInfo, PerCpuArray};
 use lb_common::{
-    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, MetricValue, RevNat4,
-    RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, metrics,
+    AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
+    MetricValue, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, metrics,
 };
 
 use super::maps::{BpfMaps, Table, read_counter};
@@ -40,6 +40,8 @@ impl BpfMaps {
             cluster_ips6: open_hash::<ClusterIp6Key, ClusterIpValue>(dir, map_names::CLUSTER_IPS6)?,
             src_ranges4: open_trie(dir, map_names::SRC_RANGE4)?,
             src_ranges6: open_trie(dir, map_names::SRC_RANGE6)?,
+            aff_match4: open_hash::<AffinityMatchKey, u8>(dir, map_names::AFF_MATCH4)?,
+            aff_match6: open_hash::<AffinityMatchKey, u8>(dir, map_names::AFF_MATCH6)?,
             capacities,
         })
     }
