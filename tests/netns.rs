@@ -74,53 +74,50 @@ impl Manifests {
         Self(dir)
     }
 
-    /// Removes every endpoint whose address contains `needle` from the slices.
+    /// Removes every endpoint whose address contains one of `needles` from the slices.
     fn remove_endpoints(&self, needles: &[&str]) {
-        let path = self.0.join("echo-endpointslices.yaml");
-        let text = fs::read_to_string(&path).unwrap();
-        let mut out = Vec::new();
-        let mut skip = false;
-        for line in text.lines() {
-            if line.trim_start().starts_with("- addresses:") {
-                skip = needles.iter().any(|n| line.contains(n));
-            } else if !line.starts_with("    ") {
-                skip = false;
-            }
-            if !skip {
-                out.push(line);
-            }
-        }
-        let new = out.join("\n");
-        assert_ne!(new, text, "nothing removed");
-        // Atomic replace: lb watches the directory and must never see half a file.
-        let tmp = self.0.join(".echo-endpointslices.yaml.tmp");
-        fs::write(&tmp, new).unwrap();
-        fs::rename(&tmp, &path).unwrap();
+        self.edit_endpoints(needles, |_| None);
     }
-}
 
-impl Manifests {
     /// Gives every endpoint whose address contains one of `needles` the `conditions` (a YAML
-    /// flow mapping), atomically.
+    /// flow mapping).
     fn set_conditions(&self, needles: &[&str], conditions: &str) {
-        let path = self.0.join("echo-endpointslices.yaml");
-        let text = fs::read_to_string(&path).unwrap();
+        self.edit_endpoints(needles, |line| {
+            Some(if line.trim_start().starts_with("conditions:") {
+                format!("    conditions: {conditions}")
+            } else {
+                line.to_string()
+            })
+        });
+    }
+
+    /// Rewrites the lines of the endpoints whose address contains one of `needles` with `edit`
+    /// (`None` drops the line), atomically: lb watches the directory and must never see half
+    /// a file.
+    fn edit_endpoints(&self, needles: &[&str], edit: impl Fn(&str) -> Option<String>) {
+        let name = "echo-endpointslices.yaml";
+        let text = fs::read_to_string(self.0.join(name)).unwrap();
         let mut out = Vec::new();
         let mut hit = false;
         for line in text.lines() {
             if line.trim_start().starts_with("- addresses:") {
                 hit = needles.iter().any(|n| line.contains(n));
-            } else if hit && line.trim_start().starts_with("conditions:") {
-                out.push(format!("    conditions: {conditions}"));
-                continue;
+            } else if !line.starts_with("    ") {
+                hit = false;
             }
-            out.push(line.to_string());
+            if !hit {
+                out.push(line.to_string());
+            } else if let Some(l) = edit(line) {
+                out.push(l);
+            }
         }
         let new = out.join("\n");
         assert_ne!(new, text, "no endpoint changed");
-        self.add("echo-endpointslices.yaml", &new);
+        self.add(name, &new);
     }
+}
 
+impl Manifests {
     /// Edits the echo Service with `edit` (atomically).
     fn edit_service(&self, edit: impl FnOnce(&str) -> String) {
         let path = self.0.join("echo-service.yaml");
