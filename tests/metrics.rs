@@ -12,7 +12,7 @@ use std::{
 use aya::maps::{HashMap, PerCpuArray, PerCpuValues};
 use lb::{
     datapath::load::{Datapath, LoadOptions},
-    metrics::{HEALTH_TIMEOUT, Metrics, serve},
+    metrics::{HEALTH_TIMEOUT, Metrics, rfc3339, serve},
 };
 use lb_common::{Ct4Key, Ct4Value, Ct6Key, Ct6Value, MetricValue, ct_dir, map_names, metrics};
 
@@ -588,4 +588,228 @@ async fn datapath_maps_are_read_at_scrape_time() {
         0.0
     );
     drop(datapath);
+}
+
+/// A Service or EndpointSlice from YAML.
+fn object<T: serde::de::DeserializeOwned>(yaml: &str) -> Arc<T> {
+    Arc::new(serde_yaml::from_str(yaml).expect("object"))
+}
+
+fn snapshot(
+    services: Vec<Arc<k8s_openapi::api::core::v1::Service>>,
+    slices: Vec<Arc<k8s_openapi::api::discovery::v1::EndpointSlice>>,
+) -> lb::controller::source::Snapshot {
+    lb::controller::source::Snapshot {
+        services,
+        slices,
+        node: None,
+        problems: Vec::new(),
+        changed_at: Instant::now(),
+    }
+}
+
+/// kube-proxy's SLIs under kube-proxy's names: change counts (pending while a sync is queued,
+/// totals after it), network programming latency from the EndpointSlice trigger time, the
+/// per-family sync series, no-local-endpoint gauges, probe counters and `/proxyMode`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kube_proxy_slis_follow_changes_and_probes() {
+    use lb::{
+        controller::translate::NoLocalEndpoints,
+        metrics::kubeproxy::{ChangeTracker, LAST_CHANGE_TRIGGER_TIME},
+    };
+    let metrics = Metrics::new();
+    let (maddr, haddr, task) = start(&metrics).await;
+    let started = SystemTime::now() - Duration::from_secs(60);
+    let mut tracker = ChangeTracker::new(started);
+    let service = |name: &str, port: u16| {
+        object(&format!(
+            "{{metadata: {{name: {name}, namespace: t}}, spec: {{clusterIP: 198.19.0.1, ports: [{{port: {port}}}]}}}}"
+        ))
+    };
+    // As the EndpointSlice controller writes it (RFC 3339; lb's formatter has milliseconds).
+    let trigger = |age: u64| rfc3339(SystemTime::now() - Duration::from_secs(age));
+    let slice = |name: &str, family: &str, addr: &str, annotation: Option<String>| {
+        let ann = annotation
+            .map(|t| format!(", annotations: {{\"{LAST_CHANGE_TRIGGER_TIME}\": \"{t}\"}}"))
+            .unwrap_or_default();
+        object(&format!(
+            "{{metadata: {{name: {name}, namespace: t, labels: {{kubernetes.io/service-name: a}}{ann}}}, addressType: {family}, endpoints: [{{addresses: [\"{addr}\"]}}]}}"
+        ))
+    };
+
+    // First snapshot: two services, two slices; the IPv6 slice was triggered 3 s ago, the IPv4
+    // one before lb started (ignored, as kube-proxy ignores it).
+    let (old, recent) = (trigger(120), trigger(3));
+    let first = snapshot(
+        vec![service("a", 80), service("b", 81)],
+        vec![
+            slice("a-4", "IPv4", "198.18.0.1", Some(old.clone())),
+            slice("a-6", "IPv6", "2001:db8::1", Some(recent.clone())),
+        ],
+    );
+    let changes = tracker.observe(&first);
+    assert_eq!((changes.services, changes.endpoint_slices), (2, 2));
+    assert_eq!(changes.triggers.len(), 1, "{changes:?}");
+    metrics.kube_proxy().queued(&changes);
+    let (_, samples) = parse(&fetch(maddr, "/metrics").await.body);
+    assert_close(
+        value(
+            &samples,
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            &[],
+        ),
+        2.0,
+        "service changes pending",
+    );
+    assert_close(
+        value(
+            &samples,
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            &[],
+        ),
+        2.0,
+        "endpoint changes pending",
+    );
+    let queued = value(
+        &samples,
+        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+        &[("ip_family", "IPv4")],
+    );
+    assert!(queued > 1e9, "queued timestamp {queued}");
+
+    metrics.observe_sync(Duration::from_millis(3), true);
+    let no_local = NoLocalEndpoints {
+        internal: [1, 0],
+        external: [0, 2],
+    };
+    metrics
+        .kube_proxy()
+        .programmed(&changes, SystemTime::now(), &no_local);
+    let (_, samples) = parse(&fetch(maddr, "/metrics").await.body);
+    for (name, want) in [
+        ("kubeproxy_sync_proxy_rules_service_changes_pending", 0.0),
+        ("kubeproxy_sync_proxy_rules_endpoint_changes_pending", 0.0),
+        ("kubeproxy_sync_proxy_rules_service_changes_total", 2.0),
+        ("kubeproxy_sync_proxy_rules_endpoint_changes_total", 2.0),
+    ] {
+        assert_close(value(&samples, name, &[]), want, name);
+    }
+    let v6 = [("ip_family", "IPv6")];
+    assert_close(
+        value(
+            &samples,
+            "kubeproxy_network_programming_duration_seconds_count",
+            &v6,
+        ),
+        1.0,
+        "one IPv6 programming observation",
+    );
+    let latency = value(
+        &samples,
+        "kubeproxy_network_programming_duration_seconds_sum",
+        &v6,
+    );
+    assert!(
+        (2.5..30.0).contains(&latency),
+        "programming latency {latency}"
+    );
+    // Under 3 s: counted in the 3 s bucket, not the 2 s one (kube-proxy's linear buckets).
+    let bucket = |le: f64| {
+        find(
+            &samples,
+            "kubeproxy_network_programming_duration_seconds_bucket",
+            &v6,
+        )
+        .into_iter()
+        .find(|b| b.labels.get("le").and_then(|l| l.parse::<f64>().ok()) == Some(le))
+        .unwrap_or_else(|| panic!("no bucket le={le}"))
+        .value
+    };
+    assert_close(bucket(2.0), 0.0, "2 s bucket");
+    assert_close(bucket(300.0), 1.0, "5 min bucket");
+    assert_close(
+        value(
+            &samples,
+            "kubeproxy_network_programming_duration_seconds_count",
+            &[("ip_family", "IPv4")],
+        ),
+        0.0,
+        "the IPv4 slice's trigger predates lb",
+    );
+    for family in ["IPv4", "IPv6"] {
+        let l = [("ip_family", family)];
+        assert_close(
+            value(
+                &samples,
+                "kubeproxy_sync_proxy_rules_duration_seconds_count",
+                &l,
+            ),
+            1.0,
+            "sync observed once per family",
+        );
+        assert!(
+            value(
+                &samples,
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                &l
+            ) > 1e9
+        );
+    }
+    for (policy, family, want) in [
+        ("internal", "IPv4", 1.0),
+        ("internal", "IPv6", 0.0),
+        ("external", "IPv4", 0.0),
+        ("external", "IPv6", 2.0),
+    ] {
+        assert_close(
+            value(
+                &samples,
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                &[("traffic_policy", policy), ("ip_family", family)],
+            ),
+            want,
+            &format!("no local endpoints {policy}/{family}"),
+        );
+    }
+
+    // The same objects again (new copies, as a manifest reload makes): nothing changed. Then
+    // one slice changes and a service goes.
+    let again = snapshot(
+        vec![service("a", 80), service("b", 81)],
+        vec![
+            slice("a-4", "IPv4", "198.18.0.1", Some(old)),
+            slice("a-6", "IPv6", "2001:db8::1", Some(recent.clone())),
+        ],
+    );
+    let none = tracker.observe(&again);
+    assert_eq!((none.services, none.endpoint_slices), (0, 0), "{none:?}");
+    assert!(none.triggers.is_empty());
+    let next = snapshot(
+        vec![service("a", 80)],
+        vec![
+            slice("a-4", "IPv4", "198.18.0.2", Some(trigger(1))),
+            slice("a-6", "IPv6", "2001:db8::1", Some(recent)),
+        ],
+    );
+    let changes = tracker.observe(&next);
+    assert_eq!((changes.services, changes.endpoint_slices), (1, 1));
+    assert_eq!(changes.triggers.len(), 1);
+    assert_eq!(changes.triggers[0].0, 0, "the IPv4 slice changed");
+
+    // Probes are counted by answer, and /proxyMode names the mode.
+    assert_eq!(fetch(haddr, "/healthz").await.status, 503);
+    metrics.mark_synced();
+    assert_eq!(fetch(haddr, "/healthz").await.status, 200);
+    assert_eq!(fetch(haddr, "/livez").await.status, 200);
+    let mode = fetch(maddr, "/proxyMode").await;
+    assert_eq!((mode.status, mode.body.as_str()), (200, "ebpf"));
+    let (_, samples) = parse(&fetch(maddr, "/metrics").await.body);
+    for (name, code) in [
+        ("kubeproxy_proxy_healthz_total", "503"),
+        ("kubeproxy_proxy_healthz_total", "200"),
+        ("kubeproxy_proxy_livez_total", "200"),
+    ] {
+        assert_close(value(&samples, name, &[("code", code)]), 1.0, name);
+    }
+    task.abort();
 }

@@ -404,6 +404,23 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     // Metrics from the running daemon, parsed.
     let (status, metrics) = http_get(&node, "127.0.0.1:10249", "/metrics");
     assert_eq!(status, 200);
+    // kube-proxy's SLIs: the echo Service and its two slices, then the extra Service added,
+    // changed and removed (Node changes are neither); the probes answered above.
+    let kp = |s: &str| sample(&metrics, s).unwrap_or_else(|| panic!("no {s} in {metrics}"));
+    assert_eq!(kp("kubeproxy_sync_proxy_rules_service_changes_total"), 4.0);
+    assert_eq!(kp("kubeproxy_sync_proxy_rules_endpoint_changes_total"), 2.0);
+    assert_eq!(
+        kp("kubeproxy_sync_proxy_rules_service_changes_pending"),
+        0.0
+    );
+    assert!(kp("kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"}") >= 7.0);
+    assert!(kp("kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}") > 1e9);
+    assert!(kp("kubeproxy_proxy_healthz_total{code=\"200\"}") >= 2.0);
+    assert!(kp("kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1.0);
+    assert_eq!(
+        http_get(&node, "127.0.0.1:10249", "/proxyMode"),
+        (200, "ebpf".to_string())
+    );
     assert!(
         sample(&metrics, "lb_syncs_total{result=\"ok\"}").unwrap() >= 4.0,
         "{metrics}"

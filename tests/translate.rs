@@ -1554,3 +1554,55 @@ fn node_is_eligible_unless_being_deleted_or_tainted_for_deletion() {
         "apiVersion: v1\nkind: Node\nmetadata: {name: n, deletionTimestamp: '2026-12-01T00:00:00Z', finalizers: [f]}\n"
     ))));
 }
+
+/// kube-proxy's `sync_proxy_rules_no_local_endpoints_total`: service ports with a Local policy
+/// whose endpoints are all on other nodes, per policy and family; a service without any
+/// endpoint is not counted (it rejects instead).
+#[test]
+fn service_ports_without_local_endpoints_are_counted_per_policy_and_family() {
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: internal, namespace: ns}
+spec:
+  clusterIP: 198.19.3.1
+  internalTrafficPolicy: Local
+  ports: [{name: a, port: 80}, {name: b, port: 81}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: external, namespace: ns}
+spec:
+  type: NodePort
+  clusterIP: 2001:db8:ffff::3
+  externalTrafficPolicy: Local
+  ports: [{name: a, port: 80, nodePort: 30080}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: ns}
+spec:
+  clusterIP: 198.19.3.2
+  internalTrafficPolicy: Local
+  ports: [{name: a, port: 80}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: internal-1, namespace: ns, labels: {kubernetes.io/service-name: internal}}
+addressType: IPv4
+ports: [{name: a, port: 8080}, {name: b, port: 8081}]
+endpoints:
+  - {addresses: [198.18.3.1], nodeName: elsewhere}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: external-1, namespace: ns, labels: {kubernetes.io/service-name: external}}
+addressType: IPv6
+ports: [{name: a, port: 8080}]
+endpoints:
+  - {addresses: [\"2001:db8::3:1\"], nodeName: elsewhere}
+",
+    );
+    assert_eq!(t.no_local_endpoints.internal, [2, 0], "two IPv4 ports");
+    assert_eq!(t.no_local_endpoints.external, [0, 1], "one IPv6 port");
+}

@@ -26,6 +26,9 @@
 //! | `lb_watch_errors_total` | counter | `kind` = `services` \| `endpointslices` \| `node` |
 //! | `lb_watch_relists_total` | counter | `kind` (full relists after the first list: 410 Gone, watcher reset) |
 //!
+//! kube-proxy's own SLIs are served too, under kube-proxy's names ([`kubeproxy`]), and
+//! `/proxyMode` on the metrics port answers `ebpf`, as kube-proxy's answers its mode.
+//!
 //! The datapath and conntrack series are read from the BPF maps at scrape time, and only once
 //! the maps have been handed over ([`Metrics::set_datapath_counters`],
 //! [`Metrics::set_conntrack_maps`]); a map that cannot be read leaves its series out of that
@@ -93,6 +96,11 @@ use prometheus_client::{
 
 use crate::datapath::maps::{count_keys, read_counter};
 
+pub mod kubeproxy;
+
+/// What `/proxyMode` answers (kube-proxy answers `iptables`, `ipvs` or `nftables`).
+pub const PROXY_MODE: &str = "ebpf";
+
 /// How long a source change may wait to be applied before `/healthz` reports unhealthy
 /// (kube-proxy's `--healthz-bind-address` server uses twice its 30 s sync period).
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(60);
@@ -142,6 +150,7 @@ pub struct Metrics {
     apiserver_last_contact: Gauge<f64, std::sync::atomic::AtomicU64>,
     watch_errors: Family<KindLabels, Counter>,
     watch_relists: Family<KindLabels, Counter>,
+    kube_proxy: kubeproxy::KubeProxyMetrics,
     bpf: Arc<BpfCollector>,
     health: Mutex<Health>,
 }
@@ -284,6 +293,7 @@ impl Metrics {
             "Full relists after the first list (410 Gone, watcher reset), by kind",
             watch_relists.clone(),
         );
+        let kube_proxy = kubeproxy::KubeProxyMetrics::register(&mut registry);
         let bpf = Arc::new(BpfCollector::default());
         registry.register_collector(Box::new(Arc::clone(&bpf)));
         Arc::new(Metrics {
@@ -305,6 +315,7 @@ impl Metrics {
             apiserver_last_contact,
             watch_errors,
             watch_relists,
+            kube_proxy,
             bpf,
             health: Mutex::new(Health::default()),
         })
@@ -315,10 +326,16 @@ impl Metrics {
         self.sync_duration.observe(d.as_secs_f64());
         let result = if ok { "ok" } else { "error" };
         self.syncs.get_or_create(&ResultLabels { result }).inc();
+        self.kube_proxy.observe_sync(d);
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         self.last_sync.set(now.as_secs_f64());
+    }
+
+    /// kube-proxy's SLIs (change counts, network programming latency, local endpoints).
+    pub fn kube_proxy(&self) -> &kubeproxy::KubeProxyMetrics {
+        &self.kube_proxy
     }
 
     /// Latency from a source event (watch event / file change) to the map write that applied it.
@@ -576,7 +593,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// `t` as RFC 3339 in UTC with millisecond precision, e.g. `2024-05-01T12:00:00.123Z`.
-fn rfc3339(t: SystemTime) -> String {
+pub fn rfc3339(t: SystemTime) -> String {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs();
     let (days, rem) = (secs / 86_400, secs % 86_400);
@@ -725,6 +742,7 @@ pub async fn serve(
 ) -> anyhow::Result<(SocketAddr, SocketAddr, tokio::task::JoinHandle<()>)> {
     let metrics_app = Router::new()
         .route("/metrics", get(metrics_handler))
+        .route("/proxyMode", get(proxy_mode_handler))
         .with_state(Arc::clone(&metrics));
     let health_app = Router::new()
         .route("/healthz", get(healthz_handler))
@@ -776,6 +794,16 @@ async fn metrics_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoRespon
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body)
 }
 
+async fn proxy_mode_handler() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/plain; charset=utf-8"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        PROXY_MODE,
+    )
+}
+
 async fn healthz_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
     let (healthy, body) = metrics.healthz();
     let status = if healthy {
@@ -783,6 +811,9 @@ async fn healthz_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoRespon
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
+    metrics
+        .kube_proxy()
+        .healthz_answered(if healthy { "200" } else { "503" });
     (
         status,
         [
@@ -793,7 +824,8 @@ async fn healthz_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoRespon
     )
 }
 
-async fn livez_handler() -> impl IntoResponse {
+async fn livez_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
+    metrics.kube_proxy().livez_answered("200");
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], "ok")
 }
 

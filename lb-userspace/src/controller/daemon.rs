@@ -19,7 +19,7 @@ use crate::{
         maps::LbMaps,
     },
     healthcheck::{self, HealthServers},
-    metrics::{self, Metrics},
+    metrics::{self, Metrics, kubeproxy::ChangeTracker},
     node_facts::{self, NodeFacts, NodeFactsArgs, host_ips},
     state_dir,
 };
@@ -149,6 +149,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut generation = 0u64;
     let mut facts: Option<NodeFacts> = None;
     let mut health_checks = HealthServers::new(metrics.clone());
+    let mut changes_tracker = ChangeTracker::new(std::time::SystemTime::now());
     loop {
         tokio::select! {
             changed = rx.changed() => {
@@ -157,6 +158,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 }
                 let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
                 metrics.mark_change_pending(snapshot.changed_at);
+                let changes = changes_tracker.observe(&snapshot);
+                metrics.kube_proxy().queued(&changes);
                 generation += 1;
                 // Before the first attach, like the maps: the first packet sees this node's facts.
                 let now = NodeFacts::resolve(&opts.node_facts, snapshot.node.as_deref(), host_ips);
@@ -167,6 +170,11 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 }
                 let base = node_base(&opts, facts.as_ref());
                 let synced = sync_node(&mut reconciler, &snapshot, &base, generation, &metrics);
+                metrics.kube_proxy().programmed(
+                    &changes,
+                    std::time::SystemTime::now(),
+                    &synced.no_local_endpoints,
+                );
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
                 }
@@ -266,6 +274,8 @@ fn attach(
 pub struct Synced {
     /// The desired state it applied.
     pub state: crate::model::DesiredState,
+    /// Service ports whose Local policy finds no endpoint on this node.
+    pub no_local_endpoints: translate::NoLocalEndpoints,
     /// What the reconciler wrote, and the services it could not program (logged already).
     pub report: ApplyReport,
 }
@@ -373,6 +383,7 @@ pub fn sync_node<M: LbMaps>(
     );
     Synced {
         state: translation.state,
+        no_local_endpoints: translation.no_local_endpoints,
         report,
     }
 }

@@ -183,6 +183,19 @@ pub enum Ignored {
 pub struct Translation {
     pub state: DesiredState,
     pub skipped: Vec<Skipped>,
+    /// Service ports with a Local traffic policy and endpoints, none of them on this node, per
+    /// IP family (0: IPv4): kube-proxy's `sync_proxy_rules_no_local_endpoints_total`.
+    pub no_local_endpoints: NoLocalEndpoints,
+}
+
+/// Service ports (per IP family, index 0 = IPv4) whose traffic of one policy is dropped on
+/// this node: the policy is Local, the service has endpoints, and none is on this node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoLocalEndpoints {
+    /// `internalTrafficPolicy: Local`.
+    pub internal: [usize; 2],
+    /// `externalTrafficPolicy: Local` of an externally reachable service.
+    pub external: [usize; 2],
 }
 
 fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
@@ -580,6 +593,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     node: &NodeInfo,
 ) -> Translation {
     let mut skipped = Vec::new();
+    let mut no_local = NoLocalEndpoints::default();
     let index = index_slices(slices, node, &mut skipped);
     let slice_ports = slice_port_names(slices);
     let mut state = DesiredState::default();
@@ -829,7 +843,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 // External frontends: external IPs, LoadBalancer IPs and NodePorts on this
                 // node's NodePort addresses, all with the external policy's endpoints.
                 let external = if external_local { &local } else { &cluster };
-                let has_endpoints = any_active(&cluster) || any_active(&local);
+                // kube-proxy's `hasAnyEndpoints`: a ready or serving terminating endpoint on
+                // any node, whichever policies the service uses.
+                let has_endpoints = eps.iter().any(|e| e.ready || (e.serving && e.terminating));
                 let mut flags = aff_flag;
                 if external_local {
                     flags |= svc_flags::EXT_LOCAL;
@@ -838,6 +854,11 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 // elsewhere (eTP=Local), and REJECTs only when it has none at all.
                 if external_local && !any_active(&local) && has_endpoints {
                     flags |= svc_flags::EMPTY_DROP;
+                }
+                if has_endpoints && !any_active(&local) {
+                    no_local.internal[family] += usize::from(internal_local);
+                    no_local.external[family] +=
+                        usize::from(external_local && policies.externally_accessible);
                 }
                 let node_port = node_port_number;
                 // A family's NodePorts belong to services of that family (kube-proxy runs one
@@ -911,5 +932,9 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             }
         }
     }
-    Translation { state, skipped }
+    Translation {
+        state,
+        skipped,
+        no_local_endpoints: no_local,
+    }
 }
