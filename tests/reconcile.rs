@@ -115,6 +115,11 @@ enum Op {
     DelClusterIp(String),
     PutSrcRange(u32, String),
     DelSrcRange(u32, String),
+    PutMaglev {
+        table: u32,
+        cell: u32,
+        id: u32,
+    },
 }
 
 /// The journal entry in the form the assertions match on.
@@ -142,6 +147,11 @@ fn op_of(m: &MapOp) -> Op {
         MapOp::DelClusterIp { addr } => Op::DelClusterIp(addr.to_string()),
         MapOp::PutSrcRange { rev_nat_id, cidr } => Op::PutSrcRange(*rev_nat_id, cidr.to_string()),
         MapOp::DelSrcRange { rev_nat_id, cidr } => Op::DelSrcRange(*rev_nat_id, cidr.to_string()),
+        MapOp::PutMaglev { table, cell, id } => Op::PutMaglev {
+            table: *table,
+            cell: *cell,
+            id: *id,
+        },
     }
 }
 

@@ -21,7 +21,9 @@
 //! record traced loads keep is written where the decision is made (a record travelling back
 //! up through the calls would cost each frame a copy of the 512-byte stack the chain shares).
 use aya_ebpf::helpers::bpf_get_prandom_u32;
-use lb_common::{TraceRecord, ct_flags, metrics, svc_flags, trace_ct, trace_verdict};
+use lb_common::{
+    TraceRecord, ct_flags, flow_hash, lb_alg, metrics, svc_flags, trace_ct, trace_verdict,
+};
 
 use crate::{
     af::{Af, CtHead, Endpoint, V4, V6},
@@ -245,12 +247,29 @@ fn lookup<A: Af>(p: &Packet<A::Addr>, origin: Origin, out: &mut Service<A::Addr>
     }
 }
 
-/// A backend for a new flow of `svc`, picked at random.
+/// A backend for a new flow `p` of `svc`: picked at random, or with Maglev by the flow's
+/// hash (`lb_common::flow_hash`, the same on every node).
 // A subprogram, like `parse_into`: the slot and backend lookups stay out of `new_flow`'s frame.
 #[inline(never)]
-fn choose<A: Af>(svc: &Service<A::Addr>, out: &mut Chosen<A::Addr>) -> Result<(), Unserved> {
-    // SAFETY: helper without arguments.
-    *out = select::choose::<A>(svc, || unsafe { bpf_get_prandom_u32() })?;
+fn choose<A: Af>(
+    p: &Packet<A::Addr>,
+    svc: &Service<A::Addr>,
+    out: &mut Chosen<A::Addr>,
+) -> Result<(), Unserved> {
+    *out = select::choose::<A>(svc, |alg| {
+        if alg == lb_alg::MAGLEV {
+            flow_hash(
+                p.saddr.as_ref(),
+                p.daddr.as_ref(),
+                p.sport,
+                p.dport,
+                p.proto,
+            )
+        } else {
+            // SAFETY: helper without arguments.
+            unsafe { bpf_get_prandom_u32() }
+        }
+    })?;
     Ok(())
 }
 
@@ -315,7 +334,7 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
     let s = scratch().ok_or(Error::Unparsed)?;
     // SAFETY: this CPU's scratch `chosen` area (see `handle`).
     let c = unsafe { &mut *(*s).chosen.as_mut_ptr().cast::<Chosen<A::Addr>>() };
-    match choose::<A>(svc, c) {
+    match choose::<A>(p, svc, c) {
         Ok(()) => {}
         // kube-proxy's no-endpoint-services: REJECT; a service with endpoints, none of them
         // here for external traffic, is DROPped.
@@ -339,6 +358,8 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
                 r.svc_flags = n.svc_flags;
                 r.backend_id = n.backend_id;
                 r.rev_nat_id = n.rev_nat_id;
+                r.lb_alg = n.lb_alg;
+                r.maglev_cell = n.maglev_cell;
             });
             return Ok(Decision { action, reason });
         }
@@ -412,6 +433,8 @@ fn trace_chosen<A>(r: &mut TraceRecord, c: &Chosen<A>) {
     r.svc_flags = c.svc_flags;
     r.backend_id = c.backend_id;
     r.rev_nat_id = c.rev_nat_id;
+    r.lb_alg = c.lb_alg;
+    r.maglev_cell = c.maglev_cell;
 }
 
 /// `snat_port` found no free NAT port.

@@ -7,7 +7,10 @@
 //! backend) is `NoBackend` for every hook: the caller counts it once and drops or denies.
 use lb_common::{SvcValue, lb_alg, scope, select_slot, svc_flags};
 
-use crate::af::{Af, Endpoint};
+use crate::{
+    af::{Af, Endpoint},
+    maglev,
+};
 
 /// Where a flow's client is, which decides the scope of a two-scope frontend.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -36,16 +39,21 @@ pub struct Chosen<A> {
     pub scope: u8,
     pub slot: u16,
     pub svc_flags: u16,
+    /// The master's `lb_alg`, and with `MAGLEV` the cell the backend came from (slot 0).
+    pub lb_alg: u8,
+    pub maglev_cell: u32,
 }
 
-/// A frontend nothing can serve. `slot` and `backend_id` are 0 unless a slot was chosen (it
-/// was then missing, or named the missing backend `backend_id`).
+/// A frontend nothing can serve. `slot` and `backend_id` are 0 unless a slot (or Maglev cell)
+/// was chosen (it was then missing or empty, or named the missing backend `backend_id`).
 pub struct Unserved {
     pub rev_nat_id: u32,
     pub scope: u8,
     pub slot: u16,
     pub backend_id: u32,
     pub svc_flags: u16,
+    pub lb_alg: u8,
+    pub maglev_cell: u32,
 }
 
 pub enum Selected<A> {
@@ -80,44 +88,55 @@ pub fn lookup<A: Af>(
     })
 }
 
-/// Chooses a backend of `svc`. `input` supplies the random number or hash the slot is picked
-/// with; it is called only when there is a slot to pick.
+/// Chooses a backend of `svc`. `input` supplies the random number or hash the slot (or
+/// Maglev cell) is picked with, given the master's `lb_alg`; it is called only when there is
+/// something to pick.
 #[inline(always)]
 pub fn choose<A: Af>(
     svc: &Service<A::Addr>,
-    input: impl FnOnce() -> u32,
+    input: impl FnOnce(u8) -> u32,
 ) -> Result<Chosen<A::Addr>, Unserved> {
     let (m, scope) = (&svc.master, svc.scope);
-    let no_backend = |slot, backend_id| Unserved {
+    let no_backend = |slot, backend_id, maglev_cell| Unserved {
         rev_nat_id: m.rev_nat_id,
         scope,
         slot,
         backend_id,
         svc_flags: m.flags,
+        lb_alg: m.lb_alg,
+        maglev_cell,
     };
     if m.count == 0 {
-        return Err(no_backend(0, 0));
+        return Err(no_backend(0, 0, 0));
     }
-    let slot = match m.lb_alg {
-        lb_alg::RANDOM => select_slot(input(), m.count),
-        // Maglev's per-frontend lookup table comes here (`input` then a 5-tuple hash); until
-        // it exists every algorithm picks uniformly, as lb always has.
-        _ => select_slot(input(), m.count),
+    // Maglev: the master's `backend_id` is its table; the cell names the backend directly.
+    let (slot, backend_id, maglev_cell) = if m.lb_alg == lb_alg::MAGLEV {
+        let (cell, id) = maglev::lookup(m.backend_id, input(lb_alg::MAGLEV));
+        if id == 0 {
+            return Err(no_backend(0, 0, cell));
+        }
+        (0, id, cell)
+    } else {
+        // Random, and any algorithm this datapath does not know.
+        let slot = select_slot(input(lb_alg::RANDOM), m.count);
+        let (addr, port) = (svc.frontend.addr, svc.frontend.port);
+        let Some(entry) = A::service(addr, port, svc.proto, slot, scope) else {
+            return Err(no_backend(slot, 0, 0));
+        };
+        (slot, entry.backend_id, 0)
     };
-    let (addr, port) = (svc.frontend.addr, svc.frontend.port);
-    let Some(entry) = A::service(addr, port, svc.proto, slot, scope) else {
-        return Err(no_backend(slot, 0));
-    };
-    let Some(backend) = A::backend(entry.backend_id) else {
-        return Err(no_backend(slot, entry.backend_id));
+    let Some(backend) = A::backend(backend_id) else {
+        return Err(no_backend(slot, backend_id, maglev_cell));
     };
     Ok(Chosen {
         backend,
-        backend_id: entry.backend_id,
+        backend_id,
         rev_nat_id: m.rev_nat_id,
         scope,
         slot,
         svc_flags: m.flags,
+        lb_alg: m.lb_alg,
+        maglev_cell,
     })
 }
 
@@ -130,7 +149,7 @@ pub fn select<A: Af>(
     frontend: Endpoint<A::Addr>,
     proto: u8,
     origin: Origin,
-    input: impl FnOnce() -> u32,
+    input: impl FnOnce(u8) -> u32,
 ) -> Selected<A::Addr> {
     match lookup::<A>(frontend, proto, origin) {
         None => Selected::NotAService,

@@ -10,7 +10,7 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64};
+use lb_common::{IPPROTO_TCP, IPPROTO_UDP, lb_alg, metrics, mix64};
 
 use crate::{
     af::{Af, Endpoint, V4, V6},
@@ -45,7 +45,7 @@ fn refuse() -> i32 {
 /// How a translation picks its backend.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Pick {
-    /// connect(): a random backend, once per socket.
+    /// connect(): a random backend, once per socket (Maglev frontends: as `SocketHash`).
     Random,
     /// Unconnected sendmsg(): a hash of the socket cookie, so every datagram a socket sends
     /// to a frontend reaches the same backend while the backend set is unchanged.
@@ -132,13 +132,14 @@ fn balance<A: Af>(
     // Fetched only once there is a slot to pick: a cookie is allocated on first use, and most
     // connect() calls are not to a frontend.
     let mut cookie = 0;
-    let selected = select::<A>(frontend, proto, Origin::Cluster, || {
+    let selected = select::<A>(frontend, proto, Origin::Cluster, |alg| {
         // SAFETY: the helpers accept any sock_addr context.
         cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
         match pick {
             // SAFETY: helper without arguments.
-            Pick::Random => unsafe { bpf_get_prandom_u32() },
-            Pick::SocketHash => mix64(cookie),
+            Pick::Random if alg == lb_alg::RANDOM => unsafe { bpf_get_prandom_u32() },
+            // Maglev hashes the socket's flow at connect() too: the cookie is the flow.
+            _ => mix64(cookie),
         }
     });
     // `Backend` implies the closure ran, so `cookie` is set.

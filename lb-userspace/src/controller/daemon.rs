@@ -64,6 +64,8 @@ pub struct RunOptions {
     pub node_facts: NodeFactsArgs,
     /// `timeoutSeconds` of the Kubernetes watches (`--watch-timeout`).
     pub watch_timeout: std::time::Duration,
+    /// `--lb-algorithm`, `--maglev-table-size`, `--bpf-maglev-tables`.
+    pub algorithm: crate::cli::AlgorithmArgs,
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -84,6 +86,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         no_set_retval: false,
         // A restart (or upgrade) must not leave a moment without programs: see `links`.
         persist_links: true,
+        maglev_table_size: opts.algorithm.maglev_table_size,
+        maglev_tables: opts.algorithm.tables(),
     })?;
     // Before anything attaches: the pinned tries may hold an earlier run's ranges.
     let service_cidrs: Vec<(std::net::IpAddr, u8)> = opts
@@ -198,6 +202,7 @@ fn node_base(opts: &RunOptions, facts: Option<&NodeFacts>) -> NodeInfo {
     NodeInfo {
         name: opts.node_name.clone(),
         zone: None,
+        lb_algorithm: opts.algorithm.lb_algorithm,
         nodeport_ips: facts.map_or_else(Vec::new, |f| f.nodeport_addresses.clone()),
         local_ips: node_facts::host_addrs()
             .into_iter()
@@ -343,6 +348,17 @@ pub fn sync_node<M: LbMaps>(
             metrics.inc_map_full(map);
         }
     }
+    for e in &report.fallbacks {
+        tracing::warn!(
+            frontend = %e.frontend,
+            service = %e.service,
+            error = %e.error,
+            "Maglev service falls back to random selection"
+        );
+        if let Some(map) = e.full_map {
+            metrics.inc_map_full(map);
+        }
+    }
     metrics.set_unprogrammed(report.errors.len() as u64);
     let ok = report.errors.is_empty();
     let applied_services = translation.state.services.len();
@@ -354,6 +370,12 @@ pub fn sync_node<M: LbMaps>(
     for (map, used, capacity) in reconciler.usage() {
         metrics.set_map_entries(map, used as u64, u64::from(capacity));
     }
+    let (tables, capacity) = reconciler.maglev_usage();
+    metrics.set_map_entries(
+        lb_common::map_names::MAGLEV,
+        tables as u64,
+        u64::from(capacity),
+    );
     metrics.mark_synced();
     tracing::debug!(
         generation,

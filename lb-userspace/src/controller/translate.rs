@@ -29,8 +29,13 @@ use k8s_openapi::api::{
 use lb_common::svc_flags;
 
 use crate::model::{
-    Backend, Cidr, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry, ServicePortName,
+    Backend, Cidr, DesiredState, Frontend, L4Addr, LbAlgorithm, Proto, Scope, ServiceEntry,
+    ServicePortName,
 };
+
+/// Annotation choosing a Service's load-balancing algorithm (`random` or `maglev`), overriding
+/// the node default (`--lb-algorithm`).
+pub const ANNOTATION_LB_ALGORITHM: &str = "lb.io/lb-algorithm";
 
 /// Label naming the service an EndpointSlice belongs to.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -53,6 +58,9 @@ pub struct NodeInfo {
     /// This node's own addresses: an external or LoadBalancer IP among them is a local
     /// frontend (`svc_flags::LOCAL_ADDR`), like a NodePort.
     pub local_ips: Vec<IpAddr>,
+    /// The algorithm of Services without the `lb.io/lb-algorithm` annotation
+    /// (`--lb-algorithm`).
+    pub lb_algorithm: LbAlgorithm,
 }
 
 impl NodeInfo {
@@ -111,6 +119,9 @@ pub enum SkipReason {
     /// ports: it is programmed without endpoints (typically the slices were written with the
     /// `targetPort`'s name instead of the service port's).
     UnmatchedPort,
+    /// An annotation lb reads has a value it does not know; the node default is used instead
+    /// (the Service is programmed).
+    InvalidAnnotation,
 }
 
 /// The API server's cap on endpoints per EndpointSlice (`maxEndpoints` in its validation).
@@ -133,6 +144,7 @@ impl SkipReason {
             SkipReason::DuplicatePortName => "duplicate_port_name",
             SkipReason::TooManyEndpoints => "too_many_endpoints",
             SkipReason::UnmatchedPort => "unmatched_port",
+            SkipReason::InvalidAnnotation => "invalid_annotation",
         }
     }
 }
@@ -584,6 +596,24 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
+        let algorithm = match svc
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_LB_ALGORITHM))
+        {
+            None => node.lb_algorithm,
+            Some(v) => LbAlgorithm::parse(v).unwrap_or_else(|| {
+                skipped.push(skip(
+                    SkipReason::InvalidAnnotation,
+                    format!(
+                        "annotation {ANNOTATION_LB_ALGORITHM} {v:?} is not random or maglev;                          using the node default {}",
+                        node.lb_algorithm.as_str()
+                    ),
+                ));
+                node.lb_algorithm
+            }),
+        };
 
         let parse_ips = |what: &str, list: Vec<&str>, skipped: &mut Vec<Skipped>| -> Vec<IpAddr> {
             let mut ips = Vec::new();
@@ -761,6 +791,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                             name: svc_name.clone(),
                             flags: flags | svc_flags::CLUSTER_IP,
                             backends: backends(internal),
+                            algorithm,
                             ..ServiceEntry::default()
                         },
                     );
@@ -825,6 +856,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                 flags: fe_flags,
                                 backends: backends(external),
                                 source_ranges: ranges.clone(),
+                                algorithm,
                             },
                         );
                         if two_scopes {
@@ -842,6 +874,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                     flags: fe_flags & !svc_flags::EMPTY_DROP,
                                     backends: backends(&cluster),
                                     source_ranges: ranges,
+                                    algorithm,
                                 },
                             );
                         }
