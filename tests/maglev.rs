@@ -2,7 +2,8 @@
 //! and written by the real reconciler. 10,000+ distinct flows meet a Maglev service of 10
 //! backends; after one backend is removed (the table rewritten in place) and conntrack cleared,
 //! the same flows come again: about 1/N of them may move, and next to none that were not on
-//! the removed backend. A random service moves about (N-1)/N for contrast. Needs root.
+//! the removed backend. A random service moves about (N-1)/N for contrast. The datapath tests
+//! need root; the reconciler's (`mod reconcile`) run against in-memory maps.
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr},
@@ -283,4 +284,295 @@ fn maglev_picks_the_same_backend_on_every_node() {
         Some(want),
         "cell {cell} names the backend the datapath chose"
     );
+}
+
+#[test]
+fn pinned_maglev_tables_of_another_shape_are_refused_and_reused_when_equal() {
+    /// Removes the pins even when an assertion fails.
+    struct PinDir(std::path::PathBuf);
+    impl Drop for PinDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let dir =
+        std::path::PathBuf::from(format!("/sys/fs/bpf/lb-test-maglev-{}", std::process::id()));
+    let _cleanup = PinDir(dir.clone());
+    let opts = |m: u32, tables: u32| LoadOptions {
+        pin_dir: Some(dir.clone()),
+        maglev_table_size: m,
+        maglev_tables: tables,
+        ..LoadOptions::default()
+    };
+    // A first lb programs a Maglev service into the pins.
+    {
+        let mut dp = Datapath::load(&opts(251, 509)).expect("first load pins");
+        let mut rec = Reconciler::new(dp.take_lb_maps().unwrap()).unwrap();
+        let r = rec.apply(&desired(None));
+        assert!(r.errors.is_empty() && r.fallbacks.is_empty(), "{r:?}");
+    }
+    // The same number of cells laid out with another M would be read at the wrong offsets.
+    let err = Datapath::load(&opts(509, 251))
+        .err()
+        .expect("other M refused");
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("251 cells each") && msg.contains("--maglev-table-size 251"),
+        "{msg}"
+    );
+    let err = Datapath::load(&opts(251, 16))
+        .err()
+        .expect("other table count refused");
+    assert!(format!("{err:#}").contains("Maglev cells"), "{err:#}");
+    // The same shape is reused: a restart rebuilds nothing and writes nothing.
+    let mut dp = Datapath::load(&opts(251, 509)).expect("same shape reused");
+    let mut rec = Reconciler::new(dp.take_lb_maps().unwrap()).unwrap();
+    let r = rec.apply(&desired(None));
+    assert!(r.errors.is_empty() && r.fallbacks.is_empty(), "{r:?}");
+    assert_eq!(r.writes, 0, "a restart rewrote {} entries", r.writes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reconciler's Maglev writes, against the in-memory maps' journal (no root needed).
+
+mod reconcile {
+    use std::collections::BTreeMap;
+
+    use lb::{
+        controller::reconcile::Reconciler,
+        datapath::maps::{Dump, MapOp, MemMaps, maglev_table_of},
+        model::{DesiredState, Frontend, LbAlgorithm, Proto},
+    };
+    use lb_common::{SvcValue, lb_alg};
+
+    use super::{backends, entry};
+
+    fn fe(n: u8) -> Frontend {
+        Frontend::new(
+            std::net::Ipv4Addr::new(198, 19, 6, n).into(),
+            80,
+            Proto::Udp,
+        )
+    }
+
+    /// Replays `ops` onto `dump`, checking after each that every Maglev master's table is whole:
+    /// every cell names a backend that exists (what a packet can meet).
+    fn replay_checked(mut dump: Dump, ops: &[MapOp], m: usize) -> Dump {
+        let check = |d: &Dump, after: &MapOp| {
+            for ((f, slot), v) in &d.services {
+                let Some(t) = maglev_table_of(v).filter(|_| *slot == 0 && v.count > 0) else {
+                    continue;
+                };
+                let cells = d
+                    .maglev
+                    .get(&t)
+                    .unwrap_or_else(|| panic!("{f}: table {t} missing"));
+                assert_eq!(cells.len(), m);
+                for (c, id) in cells.iter().enumerate() {
+                    assert!(
+                        d.backends.contains_key(id),
+                        "after `{after}`: {f} table {t} cell {c} names missing backend {id}"
+                    );
+                }
+            }
+        };
+        for op in ops {
+            match op {
+                MapOp::PutBackend { id, backend } => {
+                    dump.backends.insert(*id, *backend);
+                }
+                MapOp::DelBackend { id } => {
+                    dump.backends.remove(id);
+                }
+                MapOp::PutService {
+                    frontend,
+                    slot,
+                    value,
+                } => {
+                    dump.services.insert((*frontend, *slot), *value);
+                }
+                MapOp::DelService { frontend, slot } => {
+                    dump.services.remove(&(*frontend, *slot));
+                }
+                MapOp::PutMaglev { table, cell, id } => {
+                    dump.maglev.entry(*table).or_insert_with(|| vec![0; m])[*cell as usize] = *id;
+                }
+                _ => {}
+            }
+            check(&dump, op);
+        }
+        dump
+    }
+
+    fn state(services: &[(u8, LbAlgorithm, Vec<lb::model::Backend>)]) -> DesiredState {
+        let mut d = DesiredState::default();
+        for (n, alg, b) in services {
+            d.services.insert(fe(*n), entry("s", *alg, b.clone()));
+        }
+        d
+    }
+
+    fn master(rec: &Reconciler<MemMaps>, n: u8) -> SvcValue {
+        rec.maps().dump.services[&(fe(n), 0)]
+    }
+
+    #[test]
+    fn tables_are_written_before_their_master_and_always_whole() {
+        use LbAlgorithm::{Maglev, Random};
+        let maps = MemMaps::with_capacity(1024);
+        let m = maps.maglev_geometry.table_size as usize;
+        let mut rec = Reconciler::new(maps).unwrap();
+        let steps = [
+            // A new Maglev service and a random one.
+            state(&[
+                (1, Maglev, backends(5, None)),
+                (2, Random, backends(3, None)),
+            ]),
+            // One backend goes, two come: the table is rewritten in place.
+            state(&[
+                (
+                    1,
+                    Maglev,
+                    [backends(4, None), backends(7, None)[5..].to_vec()].concat(),
+                ),
+                (2, Random, backends(3, None)),
+            ]),
+            // Random now: the table is freed after the master stops naming it.
+            state(&[
+                (1, Random, backends(4, None)),
+                (2, Random, backends(3, None)),
+            ]),
+            // Both Maglev: the freed index is reused, written before a master names it.
+            state(&[
+                (1, Maglev, backends(2, None)),
+                (2, Maglev, backends(3, None)),
+            ]),
+            // Gone.
+            state(&[(2, Maglev, backends(3, None))]),
+        ];
+        let mut tables_seen = Vec::new();
+        for (i, d) in steps.iter().enumerate() {
+            let before = rec.maps().dump.clone();
+            let from = rec.maps().journal.len();
+            let r = rec.apply(d);
+            assert!(
+                r.errors.is_empty() && r.fallbacks.is_empty(),
+                "step {i}: {r:?}"
+            );
+            let ops = rec.maps().journal[from..].to_vec();
+            let replayed = replay_checked(before, &ops, m);
+            assert_eq!(replayed.services, rec.maps().dump.services, "step {i}");
+            // The cells go before the master that names their table.
+            for f in d.services.keys() {
+                let Some(t) = maglev_table_of(&rec.maps().dump.services[&(*f, 0)]) else {
+                    continue;
+                };
+                let last_cell = ops
+                    .iter()
+                    .rposition(|o| matches!(o, MapOp::PutMaglev { table, .. } if *table == t));
+                let master_put = ops.iter().position(
+                    |o| matches!(o, MapOp::PutService { frontend, slot: 0, .. } if frontend == f),
+                );
+                if let (Some(c), Some(p)) = (last_cell, master_put) {
+                    assert!(c < p, "step {i}: {f}: a cell of table {t} after the master");
+                }
+            }
+            tables_seen.push(
+                d.services
+                    .keys()
+                    .map(|f| {
+                        (
+                            f.l4.addr,
+                            maglev_table_of(&rec.maps().dump.services[&(*f, 0)]),
+                        )
+                    })
+                    .collect::<BTreeMap<_, _>>(),
+            );
+            // Unchanged input: nothing written, nothing rebuilt.
+            let again = rec.apply(d);
+            assert_eq!((again.writes, again.deletes), (0, 0), "step {i} again");
+        }
+        assert_eq!(master(&rec, 2).lb_alg, lb_alg::MAGLEV);
+        // Step 1 rewrote table 0 in place; step 3 reused the freed index for service 1.
+        assert_eq!(tables_seen[0][&fe(1).l4.addr], Some(0));
+        assert_eq!(tables_seen[1][&fe(1).l4.addr], Some(0));
+        assert_eq!(tables_seen[2][&fe(1).l4.addr], None);
+        assert_eq!(tables_seen[3][&fe(1).l4.addr], Some(0));
+        assert_eq!(tables_seen[3][&fe(2).l4.addr], Some(1));
+        // No backend is left that nothing names.
+        let dump = &rec.maps().dump;
+        assert_eq!(dump.backends.len(), 3, "{:?}", dump.backends);
+    }
+
+    #[test]
+    fn no_free_table_falls_back_to_random_and_is_reported() {
+        let maps = MemMaps::with_capacity(1024);
+        let tables = maps.maglev_geometry.tables;
+        let mut rec = Reconciler::new(maps).unwrap();
+        let all: Vec<_> = (1..=tables as u8 + 1)
+            .map(|n| (n, LbAlgorithm::Maglev, backends(3, None)))
+            .collect();
+        let r = rec.apply(&state(&all));
+        assert!(r.errors.is_empty(), "{r:?}");
+        assert_eq!(r.fallbacks.len(), 1, "{r:?}");
+        let fb = &r.fallbacks[0];
+        assert_eq!(fb.full_map, Some(lb_common::map_names::MAGLEV));
+        assert!(fb.error.contains("random"), "{}", fb.error);
+        let last = tables as u8 + 1;
+        assert_eq!(fb.frontend, fe(last));
+        assert_eq!(master(&rec, last).lb_alg, lb_alg::RANDOM);
+        assert_eq!(master(&rec, last).backend_id, 0);
+        assert_eq!(rec.maglev_usage(), (tables as usize, tables));
+        // Once a table is free, the service gets it.
+        let r = rec.apply(&state(&all[1..]));
+        assert!(r.fallbacks.is_empty(), "{r:?}");
+        assert_eq!(master(&rec, last).lb_alg, lb_alg::MAGLEV);
+        assert_eq!(maglev_table_of(&master(&rec, last)), Some(0));
+    }
+
+    #[test]
+    fn a_restart_reuses_the_tables_it_finds() {
+        let maps = MemMaps::with_capacity(1024);
+        let mut rec = Reconciler::new(maps).unwrap();
+        let d = state(&[
+            (1, LbAlgorithm::Maglev, backends(4, None)),
+            (2, LbAlgorithm::Maglev, backends(6, None)),
+        ]);
+        rec.apply(&d);
+        let mut maps = rec.maps().clone();
+        maps.journal.clear();
+        let mut restarted = Reconciler::new(maps).unwrap();
+        let r = restarted.apply(&d);
+        assert_eq!(
+            (r.writes, r.deletes),
+            (0, 0),
+            "{:?}",
+            restarted.maps().journal
+        );
+        // A table whose cells were lost (lb_maglev removed by hand) is rewritten in place.
+        let mut maps = rec.maps().clone();
+        let t = maglev_table_of(&maps.dump.services[&(fe(2), 0)]).unwrap();
+        maps.dump
+            .maglev
+            .insert(t, vec![0; maps.maglev_geometry.table_size as usize]);
+        maps.journal.clear();
+        let mut restarted = Reconciler::new(maps).unwrap();
+        restarted.apply(&d);
+        let m = restarted.maps().maglev_geometry.table_size as usize;
+        let journal = &restarted.maps().journal;
+        let cells = journal
+            .iter()
+            .filter(|o| matches!(o, MapOp::PutMaglev { table, id, .. } if *table == t && *id != 0))
+            .count();
+        assert_eq!(cells, m, "every cell rewritten: {journal:?}");
+        // Besides the cells, only its master is rewritten (unchanged), after them.
+        let others: Vec<_> = journal
+            .iter()
+            .filter(|o| !matches!(o, MapOp::PutMaglev { .. }))
+            .collect();
+        assert!(
+            matches!(others.as_slice(), [MapOp::PutService { frontend, slot: 0, .. }] if *frontend == fe(2)),
+            "{others:?}"
+        );
+    }
 }

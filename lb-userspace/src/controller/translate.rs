@@ -607,7 +607,8 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 skipped.push(skip(
                     SkipReason::InvalidAnnotation,
                     format!(
-                        "annotation {ANNOTATION_LB_ALGORITHM} {v:?} is not random or maglev;                          using the node default {}",
+                        "annotation {ANNOTATION_LB_ALGORITHM} {v:?} is not random or maglev; \
+                         using the node default {}",
                         node.lb_algorithm.as_str()
                     ),
                 ));

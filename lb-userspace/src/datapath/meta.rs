@@ -113,7 +113,9 @@ pub fn check_maglev(dir: &Path, meta: Option<&PinMeta>, want: u32) -> anyhow::Re
         return Ok(());
     }
     bail!(
-        "the Maglev tables pinned at {} have {found} cells each, this lb is configured for          {want} (--maglev-table-size): run with --maglev-table-size {found}, or stop lb and          remove {} so the tables are rebuilt (services keep their backends; new pins mean          established tc-path connections lose their state)",
+        "the Maglev tables pinned at {} have {found} cells each, this lb is configured for \
+         {want} (--maglev-table-size): run with --maglev-table-size {found}, or stop lb and \
+         remove {} (lb rebuilds every table before its programs attach; other pins stay)",
         dir.join(map_names::MAGLEV).display(),
         dir.join(map_names::MAGLEV).display()
     )
