@@ -156,7 +156,7 @@ pub struct AlgorithmArgs {
     pub maglev_table_size: u32,
     /// Maglev tables in lb_maglev, one per Maglev frontend (and scope); each costs M × 8
     /// bytes (128 KiB at the default M). Frontends beyond it fall back to random
-    /// [default: 256 with --lb-algorithm maglev, else 16].
+    /// [default: what the pinned lb_maglev holds, else 256 with --lb-algorithm maglev, else 16].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub bpf_maglev_tables: Option<u32>,
 }

@@ -78,6 +78,14 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         tracing::info!(metrics = %m, healthz = %h, "serving metrics and health");
     }
 
+    let maglev_tables = match opts.algorithm.bpf_maglev_tables {
+        Some(n) => n,
+        None => crate::datapath::load::pinned_maglev_tables(
+            &opts.pin_dir,
+            opts.algorithm.maglev_table_size,
+        )
+        .unwrap_or_else(|| opts.algorithm.tables()),
+    };
     let mut datapath = Datapath::load(&LoadOptions {
         pin_dir: Some(opts.pin_dir.clone()),
         only_pinned: None,
@@ -87,7 +95,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         // A restart (or upgrade) must not leave a moment without programs: see `links`.
         persist_links: true,
         maglev_table_size: opts.algorithm.maglev_table_size,
-        maglev_tables: opts.algorithm.tables(),
+        maglev_tables,
     })?;
     // Before anything attaches: the pinned tries may hold an earlier run's ranges.
     let service_cidrs: Vec<(std::net::IpAddr, u8)> = opts

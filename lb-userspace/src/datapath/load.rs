@@ -872,6 +872,19 @@ fn prepare_pin_dir(dir: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("chmod 0700 {}", dir.display()))
 }
 
+/// The number of tables of the `lb_maglev` pinned in `dir`, if it was laid out with
+/// `table_size` cells per table: a restart without `--bpf-maglev-tables` keeps the pinned
+/// size (the default depends on `--lb-algorithm`, and a changed default must not refuse the
+/// pins).
+pub fn pinned_maglev_tables(dir: &Path, table_size: u32) -> Option<u32> {
+    let meta = super::meta::read(dir).ok().flatten()?;
+    if meta.maglev_table_size != table_size || table_size == 0 {
+        return None;
+    }
+    let info = MapInfo::from_pin(dir.join(map_names::MAGLEV)).ok()?;
+    (info.max_entries() % table_size == 0).then(|| info.max_entries() / table_size)
+}
+
 /// Refuses pinned maps whose layout this lb does not understand, rather than misreading them.
 fn check_pinned_maps(dir: &Path, opts: &LoadOptions) -> anyhow::Result<()> {
     for spec in &MAP_SPECS {
