@@ -312,7 +312,10 @@ fn pinned_maglev_tables_of_another_shape_are_refused_and_reused_when_equal() {
         assert!(r.errors.is_empty() && r.fallbacks.is_empty(), "{r:?}");
     }
     // Without --bpf-maglev-tables a restart keeps the pinned table count (same M only).
-    assert_eq!(lb::datapath::load::pinned_maglev_tables(&dir, 251), Some(509));
+    assert_eq!(
+        lb::datapath::load::pinned_maglev_tables(&dir, 251),
+        Some(509)
+    );
     assert_eq!(lb::datapath::load::pinned_maglev_tables(&dir, 509), None);
     // The same number of cells laid out with another M would be read at the wrong offsets.
     let err = Datapath::load(&opts(509, 251))
