@@ -161,6 +161,7 @@ fn programmed(model: &Model) -> (DesiredState, Option<NodeFactsArgs>) {
                 .iter()
                 .map(|(net, len)| format!("{net}/{len}").parse().expect("CIDR"))
                 .collect(),
+            ..ServiceEntry::default()
         };
         desired
             .services

@@ -17,7 +17,7 @@ use lb::{
     controller::reconcile::Reconciler,
     controller::translate::{NodeInfo, desired_state},
     datapath::maps::{MemMaps, render},
-    model::{BackendState, flag_names},
+    model::{BackendState, LbAlgorithm, flag_names},
 };
 
 const NODE: &str = "node-a";
@@ -86,9 +86,13 @@ fn run_case(case: &Path) -> Vec<(PathBuf, String)> {
         }
         let _ = writeln!(actual, "# desired");
         for (fe, entry) in &t.state.services {
+            let alg = match entry.algorithm {
+                LbAlgorithm::Maglev => " alg=maglev",
+                LbAlgorithm::Random => "",
+            };
             let _ = writeln!(
                 actual,
-                "{fe} {} flags={}",
+                "{fe} {} flags={}{alg}",
                 entry.name,
                 flag_names(entry.flags)
             );
@@ -104,7 +108,7 @@ fn run_case(case: &Path) -> Vec<(PathBuf, String)> {
             }
         }
         let _ = writeln!(actual, "# apply errors");
-        for e in &report.errors {
+        for e in report.errors.iter().chain(&report.fallbacks) {
             let _ = writeln!(actual, "{} {}: {}", e.frontend, e.service, e.error);
         }
         let _ = writeln!(actual, "# maps");

@@ -124,6 +124,8 @@ fn expected_services() -> Value {
             "flags": ["ClusterIP"],
             "count": 3,
             "qcount": 0,
+            "algorithm": "random",
+            "maglev_table": null,
             "backends": backends.iter().zip(1..).map(|(a, slot)| json!({
                 "slot": slot, "address": a, "protocol": proto, "state": "active",
             })).collect::<Vec<_>>(),
@@ -657,6 +659,7 @@ fn service_views_join_names_and_report_gaps() {
                 "type": "ExternalIP",
                 "service": {"namespace": "web", "name": "front", "port": "https"},
                 "flags": ["ClusterIP", "ExternalIP"], "count": 2, "qcount": 1,
+                "algorithm": "random", "maglev_table": null,
                 "backends": [
                     {"slot": 1, "id": 7, "address": "198.18.11.2:8443", "protocol": "TCP",
                      "state": "active"},
@@ -669,6 +672,7 @@ fn service_views_join_names_and_report_gaps() {
                 "id": 6, "frontend": "[2001:db8:ffff::20]:53/UDP", "scope": "external",
                 "type": "ClusterIP", "service": null, "flags": ["ClusterIP"],
                 "count": 0, "qcount": 0, "backends": [],
+                "algorithm": "random", "maglev_table": null,
             },
         ])
     );

@@ -313,3 +313,94 @@ fn full_maps_name_the_refused_service_and_keep_the_rest() {
     let status = lb.stop().unwrap();
     assert!(status.success(), "{status}");
 }
+
+/// Maglev tables are a map of their own: with `--lb-algorithm maglev` and room for the
+/// baseline's four frontends only, a fifth Maglev service is still programmed, with random
+/// selection, named in a log line and counted in `lb_map_full_total{map="lb_maglev"}`; it gets
+/// a table once one is free. The baseline answers through socket LB (cookie-hashed Maglev).
+#[test]
+fn full_maglev_tables_fall_back_to_random_and_are_reported() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let dir = Dir(std::env::temp_dir().join(format!("lb-test-maglev-full-{}", tb.id)));
+    fs::create_dir_all(&dir.0).unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+    for entry in fs::read_dir(examples).unwrap() {
+        let path = entry.unwrap().path();
+        fs::copy(&path, dir.0.join(path.file_name().unwrap())).unwrap();
+    }
+    let dir_arg = dir.0.display().to_string();
+    let cgroup = tb.cgroup.display().to_string();
+    let args = [
+        "--manifests",
+        &dir_arg,
+        "--cgroup-path",
+        &cgroup,
+        "--lb-algorithm",
+        "maglev",
+        "--maglev-table-size",
+        "251",
+        "--bpf-maglev-tables",
+        "4",
+    ];
+    let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    let node = tb.node_ns.clone();
+    let metrics = || http_get(&node, "127.0.0.1:10249", "/metrics");
+    let full = |m: &str| sample(m, "lb_map_full_total{map=\"lb_maglev\"}");
+    let tables = |d: &Dump| {
+        d.services
+            .iter()
+            .filter(|((_, slot), v)| *slot == 0 && v.lb_alg == lb_common::lb_alg::MAGLEV)
+            .map(|(_, v)| v.backend_id)
+            .collect::<BTreeSet<u32>>()
+    };
+    assert_eq!(tables(&dump(&lb)), BTreeSet::from([0, 1, 2, 3]));
+    assert_eq!(full(&metrics()), 0.0);
+    request_baseline(&mut tb);
+
+    dir.add("m.yaml", &service("m", "198.19.10.9", &[1, 2]));
+    let log = next_sync(&mut lb, "m");
+    let line = log
+        .iter()
+        .find(|l| l.contains("Maglev service falls back to random selection"))
+        .unwrap_or_else(|| panic!("no fallback line: {}", log.join("\n")));
+    assert!(
+        line.contains("service=pressure/m:http") && line.contains("lb_maglev"),
+        "{line}"
+    );
+    assert!(refused(&log).is_empty(), "{}", log.join("\n"));
+    let d = dump(&lb);
+    let m = d
+        .services
+        .iter()
+        .find(|((fe, slot), _)| *slot == 0 && fe.l4.addr.to_string() == "198.19.10.9")
+        .map(|(_, v)| *v)
+        .expect("m is programmed");
+    assert_eq!((m.lb_alg, m.count), (lb_common::lb_alg::RANDOM, 2));
+    let text = metrics();
+    assert!(full(&text) >= 1.0, "{text}");
+    assert_eq!(
+        sample(&text, "lb_map_entries{map=\"lb_maglev\"}"),
+        4.0,
+        "{text}"
+    );
+    assert_eq!(sample(&text, "lb_services_unprogrammed"), 0.0, "{text}");
+
+    // The demo service goes: its tables are freed, and m gets one.
+    for entry in fs::read_dir(&dir.0).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        if name.starts_with("echo-") {
+            dir.remove(&name);
+        }
+    }
+    lb.wait_for(
+        |l| l.contains(" synced") && l.contains("services=1 "),
+        "echo removed",
+    )
+    .unwrap();
+    let d = dump(&lb);
+    assert_eq!(tables(&d).len(), 1, "m has a table now");
+    let status = lb.stop().unwrap();
+    assert!(status.success(), "{status}");
+}

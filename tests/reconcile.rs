@@ -118,6 +118,11 @@ enum Op {
     /// (rev-NAT id, backend id)
     PutAffMatch(u32, u32),
     DelAffMatch(u32, u32),
+    PutMaglev {
+        table: u32,
+        cell: u32,
+        id: u32,
+    },
 }
 
 /// The journal entry in the form the assertions match on.
@@ -147,6 +152,11 @@ fn op_of(m: &MapOp) -> Op {
         MapOp::DelSrcRange { rev_nat_id, cidr } => Op::DelSrcRange(*rev_nat_id, cidr.to_string()),
         MapOp::PutAffMatch(m) => Op::PutAffMatch(m.rev_nat_id, m.backend_id),
         MapOp::DelAffMatch(m) => Op::DelAffMatch(m.rev_nat_id, m.backend_id),
+        MapOp::PutMaglev { table, cell, id } => Op::PutMaglev {
+            table: *table,
+            cell: *cell,
+            id: *id,
+        },
     }
 }
 

@@ -593,3 +593,92 @@ fn trace_shows_session_affinity() {
         "{text}"
     );
 }
+
+/// A Maglev frontend's trace names the cell the flow hashed to (lb-common's 5-tuple hash mod
+/// M, recomputed here) and the backend that cell holds; the same flows trace to the same
+/// backends in a second private copy; `--lb-algorithm maglev` makes unannotated services Maglev.
+#[test]
+fn trace_shows_the_maglev_cell() {
+    let dir = std::env::temp_dir().join(format!("lb-trace-maglev-{}", std::process::id()));
+    fs::create_dir_all(&dir).unwrap();
+    let svc = |name: &str, ip: &str, annotation: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: t{annotation}}}\nspec:\n  clusterIP: {ip}\n  ports: [{{name: h, protocol: TCP, port: 80, targetPort: 8080}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: t, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: h, protocol: TCP, port: 8080}}]\nendpoints:\n  - {{addresses: [198.18.11.2], conditions: {{ready: true}}}}\n  - {{addresses: [198.18.12.2], conditions: {{ready: true}}}}\n  - {{addresses: [198.18.13.2], conditions: {{ready: true}}}}\n---\n"
+        )
+    };
+    let manifests = svc(
+        "mag",
+        "198.19.3.1",
+        ", annotations: {lb.io/lb-algorithm: maglev}",
+    ) + &svc("plain", "198.19.3.2", "");
+    fs::write(dir.join("svc.yaml"), manifests).unwrap();
+    let d = dir.to_str().unwrap();
+    let run = |dst: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--manifests",
+            d,
+            "--src",
+            "198.18.10.2",
+            "--dst",
+            dst,
+            "--flows",
+            "20",
+            "--maglev-table-size",
+            "251",
+        ];
+        args.extend_from_slice(extra);
+        trace(&args)
+    };
+    let first = run("198.19.3.1:80", &[]);
+    let second = run("198.19.3.1:80", &[]);
+    let plain = run("198.19.3.2:80", &[]);
+    let plain_maglev = run("198.19.3.2:80", &["--lb-algorithm", "maglev"]);
+    let text = Command::new(LB)
+        .args(["trace", "--manifests", d, "--src", "198.18.10.2:40000"])
+        .args(["--dst", "198.19.3.1:80", "--maglev-table-size", "251"])
+        .output()
+        .unwrap();
+    let bad = Command::new(LB)
+        .args(["trace", "--manifests", d, "--src", "198.18.10.2"])
+        .args(["--dst", "198.19.3.1:80", "--maglev-table-size", "1000"])
+        .output()
+        .unwrap();
+    let _ = fs::remove_dir_all(&dir);
+
+    let mut backends = BTreeSet::new();
+    for (i, (r, again)) in first.iter().zip(&second).enumerate() {
+        let sport = 40_000 + i as u16;
+        assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["lb_algorithm"], "maglev", "{r}");
+        assert_eq!(r["maglev_table_size"], 251, "{r}");
+        assert!(r["slot"].is_null(), "no slot with Maglev: {r}");
+        let want = lb_common::flow_hash(&[198, 18, 10, 2], &[198, 19, 3, 1], sport, 80, 6) % 251;
+        assert_eq!(r["maglev_cell"], want, "flow {sport}: {r}");
+        assert_eq!(
+            r["backend"], again["backend"],
+            "flow {sport} is deterministic"
+        );
+        backends.insert(r["backend"].as_str().unwrap().to_string());
+    }
+    assert!(
+        backends.len() >= 2,
+        "20 flows over one backend: {backends:?}"
+    );
+    for r in &plain {
+        assert_eq!(r["lb_algorithm"], "random", "{r}");
+        assert!(r["maglev_cell"].is_null() && r["slot"].is_u64(), "{r}");
+    }
+    for r in &plain_maglev {
+        assert_eq!(r["lb_algorithm"], "maglev", "{r}");
+        assert!(r["maglev_cell"].is_u64(), "{r}");
+    }
+    let text = String::from_utf8_lossy(&text.stdout);
+    let cell = lb_common::flow_hash(&[198, 18, 10, 2], &[198, 19, 3, 1], 40_000, 80, 6) % 251;
+    assert!(
+        text.contains(&format!("maglev cell {cell} of 251")),
+        "{text}"
+    );
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("not an allowed Maglev table size"), "{err}");
+}

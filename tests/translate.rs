@@ -1606,3 +1606,85 @@ endpoints:
     assert_eq!(t.no_local_endpoints.internal, [2, 0], "two IPv4 ports");
     assert_eq!(t.no_local_endpoints.external, [0, 1], "one IPv6 port");
 }
+
+/// `--lb-algorithm` (the node default) and the `lb.io/lb-algorithm` annotation choose every
+/// frontend's algorithm, both scopes of a two-scope frontend alike; an unknown value is
+/// reported with the object's name and the node default used, the Service still programmed.
+#[test]
+fn lb_algorithm_comes_from_the_annotation_then_the_node_default() {
+    use lb::model::LbAlgorithm::{Maglev, Random};
+    let svc = |name: &str, ip: &str, annotation: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: t{annotation}}}\nspec:\n  type: LoadBalancer\n  externalTrafficPolicy: Local\n  clusterIP: {ip}\n  ports: [{{name: h, protocol: TCP, port: 80, targetPort: 8080}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: 198.19.9.{}}}]}}}}\n",
+            &ip[ip.len() - 1..]
+        )
+    };
+    let o = objects(&docs(&[
+        svc("plain", "198.19.8.1", ""),
+        svc(
+            "mag",
+            "198.19.8.2",
+            ", annotations: {lb.io/lb-algorithm: maglev}",
+        ),
+        svc(
+            "rnd",
+            "198.19.8.3",
+            ", annotations: {lb.io/lb-algorithm: random}",
+        ),
+        svc(
+            "bad",
+            "198.19.8.4",
+            ", annotations: {lb.io/lb-algorithm: Maglev}",
+        ),
+        slice_yaml("t", "plain-1", "plain", "h", 8080, &["198.18.8.1"]),
+        slice_yaml("t", "mag-1", "mag", "h", 8080, &["198.18.8.2"]),
+    ]));
+    let on = |default| {
+        let node = NodeInfo {
+            lb_algorithm: default,
+            ..NodeInfo::default()
+        };
+        desired_state(&o.services, &o.slices, &node)
+    };
+    for (default, want) in [
+        (Random, [Random, Maglev, Random, Random]),
+        (Maglev, [Maglev, Maglev, Random, Maglev]),
+    ] {
+        let t = on(default);
+        for (i, name) in ["plain", "mag", "rnd", "bad"].iter().enumerate() {
+            let of: Vec<_> = t
+                .state
+                .services
+                .values()
+                .filter(|e| e.name.name == *name)
+                .collect();
+            // The ClusterIP and the LB IP (with an internal scope where eTP=Local splits).
+            assert!(of.len() >= 2, "{name}: {of:?}");
+            for e in of {
+                assert_eq!(e.algorithm, want[i], "{name} with default {default:?}");
+            }
+        }
+        assert!(
+            t.state
+                .services
+                .iter()
+                .any(|(f, e)| e.name.name == "plain" && f.scope == Scope::Internal),
+            "plain has an internal scope too"
+        );
+        let bad: Vec<&Skipped> = t
+            .skipped
+            .iter()
+            .filter(|s| s.reason == SkipReason::InvalidAnnotation)
+            .collect();
+        assert_eq!(bad.len(), 1, "{:?}", t.skipped);
+        assert_eq!(bad[0].object, "t/bad");
+        assert!(
+            bad[0].detail.contains("\"Maglev\"")
+                && bad[0]
+                    .detail
+                    .contains(&format!("node default {}", default.as_str())),
+            "{}",
+            bad[0].detail
+        );
+    }
+}

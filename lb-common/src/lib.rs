@@ -63,9 +63,12 @@ pub mod map_names {
     /// backend the frontend no longer has is ignored and replaced.
     pub const AFF_MATCH4: &str = "lb4_aff_match";
     pub const AFF_MATCH6: &str = "lb6_aff_match";
+    /// Maglev lookup tables (`maglev`): one array of `tables × M` backend ids, table `t`'s cell
+    /// `c` at index `t * M + c`.
+    pub const MAGLEV: &str = "lb_maglev";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 26] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
@@ -91,6 +94,7 @@ pub mod map_names {
         AFFINITY6,
         AFF_MATCH4,
         AFF_MATCH6,
+        MAGLEV,
     ];
 }
 
@@ -106,7 +110,9 @@ pub const LAYOUT_VERSION: u32 = 1;
 pub struct PinMeta {
     /// `LAYOUT_VERSION` of the lb that wrote the pins; 0: not written yet.
     pub layout_version: u32,
-    pub _pad: u32,
+    /// M of the `lb_maglev` tables these pins hold (`maglev::TABLE_SIZES`); 0: written by an
+    /// lb without Maglev (this was padding then), whose pins have no `lb_maglev`.
+    pub maglev_table_size: u32,
     /// Inode of the network namespace that lb ran in: the ifindexes of its tc/XDP links are
     /// that namespace's.
     pub netns_inode: u64,
@@ -181,6 +187,29 @@ pub mod globals {
     /// it after probing; zero leaves the helper call in a branch the verifier never walks, so
     /// kernels without the helper (before 5.18) still load the programs.
     pub const HAS_SET_RETVAL: &str = "LB_HAS_SET_RETVAL";
+    /// `u32`: M, the cells of each Maglev table in `lb_maglev` (`maglev::TABLE_SIZES`). Zero
+    /// (the default) leaves every Maglev frontend without a backend, never mis-indexed.
+    pub const MAGLEV_TABLE_SIZE: &str = "LB_MAGLEV_M";
+}
+
+/// Maglev consistent hashing (`lb_alg::MAGLEV`): each Maglev master entry (frontend × scope)
+/// owns one table of M cells in `lb_maglev`, built in userspace from its active backends; a new
+/// flow takes cell `hash % M` (packets: `flow_hash` of the 5-tuple, the same on every node;
+/// sockets: `mix64` of the socket cookie).
+pub mod maglev {
+    /// The table sizes lb accepts (`--maglev-table-size`): primes, so every skip of the
+    /// permutation is coprime to M; M should be well above 100 × the backends of a frontend.
+    pub const TABLE_SIZES: [u32; 10] = [
+        251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521, 131071,
+    ];
+    /// Default M (Cilium's default too).
+    pub const DEFAULT_TABLE_SIZE: u32 = 16381;
+    /// Default number of tables (`--bpf-maglev-tables`) when the node default is Maglev: at M
+    /// = 16381 an array cell takes 8 bytes, so 128 KiB per table, 32 MiB for 256.
+    pub const DEFAULT_TABLES: u32 = 256;
+    /// Default number of tables when the node default is random (only annotated services use
+    /// one): 2 MiB at the default M.
+    pub const DEFAULT_TABLES_RANDOM: u32 = 16;
 }
 
 pub const IPPROTO_TCP: u8 = 6;
@@ -351,9 +380,10 @@ pub struct Svc6Key {
     pub pad: [u8; 2],
 }
 
-/// Map value of `lb4_services` and `lb6_services`. In the master entry (slot 0) `backend_id` is
-/// 0 and the other fields describe the service; in slot entries only `backend_id` and
-/// `rev_nat_id` are set.
+/// Map value of `lb4_services` and `lb6_services`. In the master entry (slot 0) the fields
+/// describe the service and `backend_id` is 0, or with `lb_alg::MAGLEV` the index of the
+/// frontend's table in `lb_maglev`; in slot entries only `backend_id` and `rev_nat_id` are
+/// set.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -713,6 +743,13 @@ pub struct TraceRecord {
     pub affinity: u8,
     /// The masquerade source port (the address is the family's node IP in `lb_config`).
     pub nat_port: u16,
+    /// With `lb_alg == lb_alg::MAGLEV`: the Maglev cell (`0..M`) the new flow's backend came
+    /// from (`backend_id`; none with a `NoBackend` reason: the cell was empty or named a
+    /// missing backend).
+    pub maglev_cell: u32,
+    /// `lb_alg` of the master entry a new flow's backend was chosen with (new flows only).
+    pub lb_alg: u8,
+    pub pad2: [u8; 3],
 }
 
 /// Per-CPU value of `lb_metrics` (key: a `metrics` index, `u32`).
@@ -739,6 +776,33 @@ pub fn mix64(v: u64) -> u32 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     ((z ^ (z >> 31)) >> 32) as u32
+}
+
+/// The flow hash Maglev frontends pick their cell with on the packet path: the 5-tuple as the
+/// client sent it (addresses as big-endian 32-bit words, then `sport << 16 | dport`, then the
+/// protocol), each word folded in by xor and a multiply by the 64-bit golden ratio, finished
+/// with `mix64`. No seed: every node computes the same hash for a flow, so with the same
+/// backends (the same table) an ECMP'd flow meets the same backend on any node.
+#[inline(always)]
+pub fn flow_hash(saddr: &[u8], daddr: &[u8], sport: u16, dport: u16, proto: u8) -> u32 {
+    #[inline(always)]
+    fn fold(h: u64, w: u32) -> u64 {
+        let h = (h ^ w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        h ^ (h >> 32)
+    }
+    #[inline(always)]
+    fn fold_addr(mut h: u64, a: &[u8]) -> u64 {
+        let mut i = 0;
+        while i + 4 <= a.len() {
+            h = fold(h, u32::from_be_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]));
+            i += 4;
+        }
+        h
+    }
+    let h = fold_addr(0, saddr);
+    let h = fold_addr(h, daddr);
+    let h = fold(h, (sport as u32) << 16 | dport as u32);
+    mix64(fold(h, proto as u32))
 }
 
 #[cfg(feature = "user")]
@@ -796,7 +860,7 @@ const _: () = {
     assert!(size_of::<SkRevNat6Key>() == 32);
     assert!(size_of::<SkRevNat6Value>() == 24);
     assert!(size_of::<MetricValue>() == 16);
-    assert!(size_of::<TraceRecord>() == 20);
+    assert!(size_of::<TraceRecord>() == 28);
     assert!(size_of::<ClusterIp4Key>() == 4);
     assert!(size_of::<ClusterIp6Key>() == 16);
     assert!(size_of::<ClusterIpValue>() == 4);
@@ -845,6 +909,37 @@ mod tests {
     }
 
     #[test]
+    fn flow_hash_is_fixed_and_spreads_source_ports() {
+        // Pinned value: every node and every lb version must agree on a flow's hash.
+        let h = flow_hash(&[198, 18, 0, 1], &[198, 18, 1, 1], 40000, 80, IPPROTO_TCP);
+        assert_eq!(h, 3_743_174_128);
+        let v6 = flow_hash(
+            &[0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+            &[0x20, 1, 0xd, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2],
+            40000,
+            80,
+            6,
+        );
+        assert_eq!(v6, 120_952_210);
+        assert_ne!(
+            h,
+            flow_hash(&[198, 18, 0, 1], &[198, 18, 1, 1], 40001, 80, 6)
+        );
+        assert_ne!(
+            h,
+            flow_hash(&[198, 18, 0, 1], &[198, 18, 1, 1], 40000, 80, 17)
+        );
+        let mut hits = [0u32; 5];
+        for sport in 10_000..20_000u16 {
+            let h = flow_hash(&[198, 18, 0, 1], &[198, 18, 1, 1], sport, 80, 6);
+            hits[select_slot(h, 4) as usize] += 1;
+        }
+        for h in &hits[1..] {
+            assert!((2_300..=2_700).contains(h), "{hits:?}");
+        }
+    }
+
+    #[test]
     fn trace_record_layout_is_packed_by_hand() {
         // Field offsets as userspace and bpftool read them; no implicit padding anywhere.
         assert_eq!(core::mem::offset_of!(TraceRecord, verdict), 0);
@@ -858,7 +953,10 @@ mod tests {
         assert_eq!(core::mem::offset_of!(TraceRecord, masquerade), 16);
         assert_eq!(core::mem::offset_of!(TraceRecord, affinity), 17);
         assert_eq!(core::mem::offset_of!(TraceRecord, nat_port), 18);
-        assert_eq!(size_of::<TraceRecord>(), 20);
+        assert_eq!(core::mem::offset_of!(TraceRecord, maglev_cell), 20);
+        assert_eq!(core::mem::offset_of!(TraceRecord, lb_alg), 24);
+        assert_eq!(core::mem::offset_of!(TraceRecord, pad2), 25);
+        assert_eq!(size_of::<TraceRecord>(), 28);
     }
 
     #[test]

@@ -63,7 +63,7 @@ const _: () = {
 
 pub trait Af {
     /// Address bytes in network order.
-    type Addr: Copy;
+    type Addr: Copy + AsRef<[u8]>;
     type CtKey: 'static;
     /// The all-zero address: "none" in `LbConfig` and in unused NAT fields.
     const ZERO: Self::Addr;

@@ -29,6 +29,7 @@ mod conntrack;
 mod crc32c;
 mod ctx;
 mod fwd;
+mod maglev;
 mod maps;
 mod nat;
 mod packet;

@@ -106,6 +106,10 @@ pub static CONFIG: Array<LbConfig, 1> = Array::new();
 /// Written and read by userspace only (`map_names::META`); here so it is pinned with BTF.
 #[btf_map(name = "lb_meta")]
 pub static META: Array<PinMeta, 1> = Array::new();
+/// Maglev tables: backend id (0: empty) at `table * M + cell`. max_entries (tables × M) is
+/// set by the loader; the size here is only the object file's default (one table).
+#[btf_map(name = "lb_maglev")]
+pub static MAGLEV: Array<u32, { lb_common::maglev::DEFAULT_TABLE_SIZE as usize }> = Array::new();
 /// Cluster CIDRs (`--cluster-cidr`); the value is unused (1).
 #[btf_map(name = "lb4_clustercidr")]
 pub static CLUSTER_CIDR4: LpmTrie<ClusterCidr4, u8, { map_sizes::CLUSTER_CIDR as usize }> =

@@ -21,7 +21,9 @@
 //! record traced loads keep is written where the decision is made (a record travelling back
 //! up through the calls would cost each frame a copy of the 512-byte stack the chain shares).
 use aya_ebpf::helpers::bpf_get_prandom_u32;
-use lb_common::{TraceRecord, ct_flags, metrics, svc_flags, trace_ct, trace_verdict};
+use lb_common::{
+    TraceRecord, ct_flags, flow_hash, lb_alg, metrics, svc_flags, trace_ct, trace_verdict,
+};
 
 use crate::{
     af::{Af, Client, CtHead, Endpoint, V4, V6},
@@ -245,8 +247,8 @@ fn lookup<A: Af>(p: &Packet<A::Addr>, origin: Origin, out: &mut Service<A::Addr>
     }
 }
 
-/// A backend for a new flow of `p` to `svc`: the client's affinity entry's, or one picked at
-/// random.
+/// A backend for a new flow `p` of `svc`: the client's affinity entry's, or one picked at
+/// random, or with Maglev by the flow's hash (`lb_common::flow_hash`, the same on every node).
 // A subprogram, like `parse_into`: the slot and backend lookups stay out of `new_flow`'s frame.
 #[inline(never)]
 fn choose<A: Af>(
@@ -259,9 +261,34 @@ fn choose<A: Af>(
         addr: p.saddr,
         netns_cookie: 0,
     };
-    // SAFETY: helper without arguments.
-    *out = select::choose::<A>(svc, client, now, || unsafe { bpf_get_prandom_u32() })?;
-    Ok(())
+    select::choose::<A>(
+        svc,
+        client,
+        now,
+        |alg| {
+            if alg == lb_alg::MAGLEV {
+                maglev_hash::<A>(p)
+            } else {
+                // SAFETY: helper without arguments.
+                unsafe { bpf_get_prandom_u32() }
+            }
+        },
+        out,
+    )
+}
+
+/// The Maglev hash of the flow of `p` (`lb_common::flow_hash`).
+// A subprogram: folding the addresses byte by byte spills registers, which would otherwise
+// grow `choose`'s frame past what the tc path's 512-byte stack leaves it.
+#[inline(never)]
+fn maglev_hash<A: Af>(p: &Packet<A::Addr>) -> u32 {
+    flow_hash(
+        p.saddr.as_ref(),
+        p.daddr.as_ref(),
+        p.sport,
+        p.dport,
+        p.proto,
+    )
 }
 
 /// Parses the packet into `out`.
@@ -349,6 +376,8 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
                 r.svc_flags = n.svc_flags;
                 r.backend_id = n.backend_id;
                 r.rev_nat_id = n.rev_nat_id;
+                r.lb_alg = n.lb_alg;
+                r.maglev_cell = n.maglev_cell;
             });
             return Ok(Decision { action, reason });
         }
@@ -423,6 +452,8 @@ fn trace_chosen<A>(r: &mut TraceRecord, c: &Chosen<A>) {
     r.backend_id = c.backend_id;
     r.rev_nat_id = c.rev_nat_id;
     r.affinity = c.affinity;
+    r.lb_alg = c.lb_alg;
+    r.maglev_cell = c.maglev_cell;
 }
 
 /// `snat_port` found no free NAT port.

@@ -12,7 +12,10 @@
 //! remembered. Packet hooks key clients by address, socket hooks by network namespace.
 use lb_common::{AffinityValue, SvcValue, lb_alg, scope, select_slot, svc_flags, trace_affinity};
 
-use crate::af::{Af, Client, Endpoint};
+use crate::{
+    af::{Af, Client, Endpoint},
+    maglev,
+};
 
 /// Where a flow's client is, which decides the scope of a two-scope frontend.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -43,16 +46,21 @@ pub struct Chosen<A> {
     pub svc_flags: u16,
     /// `trace_affinity` value.
     pub affinity: u8,
+    /// The master's `lb_alg`, and with `MAGLEV` the cell the backend came from (slot 0).
+    pub lb_alg: u8,
+    pub maglev_cell: u32,
 }
 
-/// A frontend nothing can serve. `slot` and `backend_id` are 0 unless a slot was chosen (it
-/// was then missing, or named the missing backend `backend_id`).
+/// A frontend nothing can serve. `slot` and `backend_id` are 0 unless a slot (or Maglev cell)
+/// was chosen (it was then missing or empty, or named the missing backend `backend_id`).
 pub struct Unserved {
     pub rev_nat_id: u32,
     pub scope: u8,
     pub slot: u16,
     pub backend_id: u32,
     pub svc_flags: u16,
+    pub lb_alg: u8,
+    pub maglev_cell: u32,
 }
 
 pub enum Selected<A> {
@@ -88,25 +96,29 @@ pub fn lookup<A: Af>(
 }
 
 /// Chooses a backend of `svc` for a new flow of the client `client` names, at `now` (seconds of
-/// `CLOCK_MONOTONIC`). `input` supplies the random number or hash the slot is picked with; it is
-/// called only when there is a slot to pick, `client` only for a frontend with session affinity.
+/// `CLOCK_MONOTONIC`). `input` supplies the random number or hash the slot (or Maglev cell) is
+/// picked with, given the master's `lb_alg`; it is called only when there is something to
+/// pick, `client` only for a frontend with session affinity.
 #[inline(always)]
 pub fn choose<A: Af>(
     svc: &Service<A::Addr>,
     client: impl FnOnce() -> Client<A::Addr>,
     now: u32,
-    input: impl FnOnce() -> u32,
-) -> Result<Chosen<A::Addr>, Unserved> {
+    input: impl FnOnce(u8) -> u32,
+    out: &mut Chosen<A::Addr>,
+) -> Result<(), Unserved> {
     let (m, scope) = (&svc.master, svc.scope);
-    let no_backend = |slot, backend_id| Unserved {
+    let no_backend = |slot, backend_id, maglev_cell| Unserved {
         rev_nat_id: m.rev_nat_id,
         scope,
         slot,
         backend_id,
         svc_flags: m.flags,
+        lb_alg: m.lb_alg,
+        maglev_cell,
     };
     if m.count == 0 {
-        return Err(no_backend(0, 0));
+        return Err(no_backend(0, 0, 0));
     }
     let affine = m.flags & svc_flags::AFFINITY != 0;
     let mut who = Client {
@@ -115,41 +127,37 @@ pub fn choose<A: Af>(
     };
     if affine {
         who = client();
-        let mut hit = Chosen {
-            backend: Endpoint {
-                addr: A::ZERO,
-                port: 0,
-            },
-            backend_id: 0,
-            rev_nat_id: 0,
-            scope,
-            slot: 0,
-            svc_flags: 0,
-            affinity: trace_affinity::NONE,
-        };
-        if affinity_hit::<A>(svc, &who, now, &mut hit) {
-            return Ok(hit);
+        // Written straight into the caller's `out` (scratch memory on the packet path): a
+        // second `Chosen` on this frame would overflow the tc path's 512-byte stack.
+        if affinity_hit::<A>(svc, &who, now, out) {
+            return Ok(());
         }
     }
-    let slot = match m.lb_alg {
-        lb_alg::RANDOM => select_slot(input(), m.count),
-        // Maglev's per-frontend lookup table comes here (`input` then a 5-tuple hash); until
-        // it exists every algorithm picks uniformly, as lb always has.
-        _ => select_slot(input(), m.count),
+    // Maglev: the master's `backend_id` is its table; the cell names the backend directly.
+    let (slot, backend_id, maglev_cell) = if m.lb_alg == lb_alg::MAGLEV {
+        let (cell, id) = maglev::lookup(m.backend_id, input(lb_alg::MAGLEV));
+        if id == 0 {
+            return Err(no_backend(0, 0, cell));
+        }
+        (0, id, cell)
+    } else {
+        // Random, and any algorithm this datapath does not know.
+        let slot = select_slot(input(lb_alg::RANDOM), m.count);
+        let (addr, port) = (svc.frontend.addr, svc.frontend.port);
+        let Some(entry) = A::service(addr, port, svc.proto, slot, scope) else {
+            return Err(no_backend(slot, 0, 0));
+        };
+        (slot, entry.backend_id, 0)
     };
-    let (addr, port) = (svc.frontend.addr, svc.frontend.port);
-    let Some(entry) = A::service(addr, port, svc.proto, slot, scope) else {
-        return Err(no_backend(slot, 0));
-    };
-    let Some(backend) = A::backend(entry.backend_id) else {
-        return Err(no_backend(slot, entry.backend_id));
+    let Some(backend) = A::backend(backend_id) else {
+        return Err(no_backend(slot, backend_id, maglev_cell));
     };
     if affine {
-        remember::<A>(&who, m.rev_nat_id, scope, entry.backend_id, now);
+        remember::<A>(&who, m.rev_nat_id, scope, backend_id, now);
     }
-    Ok(Chosen {
+    *out = Chosen {
         backend,
-        backend_id: entry.backend_id,
+        backend_id,
         rev_nat_id: m.rev_nat_id,
         scope,
         slot,
@@ -159,7 +167,10 @@ pub fn choose<A: Af>(
         } else {
             trace_affinity::NONE
         },
-    })
+        lb_alg: m.lb_alg,
+        maglev_cell,
+    };
+    Ok(())
 }
 
 /// The backend `client`'s affinity entry for `svc` names (written to `out`), if the entry is
@@ -199,6 +210,8 @@ fn affinity_hit<A: Af>(
         slot: 0,
         svc_flags: m.flags,
         affinity: trace_affinity::HIT,
+        lb_alg: m.lb_alg,
+        maglev_cell: 0,
     };
     true
 }
@@ -230,14 +243,30 @@ pub fn select<A: Af>(
     proto: u8,
     origin: Origin,
     client: impl FnOnce() -> Client<A::Addr>,
-    input: impl FnOnce() -> u32,
+    input: impl FnOnce(u8) -> u32,
 ) -> Selected<A::Addr> {
     match lookup::<A>(frontend, proto, origin) {
         None => Selected::NotAService,
         Some(svc) if svc.master.flags & svc_flags::SOURCE_RANGES != 0 => Selected::NotAService,
-        Some(svc) => match choose::<A>(&svc, client, crate::conntrack::now_secs(), input) {
-            Ok(c) => Selected::Backend(c),
-            Err(_) => Selected::NoBackend,
-        },
+        Some(svc) => {
+            let mut c = Chosen {
+                backend: Endpoint {
+                    addr: A::ZERO,
+                    port: 0,
+                },
+                backend_id: 0,
+                rev_nat_id: 0,
+                scope: 0,
+                slot: 0,
+                svc_flags: 0,
+                affinity: trace_affinity::NONE,
+                lb_alg: 0,
+                maglev_cell: 0,
+            };
+            match choose::<A>(&svc, client, crate::conntrack::now_secs(), input, &mut c) {
+                Ok(()) => Selected::Backend(c),
+                Err(_) => Selected::NoBackend,
+            }
+        }
     }
 }

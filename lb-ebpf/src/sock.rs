@@ -10,7 +10,7 @@ use aya_ebpf::{
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use lb_common::{IPPROTO_TCP, IPPROTO_UDP, metrics, mix64};
+use lb_common::{IPPROTO_TCP, IPPROTO_UDP, lb_alg, metrics, mix64};
 
 use crate::{
     af::{Af, Client, Endpoint, V4, V6},
@@ -45,7 +45,7 @@ fn refuse() -> i32 {
 /// How a translation picks its backend.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Pick {
-    /// connect(): a random backend, once per socket.
+    /// connect(): a random backend, once per socket (Maglev frontends: as `SocketHash`).
     Random,
     /// Unconnected sendmsg(): a hash of the socket cookie, so every datagram a socket sends
     /// to a frontend reaches the same backend while the backend set is unchanged.
@@ -138,11 +138,13 @@ fn balance<A: Af>(
     };
     // The cookie is fetched only for a frontend's socket: it is allocated on first use, and
     // most connect() calls are not to a frontend.
-    let selected = select::<A>(frontend, proto, Origin::Cluster, client, || match pick {
+    let selected = select::<A>(frontend, proto, Origin::Cluster, client, |alg| match pick {
         // SAFETY: helper without arguments.
-        Pick::Random => unsafe { bpf_get_prandom_u32() },
+        Pick::Random if alg == lb_alg::RANDOM => unsafe { bpf_get_prandom_u32() },
+        // Unconnected sendmsg() keeps a socket on one backend, and Maglev hashes the socket's
+        // flow at connect() too: the cookie is the flow.
         // SAFETY: the helper accepts any sock_addr context.
-        Pick::SocketHash => mix64(unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) }),
+        _ => mix64(unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) }),
     });
     if let Selected::Backend(c) = &selected {
         // SAFETY: as above.

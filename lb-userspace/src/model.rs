@@ -235,6 +235,37 @@ impl Backend {
     }
 }
 
+/// How a frontend picks the backend of a new flow (`--lb-algorithm`, the Service annotation
+/// `lb.io/lb-algorithm`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+pub enum LbAlgorithm {
+    /// A uniformly random active backend (sockets: per connect, or per socket for UDP).
+    #[default]
+    Random,
+    /// Maglev consistent hashing: a per-frontend lookup table, the same flow to the same
+    /// backend on every node, and about 1/N of flows moved when one of N backends goes.
+    Maglev,
+}
+
+impl LbAlgorithm {
+    /// The name flags, annotations and `lb services` use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LbAlgorithm::Random => "random",
+            LbAlgorithm::Maglev => "maglev",
+        }
+    }
+
+    /// Parses an annotation value (`random` or `maglev`).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "random" => Some(LbAlgorithm::Random),
+            "maglev" => Some(LbAlgorithm::Maglev),
+            _ => None,
+        }
+    }
+}
+
 /// Everything the datapath needs to know about one frontend.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServiceEntry {
@@ -249,6 +280,8 @@ pub struct ServiceEntry {
     pub source_ranges: BTreeSet<Cidr>,
     /// With `svc_flags::AFFINITY`: the session affinity timeout in seconds; 0 otherwise.
     pub affinity_timeout: u32,
+    /// How new flows pick among the active backends.
+    pub algorithm: LbAlgorithm,
 }
 
 impl ServiceEntry {

@@ -90,6 +90,12 @@ pub struct ServiceView {
     pub qcount: u16,
     /// One entry per slot `1..=count+qcount`, in slot order.
     pub backends: Vec<SlotView>,
+    /// How new flows pick a backend: `random` or `maglev`.
+    #[serde(default)]
+    pub algorithm: String,
+    /// With `maglev`: the frontend's table in `lb_maglev` (`null` without active backends).
+    #[serde(default)]
+    pub maglev_table: Option<u32>,
 }
 
 /// `service` of a [`ServiceView`].
@@ -296,6 +302,13 @@ fn service_view(dump: &Dump, names: &Names, fe: &Frontend, master: &SvcValue) ->
         count: master.count,
         qcount: master.qcount,
         backends,
+        algorithm: match master.lb_alg {
+            lb_common::lb_alg::RANDOM => "random",
+            lb_common::lb_alg::MAGLEV => "maglev",
+            _ => "unknown",
+        }
+        .into(),
+        maglev_table: crate::datapath::maps::maglev_table_of(master),
     }
 }
 
@@ -379,7 +392,16 @@ pub fn render_services(views: &[ServiceView]) -> String {
                 v.scope.clone(),
                 v.kind.clone(),
                 service,
-                format!("{} active, {} terminating", v.count, v.qcount),
+                match (v.algorithm.as_str(), v.maglev_table) {
+                    ("maglev", Some(t)) => format!(
+                        "{} active, {} terminating, maglev table {t}",
+                        v.count, v.qcount
+                    ),
+                    ("maglev", None) => {
+                        format!("{} active, {} terminating, maglev", v.count, v.qcount)
+                    }
+                    _ => format!("{} active, {} terminating", v.count, v.qcount),
+                },
             ]
         })
         .collect();

@@ -16,6 +16,7 @@ use crate::{
         k8s,
     },
     datapath::{cgroup::cgroup2_root, load::XdpMode},
+    model::LbAlgorithm,
 };
 
 #[derive(Parser)]
@@ -117,6 +118,8 @@ struct RunArgs {
     bpf_map_max: Vec<(String, u32)>,
     #[command(flatten)]
     node_facts: crate::node_facts::NodeFactsArgs,
+    #[command(flatten)]
+    algorithm: AlgorithmArgs,
     /// Seconds each Kubernetes watch request lasts (`timeoutSeconds`; kube-rs' default) before
     /// it is resumed; a silent connection counts as dead 5-10 s after that.
     #[arg(long, default_value_t = 290, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -135,6 +138,37 @@ pub struct DeviceArgs {
     /// XDP on the external devices; a device where native XDP cannot attach keeps tc only.
     #[arg(long, value_enum, default_value = "auto")]
     pub xdp: XdpMode,
+}
+
+/// The load-balancing algorithm and Maglev's table shape; `lb run` programs with them, and
+/// `lb trace --manifests` builds the same state.
+#[derive(Clone, Debug, clap::Args)]
+pub struct AlgorithmArgs {
+    /// How a frontend picks the backend of a new flow, unless its Service's
+    /// `lb.io/lb-algorithm` annotation (`random` or `maglev`) says otherwise.
+    #[arg(long, value_enum, default_value = "random")]
+    pub lb_algorithm: LbAlgorithm,
+    /// Cells (M) of each Maglev table, one of the primes 251, 509, 1021, 2039, 4093, 8191,
+    /// 16381, 32749, 65521, 131071; keep it above 100 × a frontend's backends. A pinned
+    /// lb_maglev of another M is refused.
+    #[arg(long, default_value_t = lb_common::maglev::DEFAULT_TABLE_SIZE,
+          value_parser = crate::controller::maglev::parse_table_size)]
+    pub maglev_table_size: u32,
+    /// Maglev tables in lb_maglev, one per Maglev frontend (and scope); each costs M × 8
+    /// bytes (128 KiB at the default M). Frontends beyond it fall back to random
+    /// [default: what the pinned lb_maglev holds, else 256 with --lb-algorithm maglev, else 16].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub bpf_maglev_tables: Option<u32>,
+}
+
+impl AlgorithmArgs {
+    /// `--bpf-maglev-tables`, or the default for the node's algorithm.
+    pub fn tables(&self) -> u32 {
+        self.bpf_maglev_tables.unwrap_or(match self.lb_algorithm {
+            LbAlgorithm::Maglev => lb_common::maglev::DEFAULT_TABLES,
+            LbAlgorithm::Random => lb_common::maglev::DEFAULT_TABLES_RANDOM,
+        })
+    }
 }
 
 fn parse_map_max(s: &str) -> Result<(String, u32), String> {
@@ -213,6 +247,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 state_dir: args.state_dir,
                 map_max: args.bpf_map_max.into_iter().collect(),
                 node_facts: args.node_facts,
+                algorithm: args.algorithm,
                 watch_timeout: std::time::Duration::from_secs(args.watch_timeout),
             })
             .await

@@ -20,10 +20,11 @@ use aya::{
 };
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value, TraceRecord,
-    ct_dir, map_names, metrics, prog_names, trace_affinity, trace_ct, trace_verdict,
+    ct_dir, lb_alg, map_names, metrics, prog_names, trace_affinity, trace_ct, trace_verdict,
 };
 use serde::Serialize;
 
+use super::AlgorithmArgs;
 use crate::{
     controller::{
         manifests,
@@ -111,6 +112,12 @@ pub struct TraceResult {
     /// usable entry: the backend was chosen afresh and remembered), or `null` (the frontend has
     /// no session affinity).
     pub affinity: Option<&'static str>,
+    /// The algorithm a new flow's backend was chosen with (`random` or `maglev`), or `null`.
+    pub lb_algorithm: Option<&'static str>,
+    /// With `maglev`: the cell of the frontend's Maglev table the flow hashed to (`0..M`).
+    pub maglev_cell: Option<u32>,
+    /// With `maglev`: M, the cells of the table.
+    pub maglev_table_size: Option<u32>,
     /// The frontend scope the datapath used: `external` or `internal`, or `null`.
     pub scope: Option<&'static str>,
     /// The backend `ip:port` the packet was sent to, if any.
@@ -230,6 +237,8 @@ pub struct Tracer {
     facts: Option<NodeFacts>,
     /// External packets meet `lb_xdp` first (`--xdp`).
     xdp: bool,
+    /// M of the Maglev tables the datapath reads.
+    maglev_table_size: u32,
 }
 
 impl Tracer {
@@ -242,6 +251,19 @@ impl Tracer {
         facts: Option<&NodeFacts>,
     ) -> anyhow::Result<Self> {
         let mut shared = SERVICE_MAPS.to_vec();
+        // The running lb's Maglev tables, read with its M (pins of an lb without Maglev have
+        // none: its frontends are all random).
+        let meta = crate::datapath::meta::check(pin_dir)?;
+        let maglev_path = pin_dir.join(map_names::MAGLEV);
+        let mut maglev = (0, 0);
+        if let Some(m) = meta.map(|m| m.maglev_table_size).filter(|m| *m != 0)
+            && maglev_path.exists()
+        {
+            let info = aya::maps::MapInfo::from_pin(&maglev_path)
+                .map_err(|e| crate::datapath::pinned::pin_error(&maglev_path, e))?;
+            maglev = (m, info.max_entries() / m);
+            shared.push(map_names::MAGLEV);
+        }
         if facts.is_none() {
             shared.extend([
                 map_names::CONFIG,
@@ -253,6 +275,8 @@ impl Tracer {
             pin_dir: Some(pin_dir.to_path_buf()),
             only_pinned: Some(shared),
             trace: true,
+            maglev_table_size: maglev.0,
+            maglev_tables: maglev.1,
             ..LoadOptions::default()
         })?;
         if let Some(f) = facts {
@@ -294,6 +318,7 @@ impl Tracer {
             )),
             facts: facts.cloned(),
             xdp: false,
+            maglev_table_size: maglev.0,
         })
     }
 
@@ -304,9 +329,12 @@ impl Tracer {
         dir: &Path,
         node_name: &str,
         facts: &NodeFactsArgs,
+        algorithm: &AlgorithmArgs,
     ) -> anyhow::Result<(Self, NodeFacts)> {
         let mut datapath = Datapath::load(&LoadOptions {
             trace: true,
+            maglev_table_size: algorithm.maglev_table_size,
+            maglev_tables: algorithm.tables(),
             ..LoadOptions::default()
         })?;
         let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
@@ -333,6 +361,7 @@ impl Tracer {
         let node = NodeInfo {
             nodeport_ips: resolved.nodeport_addresses.clone(),
             local_ips,
+            lb_algorithm: algorithm.lb_algorithm,
             ..NodeInfo::from_node(node_name, node)
         };
         let t = translate::desired_state(&objects.services, &objects.slices, &node);
@@ -342,6 +371,10 @@ impl Tracer {
         let report = reconciler.apply(&t.state);
         if let Some(e) = report.errors.first() {
             bail!("programming {} failed: {}", e.frontend, e.error);
+        }
+        for e in &report.fallbacks {
+            tracing::warn!(frontend = %e.frontend, service = %e.service, error = %e.error,
+                "Maglev service falls back to random selection");
         }
         let names = t
             .state
@@ -358,6 +391,7 @@ impl Tracer {
                 live_affinity: None,
                 facts: Some(resolved.clone()),
                 xdp: false,
+                maglev_table_size: algorithm.maglev_table_size,
             },
             resolved,
         ))
@@ -476,6 +510,12 @@ impl Tracer {
             .flatten()
             .map(|b| b.to_string());
         let is_service = frontend.is_some() && record.verdict != trace_verdict::REVERSE_NAT;
+        // A new flow's choice was made (a backend, or the slot or cell that had none).
+        let chosen = (is_service
+            && matches!(record.ct_state, trace_ct::NEW | trace_ct::NEW_MIDSTREAM))
+            || record.slot != 0
+            || record.lb_alg == lb_alg::MAGLEV;
+        let maglev = chosen && record.lb_alg == lb_alg::MAGLEV;
         Ok(TraceResult {
             verdict,
             reason: metrics::NAMES
@@ -495,6 +535,13 @@ impl Tracer {
                 trace_affinity::NEW => Some("new"),
                 _ => None,
             },
+            lb_algorithm: chosen.then_some(match record.lb_alg {
+                lb_alg::RANDOM => "random",
+                lb_alg::MAGLEV => "maglev",
+                _ => "unknown",
+            }),
+            maglev_cell: maglev.then_some(record.maglev_cell),
+            maglev_table_size: maglev.then_some(self.maglev_table_size),
             scope: is_service.then(|| scope.as_str()),
             backend,
             masquerade: record.masquerade != 0,
@@ -800,7 +847,11 @@ impl fmt::Display for TraceResult {
                 Some(_) => ", session affinity: new entry for the client",
                 None => "",
             };
-            writeln!(f, "selection:   {scope} scope{slot}{affinity}")?;
+            let cell = match (self.maglev_cell, self.maglev_table_size) {
+                (Some(c), Some(m)) => format!(", maglev cell {c} of {m}"),
+                _ => String::new(),
+            };
+            writeln!(f, "selection:   {scope} scope{slot}{cell}{affinity}")?;
         }
         writeln!(f, "backend:     {}", self.backend.as_deref().unwrap_or("-"))?;
         writeln!(
@@ -882,6 +933,10 @@ pub struct TraceArgs {
     /// auto and a physical device among --devices) external packets meet lb_xdp first.
     #[command(flatten)]
     pub devices: super::DeviceArgs,
+    /// The algorithm flags, as `lb run` takes them (--manifests only: a live trace uses the
+    /// running lb's tables).
+    #[command(flatten)]
+    pub algorithm: AlgorithmArgs,
     /// Pinned maps of the running lb (live mode).
     #[arg(long, default_value = lb_common::DEFAULT_PIN_DIR)]
     pub pin_dir: std::path::PathBuf,
@@ -922,7 +977,9 @@ pub fn run(
         bail!("--flows must be at least 1");
     }
     let mut tracer = match &args.manifests {
-        Some(dir) => Tracer::from_manifests(dir, &node_name()?, &args.node_facts)?.0,
+        Some(dir) => {
+            Tracer::from_manifests(dir, &node_name()?, &args.node_facts, &args.algorithm)?.0
+        }
         None => {
             let facts = args
                 .node_facts

@@ -64,6 +64,8 @@ pub struct RunOptions {
     pub node_facts: NodeFactsArgs,
     /// `timeoutSeconds` of the Kubernetes watches (`--watch-timeout`).
     pub watch_timeout: std::time::Duration,
+    /// `--lb-algorithm`, `--maglev-table-size`, `--bpf-maglev-tables`.
+    pub algorithm: crate::cli::AlgorithmArgs,
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -76,6 +78,14 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         tracing::info!(metrics = %m, healthz = %h, "serving metrics and health");
     }
 
+    let maglev_tables = match opts.algorithm.bpf_maglev_tables {
+        Some(n) => n,
+        None => crate::datapath::load::pinned_maglev_tables(
+            &opts.pin_dir,
+            opts.algorithm.maglev_table_size,
+        )
+        .unwrap_or_else(|| opts.algorithm.tables()),
+    };
     let mut datapath = Datapath::load(&LoadOptions {
         pin_dir: Some(opts.pin_dir.clone()),
         only_pinned: None,
@@ -84,6 +94,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         no_set_retval: false,
         // A restart (or upgrade) must not leave a moment without programs: see `links`.
         persist_links: true,
+        maglev_table_size: opts.algorithm.maglev_table_size,
+        maglev_tables,
     })?;
     // Before anything attaches: the pinned tries may hold an earlier run's ranges.
     let service_cidrs: Vec<(std::net::IpAddr, u8)> = opts
@@ -206,6 +218,7 @@ fn node_base(opts: &RunOptions, facts: Option<&NodeFacts>) -> NodeInfo {
     NodeInfo {
         name: opts.node_name.clone(),
         zone: None,
+        lb_algorithm: opts.algorithm.lb_algorithm,
         nodeport_ips: facts.map_or_else(Vec::new, |f| f.nodeport_addresses.clone()),
         local_ips: node_facts::host_addrs()
             .into_iter()
@@ -353,6 +366,17 @@ pub fn sync_node<M: LbMaps>(
             metrics.inc_map_full(map);
         }
     }
+    for e in &report.fallbacks {
+        tracing::warn!(
+            frontend = %e.frontend,
+            service = %e.service,
+            error = %e.error,
+            "Maglev service falls back to random selection"
+        );
+        if let Some(map) = e.full_map {
+            metrics.inc_map_full(map);
+        }
+    }
     metrics.set_unprogrammed(report.errors.len() as u64);
     let ok = report.errors.is_empty();
     let applied_services = translation.state.services.len();
@@ -364,6 +388,12 @@ pub fn sync_node<M: LbMaps>(
     for (map, used, capacity) in reconciler.usage() {
         metrics.set_map_entries(map, used as u64, u64::from(capacity));
     }
+    let (tables, capacity) = reconciler.maglev_usage();
+    metrics.set_map_entries(
+        lb_common::map_names::MAGLEV,
+        tables as u64,
+        u64::from(capacity),
+    );
     metrics.mark_synced();
     tracing::debug!(
         generation,

@@ -15,6 +15,13 @@
 //! frontends is written, and removed only after the last one is gone, so a packet to a
 //! frontend's port never meets "unknown port" while the frontend exists.
 //!
+//! A Maglev frontend's table (`lb_maglev`) is written with its slots, before the master that
+//! names it: a new table in a free index, a changed one in place, cell by cell, each cell naming
+//! a backend that is already written and is deleted only once no slot and no cell of an
+//! installed table names it. Tables are rebuilt only when the frontend's active backends (or M)
+//! change; an index is freed after the master stops naming it. With no free index the frontend
+//! is programmed with random selection and reported (`ApplyReport::fallbacks`).
+//!
 //! Before writing a service it checks the maps have room for it; a service that does not fit, or
 //! whose write fails, is reported and keeps its previous state. The reconciler starts from a
 //! dump of the (pinned) maps, so a restart converges without flushing anything.
@@ -23,14 +30,18 @@ use std::{
     net::IpAddr,
 };
 
-use lb_common::{SvcValue, lb_alg, svc_flags};
+use lb_common::{SvcValue, lb_alg, map_names, svc_flags};
 
+use super::maglev;
 use crate::{
     datapath::maps::{
-        AffMatch, Dump, LbMaps, MapOpError, Table, aff_match_of, backends_of, revnat_of,
-        src_ranges_of,
+        AffMatch, Dump, LbMaps, MapOpError, NO_MAGLEV_TABLE, Table, aff_match_of, backends_of,
+        maglev_table_of, revnat_of, src_ranges_of,
     },
-    model::{Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, ServiceEntry},
+    model::{
+        Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm,
+        ServiceEntry,
+    },
 };
 
 /// A frontend as installed: its master entry and the backend id in each slot.
@@ -72,6 +83,9 @@ pub struct ApplyReport {
     pub writes: usize,
     pub deletes: usize,
     pub errors: Vec<ServiceError>,
+    /// Maglev services programmed with random selection instead, because `lb_maglev` had no
+    /// free table (`full_map` names it); they work, without Maglev's consistency.
+    pub fallbacks: Vec<ServiceError>,
 }
 
 pub struct Reconciler<M> {
@@ -91,6 +105,11 @@ pub struct Reconciler<M> {
     aff_match: BTreeSet<AffMatch>,
     next_backend_id: u32,
     next_revnat_id: u32,
+    /// Maglev tables in use: index → cells as written (backend ids, 0: empty).
+    maglev_tables: BTreeMap<u32, Vec<u32>>,
+    /// The canonical active backends each Maglev frontend's table was built from this run
+    /// (unknown after a restart: the table is then rebuilt and only differing cells written).
+    maglev_built: HashMap<Frontend, Vec<L4Addr>>,
 }
 
 impl<M: LbMaps> Reconciler<M> {
@@ -108,10 +127,30 @@ impl<M: LbMaps> Reconciler<M> {
         let mut services = BTreeMap::new();
         let mut revnat_ids = HashMap::new();
         let mut stray_slots = BTreeSet::new();
+        let geometry = maps.maglev_geometry();
+        let mut maglev_tables = BTreeMap::new();
         for ((fe, slot), v) in &dump.services {
             if *slot != 0 {
                 continue;
             }
+            let mut v = *v;
+            // A Maglev master keeps its table if the table exists, fits this map and no other
+            // master claimed it; otherwise the mirror says "no table" and the next apply
+            // writes a fresh one before repointing the master.
+            if let Some(t) = maglev_table_of(&v) {
+                match dump.maglev.get(&t) {
+                    Some(cells)
+                        if t < geometry.tables
+                            && cells.len() == geometry.table_size as usize
+                            && !maglev_tables.contains_key(&t) =>
+                    {
+                        maglev_tables.insert(t, cells.clone());
+                    }
+                    // Never equal to a planned master: the next apply rewrites it.
+                    _ => v.lb_alg = u8::MAX,
+                }
+            }
+            let v = &v;
             let slots = (1..=v.slots())
                 .map(|s| dump.services.get(&(*fe, s)).map_or(0, |sv| sv.backend_id))
                 .collect();
@@ -143,6 +182,8 @@ impl<M: LbMaps> Reconciler<M> {
             aff_match: dump.aff_match,
             next_backend_id,
             next_revnat_id,
+            maglev_tables,
+            maglev_built: HashMap::new(),
         }
     }
 
@@ -194,6 +235,11 @@ impl<M: LbMaps> Reconciler<M> {
             Table::SourceRanges => src_ranges_of(&self.src_ranges, family),
             Table::AffinityMatch => aff_match_of(&self.aff_match, family),
         }
+    }
+
+    /// Fill of `lb_maglev`: (tables in use, tables).
+    pub fn maglev_usage(&self) -> (usize, u32) {
+        (self.maglev_tables.len(), self.maps.maglev_geometry().tables)
     }
 
     /// Makes the maps hold `desired`.
@@ -264,6 +310,13 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
 
+        // Tables claimed by writes that failed before their master named them are free again.
+        let named: BTreeSet<u32> = self
+            .services
+            .values()
+            .filter_map(|i| maglev_table_of(&i.master))
+            .collect();
+        self.maglev_tables.retain(|t, _| named.contains(t));
         // Slots dropped by shrinking services leave their backends unreferenced.
         self.delete_stray_slots(&mut report);
         self.collect_garbage(&BTreeSet::new(), &mut report);
@@ -280,7 +333,11 @@ impl<M: LbMaps> Reconciler<M> {
         let wanted: BTreeSet<AffMatch> = self
             .services
             .iter()
-            .flat_map(|(fe, i)| aff_matches(fe, &i.master, &i.slots))
+            .flat_map(|(fe, i)| {
+                let active = &i.slots[..(i.master.count as usize).min(i.slots.len())];
+                let affine = i.master.flags & svc_flags::AFFINITY != 0;
+                aff_matches(fe, affine, i.master.rev_nat_id, active)
+            })
             .collect();
         let stale: Vec<AffMatch> = self.aff_match.difference(&wanted).copied().collect();
         for m in stale {
@@ -456,21 +513,8 @@ impl<M: LbMaps> Reconciler<M> {
         } else {
             Vec::new()
         };
-        let master = SvcValue {
-            backend_id: 0,
-            count: active as u16,
-            qcount: (total - active) as u16,
-            rev_nat_id,
-            flags: entry.flags,
-            lb_alg: lb_alg::RANDOM,
-            pad: 0,
-            affinity_timeout: if entry.flags & svc_flags::AFFINITY != 0 {
-                entry.affinity_timeout
-            } else {
-                0
-            },
-        };
-        let matches: Vec<AffMatch> = aff_matches(fe, &master, &planned_ids)
+        let affine = entry.flags & svc_flags::AFFINITY != 0;
+        let matches: Vec<AffMatch> = aff_matches(fe, affine, rev_nat_id, &planned_ids[..active])
             .filter(|m| !self.aff_match.contains(m))
             .collect();
         for (table, needed) in [
@@ -494,6 +538,32 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
 
+        let maglev = self.plan_maglev(fe, entry, &backends[..active], &planned_ids[..active]);
+        if maglev.fallback {
+            let g = self.maps.maglev_geometry();
+            report.fallbacks.push(ServiceError {
+                frontend: *fe,
+                service: entry.name.to_string(),
+                error: format!(
+                    "map {} is full ({} tables of {} cells in use): Maglev service programmed \
+                     with random selection",
+                    map_names::MAGLEV,
+                    self.maglev_tables.len(),
+                    g.table_size
+                ),
+                full_map: Some(map_names::MAGLEV),
+            });
+        }
+        let master = SvcValue {
+            backend_id: maglev.master_backend_id,
+            count: active as u16,
+            qcount: (total - active) as u16,
+            rev_nat_id,
+            flags: entry.flags,
+            lb_alg: maglev.lb_alg,
+            pad: 0,
+            affinity_timeout: if affine { entry.affinity_timeout } else { 0 },
+        };
         // The state a backend gets in the (shared) backends map.
         let global = |b: &Backend| Backend {
             l4: b.l4,
@@ -501,6 +571,7 @@ impl<M: LbMaps> Reconciler<M> {
         };
         let unchanged = ranges.is_empty()
             && matches.is_empty()
+            && maglev.writes.is_empty()
             && existing
                 .as_ref()
                 .is_some_and(|i| i.master == master && i.slots == planned_ids)
@@ -510,6 +581,9 @@ impl<M: LbMaps> Reconciler<M> {
                 .zip(&planned_ids)
                 .all(|(b, id)| self.backends.get(id) == Some(&global(b)));
         if unchanged {
+            if let Some(set) = maglev.built {
+                self.maglev_built.insert(*fe, set);
+            }
             return Ok(());
         }
         for (table, needed) in [
@@ -563,7 +637,8 @@ impl<M: LbMaps> Reconciler<M> {
             report.writes += 1;
             self.aff_match.insert(*m);
         }
-        let keep: BTreeSet<AffMatch> = aff_matches(fe, &master, &planned_ids).collect();
+        let keep: BTreeSet<AffMatch> =
+            aff_matches(fe, affine, rev_nat_id, &planned_ids[..active]).collect();
         let stale: Vec<AffMatch> = self
             .aff_match
             .iter()
@@ -576,13 +651,25 @@ impl<M: LbMaps> Reconciler<M> {
             report.deletes += 1;
             self.aff_match.remove(&m);
         }
-        // 3. Slots, then 4. the master entry that makes them visible.
+        // 3. Slots and the Maglev table, then 4. the master entry that makes them visible.
         let old = existing;
-        if let Err(e) = self.write_slots_and_master(fe, &planned_ids, &master, report) {
+        // Known again only once the table is whole.
+        self.maglev_built.remove(fe);
+        let table = maglev_table_of(&master).map(|t| (t, maglev.writes.as_slice()));
+        if let Err(e) = self.write_slots_and_master(fe, &planned_ids, table, &master, report) {
             if let Some(old) = old {
                 self.restore(fe, &old, report);
             }
             return Err(e.to_string().into());
+        }
+        if let Some(set) = maglev.built {
+            self.maglev_built.insert(*fe, set);
+        }
+        // A table the master no longer names is free (its cells are rewritten before reuse).
+        if let Some(t) = old.as_ref().and_then(|i| maglev_table_of(&i.master))
+            && maglev_table_of(&master) != Some(t)
+        {
+            self.maglev_tables.remove(&t);
         }
         // 5. Slots a shrunk service no longer counts.
         let old_len = old.map_or(0, |i| i.slots.len());
@@ -599,6 +686,77 @@ impl<M: LbMaps> Reconciler<M> {
         Ok(())
     }
 
+    /// How `fe`'s master selects (see `MaglevPlan`), given its active backends and their ids.
+    fn plan_maglev(
+        &self,
+        fe: &Frontend,
+        entry: &ServiceEntry,
+        active: &[Backend],
+        ids: &[u32],
+    ) -> MaglevPlan {
+        let random = MaglevPlan {
+            lb_alg: lb_alg::RANDOM,
+            master_backend_id: 0,
+            writes: Vec::new(),
+            built: None,
+            fallback: false,
+        };
+        if entry.algorithm != LbAlgorithm::Maglev {
+            return random;
+        }
+        let set = maglev::canonical(&active.iter().map(|b| b.l4).collect::<Vec<_>>());
+        if set.is_empty() {
+            // Nothing to choose (count 0): no table.
+            return MaglevPlan {
+                lb_alg: lb_alg::MAGLEV,
+                master_backend_id: NO_MAGLEV_TABLE,
+                ..random
+            };
+        }
+        let g = self.maps.maglev_geometry();
+        let current = self
+            .services
+            .get(fe)
+            .and_then(|i| maglev_table_of(&i.master))
+            .filter(|t| self.maglev_tables.contains_key(t));
+        let Some(table) =
+            current.or_else(|| (0..g.tables).find(|t| !self.maglev_tables.contains_key(t)))
+        else {
+            return MaglevPlan {
+                fallback: true,
+                ..random
+            };
+        };
+        let mut plan = MaglevPlan {
+            lb_alg: lb_alg::MAGLEV,
+            master_backend_id: table,
+            writes: Vec::new(),
+            built: Some(set.clone()),
+            fallback: false,
+        };
+        if current.is_some() && self.maglev_built.get(fe) == Some(&set) {
+            return plan;
+        }
+        let id_of: HashMap<L4Addr, u32> = active
+            .iter()
+            .map(|b| b.l4)
+            .zip(ids.iter().copied())
+            .collect();
+        let have = current.and_then(|t| self.maglev_tables.get(&t));
+        plan.writes = maglev::build(&set, g.table_size)
+            .iter()
+            .enumerate()
+            .map(|(cell, i)| {
+                (
+                    cell as u32,
+                    id_of.get(&set[*i as usize]).copied().unwrap_or(0),
+                )
+            })
+            .filter(|(cell, id)| have.is_none_or(|h| h.get(*cell as usize) != Some(id)))
+            .collect();
+        plan
+    }
+
     /// A fresh id that is neither installed nor planned in `pending`.
     fn alloc_backend_id_excluding(&mut self, pending: &[(u32, Backend)]) -> u32 {
         loop {
@@ -613,11 +771,12 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         ids: &[u32],
+        table: Option<(u32, &[(u32, u32)])>,
         master: &SvcValue,
         report: &mut ApplyReport,
     ) -> Result<(), MapOpError> {
         let fresh = !self.services.contains_key(fe);
-        let result = self.try_write_slots_and_master(fe, ids, master, report);
+        let result = self.try_write_slots_and_master(fe, ids, table, master, report);
         if result.is_err() && fresh {
             // No master was ever visible: take back the slots written so far, so a new
             // service that failed leaves nothing behind.
@@ -638,9 +797,19 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         ids: &[u32],
+        table: Option<(u32, &[(u32, u32)])>,
         master: &SvcValue,
         report: &mut ApplyReport,
     ) -> Result<(), MapOpError> {
+        if let Some((t, cells)) = table {
+            let m = self.maps.maglev_geometry().table_size as usize;
+            for (cell, id) in cells {
+                self.maps.put_maglev(t, *cell, *id)?;
+                report.writes += 1;
+                // Claimed from the first cell on: collect_garbage keeps what cells name.
+                self.maglev_tables.entry(t).or_insert_with(|| vec![0; m])[*cell as usize] = *id;
+            }
+        }
         let installed = self.services.entry(*fe).or_insert_with(|| Installed {
             master: SvcValue::default(),
             slots: Vec::new(),
@@ -713,6 +882,10 @@ impl<M: LbMaps> Reconciler<M> {
         self.maps.del_service(fe, 0)?;
         report.deletes += 1;
         self.services.remove(fe);
+        if let Some(t) = maglev_table_of(&installed.master) {
+            self.maglev_tables.remove(&t);
+        }
+        self.maglev_built.remove(fe);
         for slot in (1..=installed.slots.len()).rev() {
             match self.maps.del_service(fe, slot as u16) {
                 Ok(()) => report.deletes += 1,
@@ -734,6 +907,7 @@ impl<M: LbMaps> Reconciler<M> {
             .services
             .values()
             .flat_map(|i| i.slots.iter().copied())
+            .chain(self.maglev_tables.values().flatten().copied())
             .collect();
         let unused: Vec<u32> = self
             .backends
@@ -783,28 +957,37 @@ impl<M: LbMaps> Reconciler<M> {
     }
 }
 
-/// The affinity matches a frontend with `master` and slot backend ids `slots` needs: its active
-/// backends (slots `1..=count`), if it has session affinity.
+/// The affinity matches a frontend with session affinity (`affine`) needs: its active
+/// backends `active`.
 fn aff_matches<'a>(
     fe: &'a Frontend,
-    master: &'a SvcValue,
-    slots: &'a [u32],
+    affine: bool,
+    rev_nat_id: u32,
+    active: &'a [u32],
 ) -> impl Iterator<Item = AffMatch> + 'a {
-    let affine = master.flags & svc_flags::AFFINITY != 0;
-    let active = if affine {
-        &slots[..(master.count as usize).min(slots.len())]
-    } else {
-        &[]
-    };
+    let active = if affine { active } else { &[] };
     active
         .iter()
         .filter(|id| **id != 0)
         .map(move |id| AffMatch {
             family: Family::of(&fe.l4.addr),
-            rev_nat_id: master.rev_nat_id,
+            rev_nat_id,
             scope: fe.scope,
             backend_id: *id,
         })
+}
+
+/// What a frontend's master says about its algorithm, and the Maglev cells to write first.
+struct MaglevPlan {
+    lb_alg: u8,
+    /// The master's `backend_id`: its Maglev table (or `NO_MAGLEV_TABLE`), 0 for random.
+    master_backend_id: u32,
+    /// (cell, backend id) of the master's table that differ from what it holds.
+    writes: Vec<(u32, u32)>,
+    /// The canonical backend set the table holds once `writes` are written.
+    built: Option<Vec<L4Addr>>,
+    /// Maglev was asked for, but `lb_maglev` has no free table: random instead.
+    fallback: bool,
 }
 
 /// Frontends per ClusterIP address among `frontends` (frontend, `svc_flags`).

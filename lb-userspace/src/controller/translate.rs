@@ -29,9 +29,13 @@ use k8s_openapi::api::{
 use lb_common::svc_flags;
 
 use crate::model::{
-    Backend, BackendState, Cidr, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry,
-    ServicePortName,
+    Backend, BackendState, Cidr, DesiredState, Frontend, L4Addr, LbAlgorithm, Proto, Scope,
+    ServiceEntry, ServicePortName,
 };
+
+/// Annotation choosing a Service's load-balancing algorithm (`random` or `maglev`), overriding
+/// the node default (`--lb-algorithm`).
+pub const ANNOTATION_LB_ALGORITHM: &str = "lb.io/lb-algorithm";
 
 /// Label naming the service an EndpointSlice belongs to.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -54,6 +58,9 @@ pub struct NodeInfo {
     /// This node's own addresses: an external or LoadBalancer IP among them is a local
     /// frontend (`svc_flags::LOCAL_ADDR`), like a NodePort.
     pub local_ips: Vec<IpAddr>,
+    /// The algorithm of Services without the `lb.io/lb-algorithm` annotation
+    /// (`--lb-algorithm`).
+    pub lb_algorithm: LbAlgorithm,
 }
 
 impl NodeInfo {
@@ -115,6 +122,9 @@ pub enum SkipReason {
     /// `sessionAffinityConfig.clientIP.timeoutSeconds` outside what the API server allows
     /// (1..=86400): kube-proxy's default timeout is used instead.
     InvalidSessionAffinity,
+    /// An annotation lb reads has a value it does not know; the node default is used instead
+    /// (the Service is programmed).
+    InvalidAnnotation,
 }
 
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
@@ -143,6 +153,7 @@ impl SkipReason {
             SkipReason::DuplicatePortName => "duplicate_port_name",
             SkipReason::TooManyEndpoints => "too_many_endpoints",
             SkipReason::UnmatchedPort => "unmatched_port",
+            SkipReason::InvalidAnnotation => "invalid_annotation",
         }
     }
 }
@@ -633,6 +644,25 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
+        let algorithm = match svc
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_LB_ALGORITHM))
+        {
+            None => node.lb_algorithm,
+            Some(v) => LbAlgorithm::parse(v).unwrap_or_else(|| {
+                skipped.push(skip(
+                    SkipReason::InvalidAnnotation,
+                    format!(
+                        "annotation {ANNOTATION_LB_ALGORITHM} {v:?} is not random or maglev; \
+                         using the node default {}",
+                        node.lb_algorithm.as_str()
+                    ),
+                ));
+                node.lb_algorithm
+            }),
+        };
 
         let parse_ips = |what: &str, list: Vec<&str>, skipped: &mut Vec<Skipped>| -> Vec<IpAddr> {
             let mut ips = Vec::new();
@@ -835,6 +865,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                             flags: flags | svc_flags::CLUSTER_IP | aff_flag,
                             backends: internal.clone(),
                             affinity_timeout,
+                            algorithm,
                             ..ServiceEntry::default()
                         },
                     );
@@ -906,6 +937,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                 backends: external.clone(),
                                 source_ranges: ranges.clone(),
                                 affinity_timeout,
+                                algorithm,
                             },
                         );
                         if two_scopes {
@@ -924,6 +956,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                     backends: cluster.clone(),
                                     source_ranges: ranges,
                                     affinity_timeout,
+                                    algorithm,
                                 },
                             );
                         }

@@ -25,12 +25,12 @@ use lb_common::{
     ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
     LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
     SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, globals,
-    map_names, map_sizes, prog_names,
+    maglev, map_names, map_sizes, prog_names,
 };
 
 use super::{
     links,
-    maps::{BpfMaps, Table},
+    maps::{BpfMaps, MaglevGeometry, Table},
 };
 use crate::{model::Family, node_facts::NodeFacts};
 
@@ -68,7 +68,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 25] = [
+const MAP_SPECS: [MapSpec; 26] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
@@ -142,6 +142,8 @@ const MAP_SPECS: [MapSpec; 25] = [
     ),
     spec::<AffinityMatchKey, u8>(map_names::AFF_MATCH4, MapType::Hash, map_sizes::AFF_MATCH),
     spec::<AffinityMatchKey, u8>(map_names::AFF_MATCH6, MapType::Hash, map_sizes::AFF_MATCH),
+    // max_entries: tables × M, from `LoadOptions::maglev_geometry` (never `--bpf-map-max`).
+    spec::<u32, u32>(map_names::MAGLEV, MapType::Array, 0),
 ];
 
 /// How `lb_xdp` is attached to external devices (`--xdp`).
@@ -212,11 +214,29 @@ pub struct LoadOptions {
     /// With `pin_dir`: attachments outlive the process (links pinned under `links/`, netlink
     /// filters left in place) and a later load adopts them (`lb run`; see `links`).
     pub persist_links: bool,
+    /// M of the Maglev tables (`--maglev-table-size`); 0: `maglev::DEFAULT_TABLE_SIZE`.
+    pub maglev_table_size: u32,
+    /// Maglev tables in `lb_maglev` (`--bpf-maglev-tables`); 0:
+    /// `maglev::DEFAULT_TABLES_RANDOM`.
+    pub maglev_tables: u32,
 }
 
 impl LoadOptions {
+    /// `lb_maglev`'s shape with the defaults filled in.
+    pub fn maglev_geometry(&self) -> MaglevGeometry {
+        let or = |v: u32, d: u32| if v == 0 { d } else { v };
+        MaglevGeometry {
+            table_size: or(self.maglev_table_size, maglev::DEFAULT_TABLE_SIZE),
+            tables: or(self.maglev_tables, maglev::DEFAULT_TABLES_RANDOM),
+        }
+    }
+
     /// The max_entries `name` gets: the override, else the default.
     pub fn max_entries_of(&self, name: &str) -> u32 {
+        if name == map_names::MAGLEV {
+            let g = self.maglev_geometry();
+            return g.tables.saturating_mul(g.table_size);
+        }
         self.max_entries.get(name).copied().unwrap_or_else(|| {
             MAP_SPECS
                 .iter()
@@ -227,7 +247,25 @@ impl LoadOptions {
 
     /// Rejects unknown map names and sizes the kernel would refuse.
     pub fn validate(&self) -> anyhow::Result<()> {
+        let g = self.maglev_geometry();
+        if !crate::controller::maglev::valid_table_size(g.table_size) {
+            bail!(
+                "Maglev table size {} is not one of the allowed primes {:?}",
+                g.table_size,
+                maglev::TABLE_SIZES
+            );
+        }
+        if u64::from(g.tables) * u64::from(g.table_size) > u64::from(u32::MAX / 8) {
+            bail!(
+                "{} Maglev tables of {} cells exceed what one array map holds",
+                g.tables,
+                g.table_size
+            );
+        }
         for (name, n) in &self.max_entries {
+            if name == map_names::MAGLEV {
+                bail!("{name} is sized by --bpf-maglev-tables and --maglev-table-size");
+            }
             if !MAP_SPECS.iter().any(|s| s.name == name) {
                 bail!("unknown map {name:?}; maps: {}", map_names::ALL.join(", "));
             }
@@ -295,6 +333,7 @@ pub struct Datapath {
     used_links: Vec<PathBuf>,
     max_entries: BTreeMap<String, u32>,
     set_retval: bool,
+    maglev: MaglevGeometry,
 }
 
 impl Datapath {
@@ -320,13 +359,18 @@ impl Datapath {
                 prepare_pin_dir(dir)?;
             }
             // The version first: it explains a layout change better than a size mismatch.
-            super::meta::check(dir)?;
+            let meta = super::meta::check(dir)?;
+            super::meta::check_maglev(dir, meta.as_ref(), opts.maglev_geometry().table_size)?;
             check_pinned_maps(dir, opts)?;
         }
         let mut loader = EbpfLoader::new();
         for (name, n) in &opts.max_entries {
             loader.map_max_entries(name, *n);
         }
+        let maglev = opts.maglev_geometry();
+        loader.map_max_entries(map_names::MAGLEV, opts.max_entries_of(map_names::MAGLEV));
+        // Frozen .rodata like LB_TRACE: the datapath's M is always the tables' M.
+        loader.override_global(globals::MAGLEV_TABLE_SIZE, &maglev.table_size, true);
         if opts.trace {
             // A .rodata global: the kernel freezes it, so with the default 0 the verifier
             // prunes the tracing code from production loads.
@@ -356,6 +400,7 @@ impl Datapath {
                 super::meta::write(
                     ebpf.map_mut(map_names::META)
                         .context("map lb_meta missing")?,
+                    maglev.table_size,
                 )?;
             }
         }
@@ -379,6 +424,7 @@ impl Datapath {
             used_links: Vec::new(),
             max_entries,
             set_retval,
+            maglev,
         })
     }
 
@@ -681,6 +727,15 @@ impl Datapath {
             aff_match4: self.take(map_names::AFF_MATCH4)?,
             aff_match6: self.take(map_names::AFF_MATCH6)?,
             capacities,
+            maglev: Some(
+                Array::try_from(
+                    self.ebpf
+                        .take_map(map_names::MAGLEV)
+                        .context("map lb_maglev missing (already taken?)")?,
+                )
+                .context("map lb_maglev has an unexpected type")?,
+            ),
+            maglev_geometry: self.maglev,
         })
     }
 
@@ -834,6 +889,19 @@ fn prepare_pin_dir(dir: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("chmod 0700 {}", dir.display()))
 }
 
+/// The number of tables of the `lb_maglev` pinned in `dir`, if it was laid out with
+/// `table_size` cells per table: a restart without `--bpf-maglev-tables` keeps the pinned
+/// size (the default depends on `--lb-algorithm`, and a changed default must not refuse the
+/// pins).
+pub fn pinned_maglev_tables(dir: &Path, table_size: u32) -> Option<u32> {
+    let meta = super::meta::read(dir).ok().flatten()?;
+    if meta.maglev_table_size != table_size || table_size == 0 {
+        return None;
+    }
+    let info = MapInfo::from_pin(dir.join(map_names::MAGLEV)).ok()?;
+    (info.max_entries() % table_size == 0).then(|| info.max_entries() / table_size)
+}
+
 /// Refuses pinned maps whose layout this lb does not understand, rather than misreading them.
 fn check_pinned_maps(dir: &Path, opts: &LoadOptions) -> anyhow::Result<()> {
     for spec in &MAP_SPECS {
@@ -856,6 +924,17 @@ fn check_pinned_maps(dir: &Path, opts: &LoadOptions) -> anyhow::Result<()> {
             spec.value_size,
             opts.max_entries_of(spec.name),
         );
+        if found != want && spec.name == map_names::MAGLEV && found.0 == want.0 {
+            bail!(
+                "pinned map {} holds {} Maglev cells, this lb wants {} (--bpf-maglev-tables × \
+                 --maglev-table-size): run with the flags it was made with, or stop lb and \
+                 remove {} (lb rebuilds every table before its programs attach)",
+                path.display(),
+                found.3,
+                want.3,
+                path.display()
+            );
+        }
         if found != want {
             bail!(
                 "pinned map {} is {:?} with key/value size {}/{} and {} entries, this lb needs \

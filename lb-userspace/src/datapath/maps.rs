@@ -8,11 +8,11 @@ use std::{
 };
 
 use anyhow::Context as _;
-use aya::maps::{HashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key as LpmKey};
+use aya::maps::{Array, HashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key as LpmKey};
 use lb_common::{
     AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
-    MetricValue, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, map_names,
-    svc_flags,
+    MetricValue, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, lb_alg,
+    map_names, svc_flags,
 };
 
 use crate::{
@@ -100,6 +100,9 @@ pub struct Dump {
     pub src_ranges: BTreeSet<(u32, Cidr)>,
     /// The backends session affinity may name, per frontend (`lb*_aff_match`).
     pub aff_match: BTreeSet<AffMatch>,
+    /// Maglev table index → its M cells (backend ids, 0: empty), for the tables Maglev masters
+    /// name (`lb_maglev`; the other tables' cells are free space).
+    pub maglev: BTreeMap<u32, Vec<u32>>,
 }
 
 /// An `lb*_aff_match` entry: `backend_id` is an active backend of frontend `rev_nat_id` in
@@ -122,6 +125,22 @@ impl AffMatch {
         }
     }
 }
+
+/// The shape of `lb_maglev`: M cells per table, and how many tables.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MaglevGeometry {
+    pub table_size: u32,
+    pub tables: u32,
+}
+
+/// The table index a Maglev master names, if it is a Maglev master with a table.
+pub fn maglev_table_of(master: &SvcValue) -> Option<u32> {
+    (master.lb_alg == lb_alg::MAGLEV && master.backend_id != NO_MAGLEV_TABLE)
+        .then_some(master.backend_id)
+}
+
+/// A Maglev master's `backend_id` while it has no active backend (and so no table).
+pub const NO_MAGLEV_TABLE: u32 = u32::MAX;
 
 impl Dump {
     /// Entries `table` holds for `family`.
@@ -225,6 +244,16 @@ pub trait LbMaps {
     /// Lets affinity entries of a frontend name a backend.
     fn put_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError>;
     fn del_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError>;
+    /// `lb_maglev`'s shape; no tables (the default): Maglev frontends fall back to random.
+    fn maglev_geometry(&self) -> MaglevGeometry {
+        MaglevGeometry::default()
+    }
+    /// Writes backend `id` into `cell` of Maglev table `table`.
+    fn put_maglev(&mut self, _table: u32, _cell: u32, _id: u32) -> Result<(), MapOpError> {
+        Err(MapOpError::Full {
+            map: map_names::MAGLEV,
+        })
+    }
 }
 
 /// The `lb4_services` key of `fe`'s `slot`.
@@ -266,6 +295,10 @@ pub struct BpfMaps {
     pub aff_match4: HashMap<MapData, AffinityMatchKey, u8>,
     pub aff_match6: HashMap<MapData, AffinityMatchKey, u8>,
     pub capacities: BTreeMap<(Table, Family), u32>,
+    /// `lb_maglev`, with the M the programs were loaded with (`None`: pins of an lb without
+    /// Maglev, opened read-only).
+    pub maglev: Option<Array<MapData, u32>>,
+    pub maglev_geometry: MaglevGeometry,
 }
 
 impl LbMaps for BpfMaps {
@@ -338,6 +371,22 @@ impl LbMaps for BpfMaps {
                 };
                 dump.services.insert((fe, k.slot), v);
             }
+        }
+        let tables: BTreeSet<u32> = dump
+            .services
+            .iter()
+            .filter(|((_, slot), _)| *slot == 0)
+            .filter_map(|(_, v)| maglev_table_of(v))
+            .filter(|t| *t < self.maglev_geometry.tables)
+            .collect();
+        let m = self.maglev_geometry.table_size;
+        for t in tables {
+            let Some(maglev) = &self.maglev else { break };
+            let cells = (0..m)
+                .map(|c| maglev.get(&(t * m + c), 0))
+                .collect::<Result<Vec<u32>, _>>()
+                .with_context(|| format!("reading {} table {t}", map_names::MAGLEV))?;
+            dump.maglev.insert(t, cells);
         }
         for item in self.cluster_ips4.iter() {
             let (k, v) = item?;
@@ -561,10 +610,40 @@ impl LbMaps for BpfMaps {
         };
         ignore_missing(map.remove(&entry.key())).map_err(|e| MapOpError::from_aya(name, e))
     }
+
+    fn maglev_geometry(&self) -> MaglevGeometry {
+        self.maglev_geometry
+    }
+
+    fn put_maglev(&mut self, table: u32, cell: u32, id: u32) -> Result<(), MapOpError> {
+        let g = self.maglev_geometry;
+        let Some(maglev) = self
+            .maglev
+            .as_mut()
+            .filter(|_| table < g.tables && cell < g.table_size)
+        else {
+            return Err(MapOpError::Full {
+                map: map_names::MAGLEV,
+            });
+        };
+        maglev
+            .set(table * g.table_size + cell, id, 0)
+            .map_err(|e| MapOpError::from_aya(map_names::MAGLEV, e))
+    }
 }
 
 /// Point lookups in the live maps, for views that must read what the datapath reads (trace).
 impl BpfMaps {
+    /// The backend id in `cell` of Maglev table `table`.
+    pub fn maglev_cell(&self, table: u32, cell: u32) -> Option<u32> {
+        let m = self.maglev_geometry.table_size;
+        let index = u64::from(table) * u64::from(m) + u64::from(cell);
+        self.maglev
+            .as_ref()?
+            .get(&u32::try_from(index).ok()?, 0)
+            .ok()
+    }
+
     /// The entry at `slot` of `fe` (0: the master).
     pub fn service(&self, fe: &Frontend, slot: u16) -> Option<SvcValue> {
         match fe.l4.addr {
@@ -665,6 +744,11 @@ pub enum MapOp {
     },
     PutAffMatch(AffMatch),
     DelAffMatch(AffMatch),
+    PutMaglev {
+        table: u32,
+        cell: u32,
+        id: u32,
+    },
 }
 
 impl MapOp {
@@ -677,6 +761,7 @@ impl MapOp {
                 | MapOp::PutClusterIp { .. }
                 | MapOp::PutSrcRange { .. }
                 | MapOp::PutAffMatch(_)
+                | MapOp::PutMaglev { .. }
         )
     }
 }
@@ -722,6 +807,9 @@ impl std::fmt::Display for MapOp {
                 m.scope.as_str(),
                 m.backend_id
             ),
+            MapOp::PutMaglev { table, cell, id } => {
+                write!(f, "put maglev table {table} cell {cell} backend {id}")
+            }
         }
     }
 }
@@ -734,6 +822,9 @@ pub struct MemMaps {
     pub capacities: BTreeMap<(Table, Family), u32>,
     /// Every write and delete, in order, for ordering assertions.
     pub journal: Vec<MapOp>,
+    /// `lb_maglev`'s shape (`with_capacity`: 8 tables of 251 cells); the cells of the tables
+    /// masters name are in `dump.maglev`.
+    pub maglev_geometry: MaglevGeometry,
 }
 
 impl MemMaps {
@@ -746,6 +837,10 @@ impl MemMaps {
         }
         Self {
             capacities,
+            maglev_geometry: MaglevGeometry {
+                table_size: 251,
+                tables: 8,
+            },
             ..Self::default()
         }
     }
@@ -878,6 +973,27 @@ impl LbMaps for MemMaps {
         self.dump.aff_match.remove(entry);
         Ok(())
     }
+
+    fn maglev_geometry(&self) -> MaglevGeometry {
+        self.maglev_geometry
+    }
+
+    fn put_maglev(&mut self, table: u32, cell: u32, id: u32) -> Result<(), MapOpError> {
+        let g = self.maglev_geometry;
+        if table >= g.tables || cell >= g.table_size {
+            return Err(MapOpError::Full {
+                map: map_names::MAGLEV,
+            });
+        }
+        self.journal.push(MapOp::PutMaglev { table, cell, id });
+        let cells = self
+            .dump
+            .maglev
+            .entry(table)
+            .or_insert_with(|| vec![0; g.table_size as usize]);
+        cells[cell as usize] = id;
+        Ok(())
+    }
 }
 
 /// A stable, human-readable rendering of the maps: one block per frontend with its slots
@@ -902,9 +1018,14 @@ pub fn render(dump: &Dump) -> String {
             Some((a, p)) => format!("MISMATCH {a}:{p}"),
             None => "MISSING".to_string(),
         };
+        let alg = match (v.lb_alg, maglev_table_of(v)) {
+            (lb_alg::MAGLEV, Some(t)) => format!(" alg=maglev table={t}"),
+            (lb_alg::MAGLEV, None) => " alg=maglev table=none".to_string(),
+            _ => String::new(),
+        };
         let _ = writeln!(
             out,
-            "{}{scope} flags={} count={} qcount={} revnat={}({revnat})",
+            "{}{scope} flags={} count={} qcount={} revnat={}({revnat}){alg}",
             fe.l4,
             flag_names(v.flags),
             v.count,
@@ -934,6 +1055,9 @@ pub fn render(dump: &Dump) -> String {
                 "  affinity timeout={}s match({check})",
                 v.affinity_timeout
             );
+        }
+        if let Some(t) = maglev_table_of(v) {
+            render_maglev(&mut out, dump, t);
         }
         for s in 1..=v.slots() {
             match dump.services.get(&(*fe, s)) {
@@ -1013,6 +1137,33 @@ pub fn render(dump: &Dump) -> String {
         }
     }
     out
+}
+
+/// A Maglev table's summary: its cells per backend (or the ids it names that are missing).
+fn render_maglev(out: &mut String, dump: &Dump, table: u32) {
+    let Some(cells) = dump.maglev.get(&table) else {
+        let _ = writeln!(out, "  maglev table {table}: MISSING");
+        return;
+    };
+    let mut per: BTreeMap<u32, usize> = BTreeMap::new();
+    for id in cells {
+        *per.entry(*id).or_insert(0) += 1;
+    }
+    let mut parts: Vec<String> = per
+        .iter()
+        .map(|(id, n)| match dump.backends.get(id) {
+            Some(b) => format!("{}={n}", b.l4),
+            None if *id == 0 => format!("EMPTY={n}"),
+            None => format!("MISSING backend {id}={n}"),
+        })
+        .collect();
+    parts.sort();
+    let _ = writeln!(
+        out,
+        "  maglev table {table}: {} cells: {}",
+        cells.len(),
+        parts.join(" ")
+    );
 }
 
 /// Counts a hash map's keys by walking them, at most `max` (its capacity). Entries the datapath

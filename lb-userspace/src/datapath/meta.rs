@@ -15,7 +15,7 @@ pub fn current() -> PinMeta {
     lb_version[..n].copy_from_slice(&v[..n]);
     PinMeta {
         layout_version: LAYOUT_VERSION,
-        _pad: 0,
+        maglev_table_size: 0,
         netns_inode: own_netns_inode().unwrap_or(0),
         lb_version,
     }
@@ -93,11 +93,32 @@ fn check_version(dir: &Path, meta: &PinMeta) -> anyhow::Result<()> {
     )
 }
 
-/// Writes [`current`] into the loaded `lb_meta`.
-pub fn write(map: &mut Map) -> anyhow::Result<()> {
+/// Writes [`current`] into the loaded `lb_meta`, with the Maglev table size `lb_maglev` is
+/// laid out with.
+pub fn write(map: &mut Map, maglev_table_size: u32) -> anyhow::Result<()> {
+    let meta = PinMeta {
+        maglev_table_size,
+        ..current()
+    };
     Array::<_, PinMeta>::try_from(map)?
-        .set(0, current(), 0)
+        .set(0, meta, 0)
         .context("writing lb_meta")
+}
+
+/// Refuses a pinned `lb_maglev` laid out with another M than `want`: its cells would be read at
+/// the wrong offsets (the map's size alone cannot tell, e.g. 509 tables of 251 vs 251 of 509).
+pub fn check_maglev(dir: &Path, meta: Option<&PinMeta>, want: u32) -> anyhow::Result<()> {
+    let found = meta.map_or(0, |m| m.maglev_table_size);
+    if found == 0 || found == want || !dir.join(map_names::MAGLEV).exists() {
+        return Ok(());
+    }
+    bail!(
+        "the Maglev tables pinned at {} have {found} cells each, this lb is configured for \
+         {want} (--maglev-table-size): run with --maglev-table-size {found}, or stop lb and \
+         remove {} (lb rebuilds every table before its programs attach; other pins stay)",
+        dir.join(map_names::MAGLEV).display(),
+        dir.join(map_names::MAGLEV).display()
+    )
 }
 
 #[cfg(test)]

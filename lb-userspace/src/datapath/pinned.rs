@@ -4,13 +4,13 @@
 use std::{collections::BTreeMap, fs, io, path::Path};
 
 use anyhow::{Context as _, bail};
-use aya::maps::{HashMap, Map, MapData, MapInfo, PerCpuArray};
+use aya::maps::{Array, HashMap, Map, MapData, MapInfo, PerCpuArray};
 use lb_common::{
     AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
     MetricValue, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, metrics,
 };
 
-use super::maps::{BpfMaps, Table, read_counter};
+use super::maps::{BpfMaps, MaglevGeometry, Table, read_counter};
 use crate::model::Family;
 
 impl BpfMaps {
@@ -19,7 +19,7 @@ impl BpfMaps {
     /// rather than misread.
     pub fn open_pinned(dir: &Path) -> anyhow::Result<Self> {
         check_pin_dir(dir)?;
-        super::meta::check(dir)?;
+        let meta = super::meta::check(dir)?;
         let mut capacities = BTreeMap::new();
         for t in Table::ALL {
             for f in [Family::V4, Family::V6] {
@@ -29,6 +29,22 @@ impl BpfMaps {
                 capacities.insert((t, f), info.max_entries());
             }
         }
+        // Pins from an lb without Maglev have no lb_maglev (and M 0 in lb_meta).
+        let table_size = meta.map_or(0, |m| m.maglev_table_size);
+        let path = dir.join(map_names::MAGLEV);
+        let (maglev, maglev_geometry) = if table_size != 0 && path.exists() {
+            let info = MapInfo::from_pin(&path).map_err(|e| pin_error(&path, e))?;
+            let map = open_map(dir, map_names::MAGLEV)?;
+            let array = Array::try_from(map)
+                .with_context(|| format!("pinned map {} is not lb's", path.display()))?;
+            let geometry = MaglevGeometry {
+                table_size,
+                tables: info.max_entries() / table_size,
+            };
+            (Some(array), geometry)
+        } else {
+            (None, MaglevGeometry::default())
+        };
         Ok(BpfMaps {
             services4: open_hash::<Svc4Key, SvcValue>(dir, map_names::SERVICES4)?,
             backends4: open_hash::<u32, Backend4>(dir, map_names::BACKENDS4)?,
@@ -43,6 +59,8 @@ impl BpfMaps {
             aff_match4: open_hash::<AffinityMatchKey, u8>(dir, map_names::AFF_MATCH4)?,
             aff_match6: open_hash::<AffinityMatchKey, u8>(dir, map_names::AFF_MATCH6)?,
             capacities,
+            maglev,
+            maglev_geometry,
         })
     }
 }
