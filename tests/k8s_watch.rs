@@ -762,6 +762,10 @@ async fn server_gone_keeps_the_state_then_relist_removes_what_was_deleted() {
     .await;
     assert_eq!(h.metrics.api_server_connected(), Some(true));
     assert_eq!(metric(&h.metrics, "lb_apiserver_connected"), 1.0);
+    // Snapshots already published (another watcher's first list may follow the one that
+    // showed both services) are consumed first: only what comes while the server is away
+    // counts below.
+    while h.snapshot_within(Duration::from_millis(500)).await {}
 
     let server = h.server.clone();
     tokio::task::block_in_place(|| server.stop());
