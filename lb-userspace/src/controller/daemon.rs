@@ -19,7 +19,10 @@ use crate::{
         maps::LbMaps,
     },
     healthcheck::{self, HealthServers},
-    metrics::{self, Metrics, kubeproxy::ChangeTracker},
+    metrics::{
+        self, Metrics,
+        kubeproxy::{ChangeTracker, Changes},
+    },
     node_facts::{self, NodeFacts, NodeFactsArgs, host_ips},
     state_dir,
 };
@@ -181,12 +184,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     facts = Some(now);
                 }
                 let base = node_base(&opts, facts.as_ref());
-                let synced = sync_node(&mut reconciler, &snapshot, &base, generation, &metrics);
-                metrics.kube_proxy().programmed(
-                    &changes,
-                    std::time::SystemTime::now(),
-                    &synced.no_local_endpoints,
-                );
+                let synced =
+                    sync_node(&mut reconciler, &snapshot, &base, generation, &metrics, &changes);
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
                 }
@@ -326,16 +325,25 @@ pub fn sync<M: LbMaps>(
         name: node_name.to_string(),
         ..NodeInfo::default()
     };
-    sync_node(reconciler, snapshot, &base, generation, metrics)
+    sync_node(
+        reconciler,
+        snapshot,
+        &base,
+        generation,
+        metrics,
+        &Changes::default(),
+    )
 }
 
-/// `sync` for the node `base` describes (its zone comes from the snapshot's Node object).
+/// `sync` for the node `base` describes (its zone comes from the snapshot's Node object);
+/// `changes` are what the snapshot changed, for kube-proxy's SLIs.
 pub fn sync_node<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     snapshot: &Snapshot,
     base: &NodeInfo,
     generation: u64,
     metrics: &Metrics,
+    changes: &Changes,
 ) -> Synced {
     let start = Instant::now();
     for p in &snapshot.problems {
@@ -393,6 +401,12 @@ pub fn sync_node<M: LbMaps>(
         lb_common::map_names::MAGLEV,
         tables as u64,
         u64::from(capacity),
+    );
+    // Before the log line: whoever sees "synced" finds the sync counted.
+    metrics.kube_proxy().programmed(
+        changes,
+        std::time::SystemTime::now(),
+        &translation.no_local_endpoints,
     );
     metrics.mark_synced();
     tracing::debug!(
