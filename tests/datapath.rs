@@ -207,14 +207,29 @@ impl Fixture {
         }
     }
 
+    /// `lb4_ct_tcp`.
     fn ct4(&mut self) -> HashMap<&mut MapData, Ct4Key, Ct4Value> {
-        HashMap::try_from(self.datapath.ebpf_mut().map_mut("lb4_ct").expect("lb4_ct"))
-            .expect("ct map")
+        self.ct4_of(6)
     }
 
-    fn ct6(&mut self) -> HashMap<&mut MapData, Ct6Key, Ct6Value> {
-        HashMap::try_from(self.datapath.ebpf_mut().map_mut("lb6_ct").expect("lb6_ct"))
-            .expect("ct map")
+    /// The IPv4 conntrack map of `proto`: `lb4_ct_tcp` or `lb4_ct_any`.
+    fn ct4_of(&mut self, proto: u8) -> HashMap<&mut MapData, Ct4Key, Ct4Value> {
+        let name = if proto == 6 {
+            map_names::CT_TCP4
+        } else {
+            map_names::CT_ANY4
+        };
+        HashMap::try_from(self.datapath.ebpf_mut().map_mut(name).expect(name)).expect("ct map")
+    }
+
+    /// The IPv6 conntrack map of `proto`.
+    fn ct6_of(&mut self, proto: u8) -> HashMap<&mut MapData, Ct6Key, Ct6Value> {
+        let name = if proto == 6 {
+            map_names::CT_TCP6
+        } else {
+            map_names::CT_ANY6
+        };
+        HashMap::try_from(self.datapath.ebpf_mut().map_mut(name).expect(name)).expect("ct map")
     }
 
     /// The conntrack entry of `saddr:sport -> daddr:dport` (`proto`) in direction `dir`.
@@ -238,7 +253,7 @@ impl Fixture {
                     dir,
                     pad: [0; 2],
                 };
-                self.ct4().get(&key, 0).ok().map(|v| Ct {
+                self.ct4_of(proto).get(&key, 0).ok().map(|v| Ct {
                     backend_id: v.backend_id,
                     rev_nat_id: v.rev_nat_id,
                     expires: v.expires,
@@ -257,7 +272,7 @@ impl Fixture {
                     dir,
                     pad: [0; 2],
                 };
-                self.ct6().get(&key, 0).ok().map(|v| Ct {
+                self.ct6_of(proto).get(&key, 0).ok().map(|v| Ct {
                     backend_id: v.backend_id,
                     rev_nat_id: v.rev_nat_id,
                     expires: v.expires,
@@ -1067,13 +1082,17 @@ fn pinned_map_of_another_size_is_refused() {
     };
     drop(Datapath::load(&pinned).expect("first load pins"));
     let resized = LoadOptions {
-        max_entries: [("lb4_ct".to_string(), 1024)].into_iter().collect(),
+        max_entries: [("lb4_ct_tcp".to_string(), 1024)].into_iter().collect(),
         ..pinned.clone()
     };
     let err = Datapath::load(&resized)
         .err()
         .expect("resized load must fail");
-    assert!(format!("{err:#}").contains("incompatible"), "{err:#}");
+    let err = format!("{err:#}");
+    assert!(
+        err.contains("cannot be resized") && err.contains("--bpf-ct-global-tcp-max"),
+        "{err}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1336,7 +1355,7 @@ fn master_entry_with_missing_slots_rejects_and_counts_no_backend() {
         assert_eq!(r.backend_id, 0, "no slot entry, no backend id: {r:?}");
     }
     assert!(
-        fx.ct4().keys().next().is_none(),
+        fx.ct4().keys().next().is_none() && fx.ct4_of(17).keys().next().is_none(),
         "a rejected flow leaves no conntrack entry"
     );
 }
@@ -2661,7 +2680,7 @@ fn set_retval_call_is_dead_code_unless_the_probe_found_the_helper() {
 // ---------------------------------------------------------------------------------------------
 // Conntrack pressure.
 
-/// `lb4_ct` far smaller than the flows through it. New flows are always forwarded to a
+/// `lb4_ct_tcp` far smaller than the flows through it. New flows are always forwarded to a
 /// programmed backend, and each is recorded or counted as an insert failure. A mid-stream
 /// packet whose entry LRU pressure evicted is re-balanced over the backends programmed now
 /// (counted as `tc_ct_miss_midstream`, traced as `new_midstream`), an established one keeps
@@ -2672,7 +2691,7 @@ fn conntrack_pressure_never_misforwards() {
     const FLOWS: u16 = 300;
     let mut fx = fixture_with(&LoadOptions {
         trace: true,
-        max_entries: [("lb4_ct".to_string(), CT_MAX)].into_iter().collect(),
+        max_entries: [("lb4_ct_tcp".to_string(), CT_MAX)].into_iter().collect(),
         ..LoadOptions::default()
     });
     let programmed: BTreeSet<IpAddr> = backends_of(VIP4.into()).into_iter().collect();

@@ -162,9 +162,15 @@ fn check_agreement(
 }
 
 fn ct_entries(pin_dir: &Path) -> usize {
-    let map = MapData::from_pin(pin_dir.join("lb4_ct")).unwrap();
-    let ct: HashMap<MapData, Ct4Key, Ct4Value> = HashMap::try_from(Map::LruHashMap(map)).unwrap();
-    ct.keys().count()
+    ["lb4_ct_tcp", "lb4_ct_any"]
+        .into_iter()
+        .map(|name| {
+            let map = MapData::from_pin(pin_dir.join(name)).unwrap();
+            let ct: HashMap<MapData, Ct4Key, Ct4Value> =
+                HashMap::try_from(Map::LruHashMap(map)).unwrap();
+            ct.keys().count()
+        })
+        .sum()
 }
 
 #[test]

@@ -68,6 +68,8 @@ impl From<String> for Failure {
 pub struct ApplyReport {
     pub writes: usize,
     pub deletes: usize,
+    /// Backends deleted (their conntrack entries are the GC's to remove: `conntrack::Gc`).
+    pub backends_deleted: usize,
     pub errors: Vec<ServiceError>,
 }
 
@@ -686,6 +688,7 @@ impl<M: LbMaps> Reconciler<M> {
             match self.maps.del_backend(id, Family::of(&b.l4.addr)) {
                 Ok(()) => {
                     report.deletes += 1;
+                    report.backends_deleted += 1;
                     self.backends.remove(&id);
                     if self.backend_ids.get(&b.l4) == Some(&id) {
                         self.backend_ids.remove(&b.l4);
