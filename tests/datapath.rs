@@ -2850,7 +2850,11 @@ fn midstream_tcp_to_a_removed_backend_gets_a_rst() {
         let ack = packet(client, sport, vip, VPORT, L4::TcpAck);
         let passed = fx.counter(metrics::XDP_PASS_TO_TC);
         let (verdict, out) = fx.xdp(&ack);
-        assert_eq!((verdict, &out), (XDP_PASS, &ack), "{vip}: XDP leaves it to tc");
+        assert_eq!(
+            (verdict, &out),
+            (XDP_PASS, &ack),
+            "{vip}: XDP leaves it to tc"
+        );
         assert_eq!(fx.counter(metrics::XDP_PASS_TO_TC), passed + 1);
         assert!(
             fx.ct_entry(client, sport, vip, VPORT, 6, ct_dir::SERVICE)
@@ -2933,7 +2937,10 @@ fn udp_and_syns_of_a_removed_backend_are_rebalanced() {
             let new = fx
                 .ct_entry(client, sport, vip, VPORT, n, ct_dir::SERVICE)
                 .expect("entry");
-            assert_ne!(new.backend_id, old.backend_id, "{vip} {proto}: entry rewritten");
+            assert_ne!(
+                new.backend_id, old.backend_id,
+                "{vip} {proto}: entry rewritten"
+            );
             assert_eq!(fx.counter(metrics::TC_REJECT_BACKEND_GONE), 0);
         }
     }
@@ -2970,18 +2977,42 @@ fn conntrack_lifetimes_follow_the_configured_timeouts() {
     };
     let before = monotonic_secs();
     let (_, out) = fx.ingress(&packet(client, sport, vip, VPORT, L4::TcpSyn));
-    within(expires(&mut fx, 6), before, monotonic_secs(), t.tcp_syn, "SYN");
+    within(
+        expires(&mut fx, 6),
+        before,
+        monotonic_secs(),
+        t.tcp_syn,
+        "SYN",
+    );
     let backend = parse_and_verify(&out).dst;
     let before = monotonic_secs();
     fx.ingress(&packet(backend, BPORT, client, sport, L4::TcpAck));
-    within(expires(&mut fx, 6), before, monotonic_secs(), t.tcp, "established");
+    within(
+        expires(&mut fx, 6),
+        before,
+        monotonic_secs(),
+        t.tcp,
+        "established",
+    );
     let reply = fx
         .ct_entry(backend, BPORT, client, sport, 6, ct_dir::REPLY)
         .expect("reply entry");
-    within(reply.expires, before, monotonic_secs(), t.tcp, "established (reply)");
+    within(
+        reply.expires,
+        before,
+        monotonic_secs(),
+        t.tcp,
+        "established (reply)",
+    );
     let before = monotonic_secs();
     fx.ingress(&packet(client, sport, vip, VPORT, L4::TcpFin));
-    within(expires(&mut fx, 6), before, monotonic_secs(), t.tcp_fin, "FIN");
+    within(
+        expires(&mut fx, 6),
+        before,
+        monotonic_secs(),
+        t.tcp_fin,
+        "FIN",
+    );
     let before = monotonic_secs();
     fx.ingress(&packet(client, sport, vip, VPORT, L4::Udp));
     within(expires(&mut fx, 17), before, monotonic_secs(), t.any, "UDP");

@@ -15,9 +15,7 @@ use lb::{
     datapath::load::{Datapath, LoadOptions},
     metrics::{HEALTH_TIMEOUT, Metrics, serve},
 };
-use lb_common::{
-    Backend4, Ct4Key, Ct4Value, MetricValue, ct_dir, ct_flags, map_names, metrics,
-};
+use lb_common::{Backend4, Ct4Key, Ct4Value, MetricValue, ct_dir, ct_flags, map_names, metrics};
 
 const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
 
@@ -370,7 +368,10 @@ async fn scrape_reports_observed_values() {
     assert!(
         !r.body.contains("lb_datapath_")
             && !r.body.contains("lb_conntrack_insert_failures")
-            && !r.body.lines().any(|l| l.starts_with("lb_conntrack_entries{")),
+            && !r
+                .body
+                .lines()
+                .any(|l| l.starts_with("lb_conntrack_entries{")),
         "no map series without maps, no conntrack entries before a GC pass:\n{}",
         r.body
     );
@@ -634,7 +635,11 @@ async fn datapath_maps_are_read_at_scrape_time() {
         v.sort_unstable();
         v
     };
-    assert_eq!(left, [40_000, 40_001], "only live flows of live backends stay");
+    assert_eq!(
+        left,
+        [40_000, 40_001],
+        "only live flows of live backends stay"
+    );
     assert!(gc.tcp4.get(&reply(backend.addr, 40_000), 0).is_ok());
     assert!(gc.any4.get(&udp, 0).is_ok(), "the live UDP flow stays");
     // A second pass finds nothing more to do.
@@ -721,7 +726,10 @@ async fn datapath_maps_are_read_at_scrape_time() {
             "{reason}"
         );
     }
-    assert_eq!(value(&s, "lb_conntrack_gc_duration_seconds_count", &[]), 1.0);
+    assert_eq!(
+        value(&s, "lb_conntrack_gc_duration_seconds_count", &[]),
+        1.0
+    );
 
     // States no entry is in any more read 0 after the next pass.
     m.observe_ct_gc(&lb::conntrack::GcReport::default());
@@ -736,7 +744,11 @@ async fn datapath_maps_are_read_at_scrape_time() {
         value(
             &s,
             "lb_conntrack_entries",
-            &[("family", "ipv4"), ("protocol", "tcp"), ("state", "established")]
+            &[
+                ("family", "ipv4"),
+                ("protocol", "tcp"),
+                ("state", "established")
+            ]
         ),
         0.0
     );

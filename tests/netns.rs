@@ -1091,7 +1091,10 @@ fn conntrack_gc_removes_a_deleted_backends_entries() {
     let b3 = backend_ids(
         &lb.pin_dir,
         [198, 18, 13, 2],
-        "2001:db8:0:13::2".parse::<std::net::Ipv6Addr>().unwrap().octets(),
+        "2001:db8:0:13::2"
+            .parse::<std::net::Ipv6Addr>()
+            .unwrap()
+            .octets(),
     );
     // One id per family and protocol.
     assert!(!b3.is_empty());
@@ -1099,7 +1102,11 @@ fn conntrack_gc_removes_a_deleted_backends_entries() {
     for id in &b3 {
         assert!(before.contains_key(id), "b3's flows tracked: {before:?}");
     }
-    let others: Vec<u32> = before.keys().filter(|id| !b3.contains(id)).copied().collect();
+    let others: Vec<u32> = before
+        .keys()
+        .filter(|id| !b3.contains(id))
+        .copied()
+        .collect();
     assert!(!others.is_empty(), "{before:?}");
 
     manifests.remove_endpoints(&["198.18.13.2", "2001:db8:0:13::2"]);
@@ -1136,7 +1143,10 @@ fn conntrack_gc_removes_a_deleted_backends_entries() {
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum();
     let kept: usize = others.iter().filter_map(|id| after.get(id)).sum();
-    assert_eq!(live, kept as f64, "lb_conntrack_entries sums the live entries:\n{metrics}");
+    assert_eq!(
+        live, kept as f64,
+        "lb_conntrack_entries sums the live entries:\n{metrics}"
+    );
     drop(lb);
 }
 
@@ -1189,7 +1199,12 @@ fn conntrack_gc_removes_expired_entries() {
     assert!(ct.get(&key(50_001), 0).is_ok(), "the live entry stays");
     let (_, metrics) = http_get(&tb.node_ns, "127.0.0.1:10249", "/metrics");
     assert!(
-        sample(&metrics, "lb_conntrack_gc_deleted_total{reason=\"expired\"}").unwrap() >= 1.0,
+        sample(
+            &metrics,
+            "lb_conntrack_gc_deleted_total{reason=\"expired\"}"
+        )
+        .unwrap()
+            >= 1.0,
         "{metrics}"
     );
     drop(lb);

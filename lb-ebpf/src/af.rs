@@ -7,15 +7,15 @@
 //! value copied out is never half-written.
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
-    IPPROTO_TCP, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig,
-    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4,
-    SrcRange6, Svc4Key, Svc6Key, SvcValue, config_flags,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    IPPROTO_TCP, LbConfig, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
+    SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, config_flags,
 };
 
 use crate::maps::{
     BACKENDS4, BACKENDS6, CLUSTER_CIDR4, CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT_ANY4,
-    CT_ANY6, CT_TCP4, CT_TCP6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6,
-    SVC_CIDR4, SVC_CIDR6, scratch,
+    CT_ANY6, CT_TCP4, CT_TCP6, REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6,
+    SRC_RANGE4, SRC_RANGE6, SVC_CIDR4, SVC_CIDR6, scratch,
 };
 
 /// Which scratch slot (`maps::Scratch::keys`) a conntrack key is built in: the two keys a step

@@ -22,8 +22,8 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap, IterableMap as _, MapData, MapError};
 use lb_common::{
-    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_SCTP, IPPROTO_TCP,
-    IPPROTO_UDP, ct_dir, ct_flags, ct_timeouts, map_names, map_sizes,
+    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    ct_dir, ct_flags, ct_timeouts, map_names, map_sizes,
 };
 
 use crate::datapath::pinned::open_hash;
@@ -368,6 +368,9 @@ fn snapshot<K: aya::Pod + Eq + Hash, V: aya::Pod>(
     Ok(out)
 }
 
+/// A reply entry's client side (address, port), protocol and backend id.
+type ReplyOf<F> = (<F as Family>::Addr, u16, u8, u32);
+
 fn sweep<F: Family>(
     name: &str,
     map: &mut HashMap<MapData, F::Key, F::Value>,
@@ -386,7 +389,7 @@ fn sweep<F: Family>(
     // Where each flow's reply entry says its backend is: (client side as the reply entry is
     // keyed, proto, backend id) → backend address. A service entry's backend id names the
     // backend it was made for only if that address is still the id's.
-    let mut replies: StdHashMap<(F::Addr, u16, u8, u32), (F::Addr, u16)> = StdHashMap::new();
+    let mut replies: StdHashMap<ReplyOf<F>, (F::Addr, u16)> = StdHashMap::new();
     for (k, v) in &entries {
         let (saddr, sport, daddr, dport, proto, dir) = F::key(k);
         if dir == ct_dir::REPLY {
@@ -544,7 +547,10 @@ mod tests {
     fn states_and_protocols_have_names() {
         assert_eq!(state_name(0), "new");
         assert_eq!(state_name(ct_flags::SEEN_REPLY), "established");
-        assert_eq!(state_name(ct_flags::SEEN_REPLY | ct_flags::RX_CLOSING), "closing");
+        assert_eq!(
+            state_name(ct_flags::SEEN_REPLY | ct_flags::RX_CLOSING),
+            "closing"
+        );
         assert_eq!(protocol_name(IPPROTO_TCP), "tcp");
         assert_eq!(protocol_name(1), "other");
     }
