@@ -754,3 +754,102 @@ async fn datapath_maps_are_read_at_scrape_time() {
     );
     drop(datapath);
 }
+
+/// A measurement, not a check (`cargo test -p lb-tests --test metrics -- --ignored
+/// --nocapture`): how long one GC pass takes over 100,000 entries (50,000 flows of a live
+/// backend) that all stay, and over the same entries all expired (every one deleted), and what
+/// the default-sized conntrack maps cost in kernel memory. Needs root.
+#[test]
+#[ignore = "measurement"]
+fn conntrack_gc_pass_over_a_full_map() {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let mut datapath = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
+    let ebpf = datapath.ebpf_mut();
+    for name in [
+        map_names::CT_TCP4,
+        map_names::CT_ANY4,
+        map_names::CT_TCP6,
+        map_names::CT_ANY6,
+    ] {
+        let m = ebpf.map(name).expect(name);
+        let fd = match m {
+            aya::maps::Map::LruHashMap(d) => d.fd().as_fd().as_raw_fd(),
+            _ => unreachable!(),
+        };
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap();
+        let memlock = info
+            .lines()
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .unwrap_or("?")
+            .trim()
+            .to_string();
+        println!("{name}: memlock {memlock} bytes");
+    }
+    let take = |ebpf: &mut aya::Ebpf, name: &str| ebpf.take_map(name).expect(name);
+    let mut gc = Gc {
+        tcp4: HashMap::try_from(take(ebpf, map_names::CT_TCP4)).expect("ct"),
+        any4: HashMap::try_from(take(ebpf, map_names::CT_ANY4)).expect("ct"),
+        tcp6: HashMap::try_from(take(ebpf, map_names::CT_TCP6)).expect("ct"),
+        any6: HashMap::try_from(take(ebpf, map_names::CT_ANY6)).expect("ct"),
+        backends4: HashMap::try_from(take(ebpf, map_names::BACKENDS4)).expect("backends"),
+        backends6: HashMap::try_from(take(ebpf, map_names::BACKENDS6)).expect("backends"),
+    };
+    let backend = Backend4 {
+        addr: [198, 19, 1, 1],
+        port: 8080,
+        proto: lb_common::IPPROTO_TCP,
+        state: 0,
+    };
+    gc.backends4.insert(1, backend, 0).expect("backend");
+    let now = monotonic_secs();
+    const FLOWS: u32 = 50_000;
+    let fill = |gc: &mut Gc, expires: u32| {
+        for i in 0..FLOWS {
+            let client = [198, 18, 10 + (i >> 16) as u8, (i >> 8) as u8];
+            let cport = (i & 0xff) as u16 + 1024;
+            let v = Ct4Value {
+                backend_id: 1,
+                rev_nat_id: 1,
+                expires,
+                flags: ct_flags::SEEN_REPLY,
+                ..Default::default()
+            };
+            let svc = Ct4Key {
+                saddr: client,
+                daddr: [198, 19, 0, 10],
+                sport: cport,
+                dport: 80,
+                proto: lb_common::IPPROTO_TCP,
+                dir: ct_dir::SERVICE,
+                ..Default::default()
+            };
+            let reply = Ct4Key {
+                saddr: backend.addr,
+                daddr: client,
+                sport: 8080,
+                dport: cport,
+                dir: ct_dir::REPLY,
+                ..svc
+            };
+            gc.tcp4.insert(svc, v, 0).expect("insert");
+            gc.tcp4.insert(reply, v, 0).expect("insert");
+        }
+    };
+    fill(&mut gc, now + 3600);
+    let r = gc.pass(now);
+    println!(
+        "pass over {} live entries, none deleted: {:?}",
+        r.total_entries(),
+        r.duration
+    );
+    assert_eq!(r.total_entries(), u64::from(2 * FLOWS));
+    fill(&mut gc, now.saturating_sub(1));
+    let r = gc.pass(now);
+    println!(
+        "pass over {} expired entries, all deleted: {:?}",
+        r.total_deleted(),
+        r.duration
+    );
+    assert_eq!(r.total_deleted(), u64::from(2 * FLOWS));
+    drop(datapath);
+}
