@@ -916,7 +916,7 @@ fn syn_after_close_is_balanced_again() {
 }
 
 #[test]
-fn removed_backend_gets_no_new_flows_and_established_flows_move() {
+fn removed_backend_gets_no_new_flows_and_its_connections_are_reset() {
     let mut fx = fixture();
     // Pin a flow, then remove its backend from the service.
     let (_, out) = fx.ingress(&packet(
@@ -951,14 +951,24 @@ fn removed_backend_gets_no_new_flows_and_established_flows_move() {
             "new flow to removed backend"
         );
     }
-    // The backend is gone from the maps, so its old flow is re-balanced instead of sent into
-    // the void.
-    let (_, out) = fx.ingress(&packet(
+    // The backend is gone from the maps: its old connection is reset rather than sent into
+    // the void or to a backend that never heard of it; the client's next connection on the
+    // same 5-tuple goes to a remaining backend.
+    let (verdict, out) = fx.ingress(&packet(
         CLIENT4.into(),
         5555,
         VIP4.into(),
         VPORT,
         L4::TcpAck,
+    ));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert!(matches!(parse_reply(&out).kind, ReplyKind::Rst { .. }));
+    let (_, out) = fx.ingress(&packet(
+        CLIENT4.into(),
+        5555,
+        VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
     ));
     assert!(remaining.contains(&parse_and_verify(&out).dst));
 }

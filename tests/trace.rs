@@ -632,3 +632,45 @@ fn trace_shows_the_conntrack_state_a_packet_met() {
         "the live entry is untouched: the trace deleted its private copy"
     );
 }
+
+/// `lb trace --manifests` takes `lb run`'s conntrack flags: valid lifetimes trace as usual, a
+/// zero one is refused naming its flag.
+#[test]
+fn trace_takes_the_conntrack_flags() {
+    let d = examples();
+    let d = d.to_str().unwrap();
+    let base = [
+        "--manifests",
+        d,
+        "--hostname-override",
+        "node-a",
+        "--src",
+        "198.18.10.2",
+        "--dst",
+        "198.19.0.10:80",
+        "--from",
+        "pod",
+    ];
+    let mut ok = base.to_vec();
+    ok.extend([
+        "--bpf-ct-timeout-regular-tcp-syn=5",
+        "--bpf-ct-timeout-regular-tcp=100",
+        "--bpf-ct-timeout-regular-tcp-fin=5",
+        "--bpf-ct-timeout-regular-any=5",
+        "--bpf-ct-global-tcp-max=1000",
+    ]);
+    let r = trace(&ok).remove(0);
+    assert_eq!(r["verdict"], "forward", "{r}");
+    let out = Command::new(LB)
+        .arg("trace")
+        .args(base)
+        .arg("--bpf-ct-timeout-regular-tcp-fin=0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a zero lifetime is refused");
+    assert!(
+        stderr.contains("--bpf-ct-timeout-regular-tcp-fin") && stderr.contains("1..="),
+        "{stderr}"
+    );
+}
