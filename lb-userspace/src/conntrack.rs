@@ -301,28 +301,17 @@ impl Gc {
     pub fn pass(&mut self, now: u32) -> GcReport {
         let start = Instant::now();
         let mut report = GcReport::default();
-        let b4 = read_backends::<V4>(&self.backends4);
-        let b6 = read_backends::<V6>(&self.backends6);
-        match (b4, b6) {
-            (Ok(b4), Ok(b6)) => {
-                for (name, map) in [
-                    (map_names::CT_TCP4, &mut self.tcp4),
-                    (map_names::CT_ANY4, &mut self.any4),
-                ] {
-                    sweep::<V4>(name, map, &b4, now, &mut report);
-                }
-                for (name, map) in [
-                    (map_names::CT_TCP6, &mut self.tcp6),
-                    (map_names::CT_ANY6, &mut self.any6),
-                ] {
-                    sweep::<V6>(name, map, &b6, now, &mut report);
-                }
-            }
-            (Err(e), _) | (_, Err(e)) => {
-                // Without the backends nothing can be judged: delete nothing.
-                tracing::warn!(error = %e, "conntrack GC: cannot read the backend maps");
-                report.errors += 1;
-            }
+        for (name, map) in [
+            (map_names::CT_TCP4, &mut self.tcp4),
+            (map_names::CT_ANY4, &mut self.any4),
+        ] {
+            sweep::<V4>(name, map, &self.backends4, now, &mut report);
+        }
+        for (name, map) in [
+            (map_names::CT_TCP6, &mut self.tcp6),
+            (map_names::CT_ANY6, &mut self.any6),
+        ] {
+            sweep::<V6>(name, map, &self.backends6, now, &mut report);
         }
         report.duration = start.elapsed();
         report
@@ -477,7 +466,7 @@ type ReplyOf<F> = (<F as Family>::Addr, u16, u8, u32);
 fn sweep<F: Family>(
     name: &str,
     map: &mut HashMap<MapData, F::Key, F::Value>,
-    backends: &StdHashMap<u32, (F::Addr, u16)>,
+    backend_map: &HashMap<MapData, u32, F::Backend>,
     now: u32,
     report: &mut GcReport,
 ) {
@@ -485,6 +474,18 @@ fn sweep<F: Family>(
         Ok(e) => e,
         Err(e) => {
             tracing::warn!(map = name, error = %e, "conntrack GC: cannot walk the map");
+            report.errors += 1;
+            return;
+        }
+    };
+    // The backends after the entries: a backend added since is in this read with any entry
+    // of it the walk saw, so no live flow of a new backend looks orphaned. (Ids are not reused
+    // while lb runs, so one deleted meanwhile only keeps its entries until the next pass.)
+    let backends = match read_backends::<F>(backend_map) {
+        Ok(b) => b,
+        Err(e) => {
+            // Without the backends nothing can be judged: delete nothing.
+            tracing::warn!(map = name, error = %e, "conntrack GC: cannot read the backends");
             report.errors += 1;
             return;
         }
