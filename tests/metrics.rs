@@ -765,6 +765,13 @@ fn conntrack_gc_pass_over_a_full_map() {
     use std::os::fd::{AsFd as _, AsRawFd as _};
     let mut datapath = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
     let ebpf = datapath.ebpf_mut();
+    for (name, prog) in ebpf.programs() {
+        let insns = prog
+            .info()
+            .ok()
+            .and_then(|i| i.verified_instruction_count());
+        println!("{name}: {insns:?} instructions verified");
+    }
     for name in [
         map_names::CT_TCP4,
         map_names::CT_ANY4,
