@@ -17,6 +17,7 @@ use etherparse::{
     icmpv4::DestUnreachableHeader, icmpv6::DestUnreachableCode,
 };
 use lb::{
+    conntrack::{CtTimeouts, monotonic_secs},
     controller::reconcile::Reconciler,
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
@@ -210,14 +211,29 @@ impl Fixture {
         }
     }
 
+    /// `lb4_ct_tcp`.
     fn ct4(&mut self) -> HashMap<&mut MapData, Ct4Key, Ct4Value> {
-        HashMap::try_from(self.datapath.ebpf_mut().map_mut("lb4_ct").expect("lb4_ct"))
-            .expect("ct map")
+        self.ct4_of(6)
     }
 
-    fn ct6(&mut self) -> HashMap<&mut MapData, Ct6Key, Ct6Value> {
-        HashMap::try_from(self.datapath.ebpf_mut().map_mut("lb6_ct").expect("lb6_ct"))
-            .expect("ct map")
+    /// The IPv4 conntrack map of `proto`: `lb4_ct_tcp` or `lb4_ct_any`.
+    fn ct4_of(&mut self, proto: u8) -> HashMap<&mut MapData, Ct4Key, Ct4Value> {
+        let name = if proto == 6 {
+            map_names::CT_TCP4
+        } else {
+            map_names::CT_ANY4
+        };
+        HashMap::try_from(self.datapath.ebpf_mut().map_mut(name).expect(name)).expect("ct map")
+    }
+
+    /// The IPv6 conntrack map of `proto`.
+    fn ct6_of(&mut self, proto: u8) -> HashMap<&mut MapData, Ct6Key, Ct6Value> {
+        let name = if proto == 6 {
+            map_names::CT_TCP6
+        } else {
+            map_names::CT_ANY6
+        };
+        HashMap::try_from(self.datapath.ebpf_mut().map_mut(name).expect(name)).expect("ct map")
     }
 
     /// The conntrack entry of `saddr:sport -> daddr:dport` (`proto`) in direction `dir`.
@@ -241,7 +257,7 @@ impl Fixture {
                     dir,
                     pad: [0; 2],
                 };
-                self.ct4().get(&key, 0).ok().map(|v| Ct {
+                self.ct4_of(proto).get(&key, 0).ok().map(|v| Ct {
                     backend_id: v.backend_id,
                     rev_nat_id: v.rev_nat_id,
                     expires: v.expires,
@@ -260,7 +276,7 @@ impl Fixture {
                     dir,
                     pad: [0; 2],
                 };
-                self.ct6().get(&key, 0).ok().map(|v| Ct {
+                self.ct6_of(proto).get(&key, 0).ok().map(|v| Ct {
                     backend_id: v.backend_id,
                     rev_nat_id: v.rev_nat_id,
                     expires: v.expires,
@@ -903,7 +919,7 @@ fn syn_after_close_is_balanced_again() {
 }
 
 #[test]
-fn removed_backend_gets_no_new_flows_and_established_flows_move() {
+fn removed_backend_gets_no_new_flows_and_its_connections_are_reset() {
     let mut fx = fixture();
     // Pin a flow, then remove its backend from the service.
     let (_, out) = fx.ingress(&packet(
@@ -938,14 +954,24 @@ fn removed_backend_gets_no_new_flows_and_established_flows_move() {
             "new flow to removed backend"
         );
     }
-    // The backend is gone from the maps, so its old flow is re-balanced instead of sent into
-    // the void.
-    let (_, out) = fx.ingress(&packet(
+    // The backend is gone from the maps: its old connection is reset rather than sent into
+    // the void or to a backend that never heard of it; the client's next connection on the
+    // same 5-tuple goes to a remaining backend.
+    let (verdict, out) = fx.ingress(&packet(
         CLIENT4.into(),
         5555,
         VIP4.into(),
         VPORT,
         L4::TcpAck,
+    ));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert!(matches!(parse_reply(&out).kind, ReplyKind::Rst { .. }));
+    let (_, out) = fx.ingress(&packet(
+        CLIENT4.into(),
+        5555,
+        VIP4.into(),
+        VPORT,
+        L4::TcpSyn,
     ));
     assert!(remaining.contains(&parse_and_verify(&out).dst));
 }
@@ -1070,13 +1096,17 @@ fn pinned_map_of_another_size_is_refused() {
     };
     drop(Datapath::load(&pinned).expect("first load pins"));
     let resized = LoadOptions {
-        max_entries: [("lb4_ct".to_string(), 1024)].into_iter().collect(),
+        max_entries: [("lb4_ct_tcp".to_string(), 1024)].into_iter().collect(),
         ..pinned.clone()
     };
     let err = Datapath::load(&resized)
         .err()
         .expect("resized load must fail");
-    assert!(format!("{err:#}").contains("incompatible"), "{err:#}");
+    let err = format!("{err:#}");
+    assert!(
+        err.contains("cannot be resized") && err.contains("--bpf-ct-global-tcp-max"),
+        "{err}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1339,7 +1369,7 @@ fn master_entry_with_missing_slots_rejects_and_counts_no_backend() {
         assert_eq!(r.backend_id, 0, "no slot entry, no backend id: {r:?}");
     }
     assert!(
-        fx.ct4().keys().next().is_none(),
+        fx.ct4().keys().next().is_none() && fx.ct4_of(17).keys().next().is_none(),
         "a rejected flow leaves no conntrack entry"
     );
 }
@@ -2664,7 +2694,7 @@ fn set_retval_call_is_dead_code_unless_the_probe_found_the_helper() {
 // ---------------------------------------------------------------------------------------------
 // Conntrack pressure.
 
-/// `lb4_ct` far smaller than the flows through it. New flows are always forwarded to a
+/// `lb4_ct_tcp` far smaller than the flows through it. New flows are always forwarded to a
 /// programmed backend, and each is recorded or counted as an insert failure. A mid-stream
 /// packet whose entry LRU pressure evicted is re-balanced over the backends programmed now
 /// (counted as `tc_ct_miss_midstream`, traced as `new_midstream`), an established one keeps
@@ -2682,7 +2712,7 @@ fn conntrack_pressure_never_misforwards() {
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).expect("pin to cpu 0");
     let mut fx = fixture_with(&LoadOptions {
         trace: true,
-        max_entries: [("lb4_ct".to_string(), CT_MAX)].into_iter().collect(),
+        max_entries: [("lb4_ct_tcp".to_string(), CT_MAX)].into_iter().collect(),
         ..LoadOptions::default()
     });
     let programmed: BTreeSet<IpAddr> = backends_of(VIP4.into()).into_iter().collect();
@@ -2782,6 +2812,13 @@ fn conntrack_pressure_never_misforwards() {
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     for i in 0..FLOWS {
         let (verdict, out) = fx.ingress(&ack(sport(i)));
+        if verdict == TC_ACT_REDIRECT {
+            // A tracked flow of the removed backend: a RST to the client, never the backend.
+            assert_eq!(chosen[usize::from(i)], removed, "flow {i}");
+            assert!(matches!(parse_reply(&out).kind, ReplyKind::Rst { .. }));
+            assert_eq!(fx.trace_record().ct_state, trace_ct::BACKEND_GONE);
+            continue;
+        }
         assert_eq!(verdict, TC_ACT_OK, "flow {i}");
         let dst = parse_and_verify(&out).dst;
         assert!(
@@ -2916,5 +2953,263 @@ fn session_affinity_never_keeps_a_client_on_a_backend_the_service_left() {
             z != x && z != y,
             "{vip}: {z} is neither terminating {x} nor removed {y}"
         );
+    }
+}
+
+// Conntrack lifecycle: removed backends and the configured lifetimes.
+
+/// Reprograms `vip`'s `proto` service without `gone`.
+fn remove_backend(fx: &mut Fixture, vip: IpAddr, proto: Proto, gone: IpAddr) {
+    let remaining: Vec<IpAddr> = backends_of(vip)
+        .into_iter()
+        .filter(|b| *b != gone)
+        .collect();
+    let (fe, entry) = service(vip, proto, &remaining);
+    fx.desired.services.insert(fe, entry);
+    let desired = fx.desired.clone();
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.backends_deleted, 1, "{report:?}");
+}
+
+/// A TCP packet without SYN whose entry names a removed backend: XDP hands it to tc untouched
+/// (entry kept), tc answers the client with a RST from the service address, deletes the entry,
+/// counts `tc_reject_backend_gone` and traces `backend_gone` with the entry's flags; the
+/// client's next SYN on the same 5-tuple is balanced afresh to a live backend.
+#[test]
+fn midstream_tcp_to_a_removed_backend_gets_a_rst() {
+    for (client, vip) in [
+        (IpAddr::from(CLIENT4), IpAddr::from(VIP4)),
+        (CLIENT6.into(), VIP6.into()),
+    ] {
+        let mut fx = traced_fixture();
+        let sport = 7000;
+        let (_, out) = fx.ingress(&packet(client, sport, vip, VPORT, L4::TcpSyn));
+        let backend = parse_and_verify(&out).dst;
+        // The backend answers: the flow is established.
+        fx.ingress(&packet(backend, BPORT, client, sport, L4::TcpAck));
+        let entry = fx
+            .ct_entry(client, sport, vip, VPORT, 6, ct_dir::SERVICE)
+            .expect("service entry");
+        assert_ne!(entry.flags & ct_flags::SEEN_REPLY, 0);
+        remove_backend(&mut fx, vip, Proto::Tcp, backend);
+
+        let ack = packet(client, sport, vip, VPORT, L4::TcpAck);
+        let passed = fx.counter(metrics::XDP_PASS_TO_TC);
+        let (verdict, out) = fx.xdp(&ack);
+        assert_eq!(
+            (verdict, &out),
+            (XDP_PASS, &ack),
+            "{vip}: XDP leaves it to tc"
+        );
+        assert_eq!(fx.counter(metrics::XDP_PASS_TO_TC), passed + 1);
+        assert!(
+            fx.ct_entry(client, sport, vip, VPORT, 6, ct_dir::SERVICE)
+                .is_some(),
+            "{vip}: XDP keeps the entry for tc"
+        );
+
+        let before = fx.counter(metrics::TC_REJECT_BACKEND_GONE);
+        let (verdict, out) = fx.ingress(&ack);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{vip}: RST sent back");
+        let reply = parse_reply(&out);
+        assert_eq!((reply.src, reply.dst), (vip, client));
+        assert!(
+            matches!(
+                reply.kind,
+                ReplyKind::Rst { sport: s, dport: d, ack: None, .. } if s == VPORT && d == sport
+            ),
+            "{vip}: {reply:?}"
+        );
+        assert_eq!(fx.counter(metrics::TC_REJECT_BACKEND_GONE), before + 1);
+        let r = fx.trace_record();
+        assert_eq!(
+            (r.verdict, u32::from(r.reason), r.ct_state),
+            (
+                trace_verdict::REJECT,
+                metrics::TC_REJECT_BACKEND_GONE,
+                trace_ct::BACKEND_GONE
+            ),
+            "{vip}: {r:?}"
+        );
+        assert_eq!(r.backend_id, entry.backend_id, "{vip}: the gone backend");
+        assert_eq!(r.ct_flags, entry.flags, "{vip}: the flags the packet met");
+        assert!(
+            fx.ct_entry(client, sport, vip, VPORT, 6, ct_dir::SERVICE)
+                .is_none(),
+            "{vip}: the entry is deleted"
+        );
+
+        // The client's next SYN on the same 5-tuple is balanced afresh.
+        let again = fx.ingress(&packet(client, sport, vip, VPORT, L4::TcpSyn));
+        assert_eq!(again.0, TC_ACT_OK);
+        let to = parse_and_verify(&again.1).dst;
+        assert_ne!(to, backend, "{vip}: a new SYN goes to a live backend");
+        assert_eq!(fx.trace_record().ct_state, trace_ct::NEW);
+    }
+}
+
+/// UDP keeps no connection a backend could lose: a packet whose entry names a removed backend
+/// is re-balanced to a live one, as is a retransmitted SYN; neither is counted as
+/// `tc_reject_backend_gone`.
+#[test]
+fn udp_and_syns_of_a_removed_backend_are_rebalanced() {
+    for (client, vip) in [
+        (IpAddr::from(CLIENT4), IpAddr::from(VIP4)),
+        (CLIENT6.into(), VIP6.into()),
+    ] {
+        for (proto, l4, n) in [(Proto::Udp, L4::Udp, 17), (Proto::Tcp, L4::TcpSyn, 6)] {
+            let mut fx = traced_fixture();
+            let sport = 7100;
+            let pkt = || packet(client, sport, vip, VPORT, l4);
+            let (_, out) = fx.ingress(&pkt());
+            let backend = parse_and_verify(&out).dst;
+            let old = fx
+                .ct_entry(client, sport, vip, VPORT, n, ct_dir::SERVICE)
+                .expect("entry");
+            remove_backend(&mut fx, vip, proto, backend);
+            let (verdict, out) = fx.ingress(&pkt());
+            assert_eq!(verdict, TC_ACT_OK, "{vip} {proto}");
+            let to = parse_and_verify(&out).dst;
+            assert!(
+                to != backend && backends_of(vip).contains(&to),
+                "{vip} {proto}: re-balanced to a live backend, went to {to}"
+            );
+            let r = fx.trace_record();
+            assert_eq!(
+                (u32::from(r.reason), r.ct_state),
+                (metrics::TC_FWD_NEW, trace_ct::NEW),
+                "{vip} {proto}: {r:?}"
+            );
+            let new = fx
+                .ct_entry(client, sport, vip, VPORT, n, ct_dir::SERVICE)
+                .expect("entry");
+            assert_ne!(
+                new.backend_id, old.backend_id,
+                "{vip} {proto}: entry rewritten"
+            );
+            assert_eq!(fx.counter(metrics::TC_REJECT_BACKEND_GONE), 0);
+        }
+    }
+}
+
+/// The lifetimes set at load (`--bpf-ct-timeout-regular-*`) are what entries get: SYN until the
+/// reply, established after it, closing after a FIN, and UDP's.
+#[test]
+fn conntrack_lifetimes_follow_the_configured_timeouts() {
+    let t = CtTimeouts {
+        tcp_syn: 111,
+        tcp: 2222,
+        tcp_fin: 33,
+        any: 44,
+    };
+    let mut fx = fixture_with(&LoadOptions {
+        ct_timeouts: t,
+        ..LoadOptions::default()
+    });
+    let client: IpAddr = CLIENT4.into();
+    let vip: IpAddr = VIP4.into();
+    let sport = 7200;
+    let expires = |fx: &mut Fixture, proto| {
+        let e = fx
+            .ct_entry(client, sport, vip, VPORT, proto, ct_dir::SERVICE)
+            .expect("entry");
+        e.expires
+    };
+    let within = |got: u32, before: u32, after: u32, secs: u32, what: &str| {
+        assert!(
+            (before + secs..=after + secs).contains(&got),
+            "{what}: expires {got}, want now + {secs} (now {before}..={after})"
+        );
+    };
+    let before = monotonic_secs();
+    let (_, out) = fx.ingress(&packet(client, sport, vip, VPORT, L4::TcpSyn));
+    within(
+        expires(&mut fx, 6),
+        before,
+        monotonic_secs(),
+        t.tcp_syn,
+        "SYN",
+    );
+    let backend = parse_and_verify(&out).dst;
+    let before = monotonic_secs();
+    fx.ingress(&packet(backend, BPORT, client, sport, L4::TcpAck));
+    within(
+        expires(&mut fx, 6),
+        before,
+        monotonic_secs(),
+        t.tcp,
+        "established",
+    );
+    let reply = fx
+        .ct_entry(backend, BPORT, client, sport, 6, ct_dir::REPLY)
+        .expect("reply entry");
+    within(
+        reply.expires,
+        before,
+        monotonic_secs(),
+        t.tcp,
+        "established (reply)",
+    );
+    let before = monotonic_secs();
+    fx.ingress(&packet(client, sport, vip, VPORT, L4::TcpFin));
+    within(
+        expires(&mut fx, 6),
+        before,
+        monotonic_secs(),
+        t.tcp_fin,
+        "FIN",
+    );
+    let before = monotonic_secs();
+    fx.ingress(&packet(client, sport, vip, VPORT, L4::Udp));
+    within(expires(&mut fx, 17), before, monotonic_secs(), t.any, "UDP");
+}
+
+/// A zero lifetime is refused at load, naming its flag.
+#[test]
+fn zero_conntrack_lifetime_is_refused() {
+    let err = Datapath::load(&LoadOptions {
+        ct_timeouts: CtTimeouts {
+            tcp: 0,
+            ..CtTimeouts::default()
+        },
+        ..LoadOptions::default()
+    })
+    .err()
+    .expect("a zero lifetime must be refused");
+    assert!(
+        format!("{err:#}").contains("--bpf-ct-timeout-regular-tcp "),
+        "{err:#}"
+    );
+}
+
+/// `--bpf-ct-global-*-max` sizes all four conntrack maps (TCP and the rest, both families).
+#[test]
+fn conntrack_map_sizes_follow_the_flags() {
+    let args = lb::conntrack::CtArgs {
+        bpf_ct_global_tcp_max: 4096,
+        bpf_ct_global_any_max: 2048,
+        ..Default::default()
+    };
+    let mut fx = fixture_with(&LoadOptions {
+        max_entries: args
+            .map_sizes()
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), v))
+            .collect(),
+        ..LoadOptions::default()
+    });
+    for (name, want) in [
+        (map_names::CT_TCP4, 4096),
+        (map_names::CT_TCP6, 4096),
+        (map_names::CT_ANY4, 2048),
+        (map_names::CT_ANY6, 2048),
+    ] {
+        let map = fx.datapath.ebpf_mut().map(name).expect(name);
+        let info = match map {
+            Map::LruHashMap(m) => m.info().expect("info"),
+            other => panic!("{name} is {other:?}"),
+        };
+        assert_eq!(info.max_entries(), want, "{name}");
     }
 }

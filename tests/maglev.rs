@@ -129,18 +129,15 @@ impl Node {
     }
 
     fn clear_conntrack(&mut self) {
-        let mut ct: HashMap<&mut MapData, Ct4Key, Ct4Value> = HashMap::try_from(
-            self.datapath
-                .ebpf_mut()
-                .map_mut(map_names::CT4)
-                .expect("lb4_ct"),
-        )
-        .expect("ct");
-        let keys: Vec<Ct4Key> = ct.keys().filter_map(Result::ok).collect();
-        for k in keys {
-            let _ = ct.remove(&k);
+        for name in [map_names::CT_TCP4, map_names::CT_ANY4] {
+            let mut ct: HashMap<&mut MapData, Ct4Key, Ct4Value> =
+                HashMap::try_from(self.datapath.ebpf_mut().map_mut(name).expect(name)).expect("ct");
+            let keys: Vec<Ct4Key> = ct.keys().filter_map(Result::ok).collect();
+            for k in keys {
+                let _ = ct.remove(&k);
+            }
+            assert_eq!(ct.keys().count(), 0, "{name} cleared");
         }
-        assert_eq!(ct.keys().count(), 0, "conntrack cleared");
     }
 
     /// Every flow's backend for `vip`.

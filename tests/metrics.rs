@@ -11,10 +11,11 @@ use std::{
 
 use aya::maps::{HashMap, PerCpuArray, PerCpuValues};
 use lb::{
+    conntrack::{Gc, Reason, monotonic_secs},
     datapath::load::{Datapath, LoadOptions},
     metrics::{HEALTH_TIMEOUT, Metrics, rfc3339, serve},
 };
-use lb_common::{Ct4Key, Ct4Value, Ct6Key, Ct6Value, MetricValue, ct_dir, map_names, metrics};
+use lb_common::{Backend4, Ct4Key, Ct4Value, MetricValue, ct_dir, ct_flags, map_names, metrics};
 
 const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
 
@@ -365,10 +366,16 @@ async fn scrape_reports_observed_values() {
         assert_eq!(types.get(name).map(String::as_str), Some(ty), "{name}");
     }
     assert!(
-        !r.body.contains("lb_datapath_") && !r.body.contains("lb_conntrack_"),
-        "no map series without maps:\n{}",
+        !r.body.contains("lb_datapath_")
+            && !r.body.contains("lb_conntrack_insert_failures")
+            && !r
+                .body
+                .lines()
+                .any(|l| l.starts_with("lb_conntrack_entries{")),
+        "no map series without maps, no conntrack entries before a GC pass:\n{}",
         r.body
     );
+    assert_eq!(value(&s, "lb_conntrack_gc_runs_total", &[]), 0.0);
 
     assert_eq!(value(&s, "lb_syncs_total", &[("result", "ok")]), 2.0);
     assert_eq!(value(&s, "lb_syncs_total", &[("result", "error")]), 1.0);
@@ -478,19 +485,38 @@ fn ct4_key(client_port: u16) -> Ct4Key {
     }
 }
 
-/// Needs root: loads the real datapath (private maps), writes the per-CPU counters and two
-/// conntrack entries from userspace, and reads them back through a scrape.
+/// Needs root: loads the real datapath (private maps), writes the per-CPU counters and
+/// conntrack entries from userspace, runs a conntrack GC pass over them, and reads the counters
+/// and what the GC found back through a scrape.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn datapath_maps_are_read_at_scrape_time() {
-    let mut datapath = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
+    let small: BTreeMap<String, u32> = [
+        map_names::CT_TCP4,
+        map_names::CT_ANY4,
+        map_names::CT_TCP6,
+        map_names::CT_ANY6,
+    ]
+    .into_iter()
+    .map(|n| (n.to_string(), 1024))
+    .collect();
+    let mut datapath = Datapath::load(&LoadOptions {
+        max_entries: small,
+        ..LoadOptions::default()
+    })
+    .expect("load datapath (root?)");
     let ebpf = datapath.ebpf_mut();
     let mut counters: PerCpuArray<_, MetricValue> =
         PerCpuArray::try_from(ebpf.take_map(map_names::METRICS).expect("lb_metrics"))
             .expect("per-CPU array");
-    let mut ct4: HashMap<_, Ct4Key, Ct4Value> =
-        HashMap::try_from(ebpf.take_map(map_names::CT4).expect("lb4_ct")).expect("ct4");
-    let ct6: HashMap<_, Ct6Key, Ct6Value> =
-        HashMap::try_from(ebpf.take_map(map_names::CT6).expect("lb6_ct")).expect("ct6");
+    let take = |ebpf: &mut aya::Ebpf, name: &str| ebpf.take_map(name).expect(name);
+    let mut gc = Gc {
+        tcp4: HashMap::try_from(take(ebpf, map_names::CT_TCP4)).expect("ct"),
+        any4: HashMap::try_from(take(ebpf, map_names::CT_ANY4)).expect("ct"),
+        tcp6: HashMap::try_from(take(ebpf, map_names::CT_TCP6)).expect("ct"),
+        any6: HashMap::try_from(take(ebpf, map_names::CT_ANY6)).expect("ct"),
+        backends4: HashMap::try_from(take(ebpf, map_names::BACKENDS4)).expect("backends"),
+        backends6: HashMap::try_from(take(ebpf, map_names::BACKENDS6)).expect("backends"),
+    };
 
     let cpus = aya::util::nr_cpus().expect("nr_cpus");
     let per_cpu = |packets: u64, bytes: u64| -> Vec<MetricValue> {
@@ -505,6 +531,7 @@ async fn datapath_maps_are_read_at_scrape_time() {
         (metrics::TC_FWD_NEW, per_cpu(3, 300)),
         (metrics::TC_REVNAT, per_cpu(5, 700)),
         (metrics::SOCK_REVNAT_INSERT_FAILED, per_cpu(1, 0)),
+        (metrics::TC_CT_INSERT_FAILED, per_cpu(2, 100)),
         // Past the named indices: never exported.
         (metrics::NAMES.len() as u32 + 1, per_cpu(9, 9)),
     ];
@@ -512,20 +539,116 @@ async fn datapath_maps_are_read_at_scrape_time() {
         let values = PerCpuValues::try_from(values.clone()).expect("per-CPU values");
         counters.set(*index, values, 0).expect("write lb_metrics");
     }
-    let ct_value = Ct4Value {
+
+    // Backend 1 lives at 198.19.1.1:8080; backend 2 is gone.
+    let backend = Backend4 {
+        addr: [198, 19, 1, 1],
+        port: 8080,
+        proto: lb_common::IPPROTO_TCP,
+        state: 0,
+    };
+    gc.backends4.insert(1, backend, 0).expect("backend");
+    let now = monotonic_secs();
+    let live = |flags| Ct4Value {
         backend_id: 1,
         rev_nat_id: 1,
-        expires: u32::MAX,
+        expires: now + 600,
+        flags,
         ..Default::default()
     };
-    for port in [40_000, 40_001] {
-        ct4.insert(ct4_key(port), ct_value, 0)
-            .expect("insert lb4_ct");
+    let entries = [
+        // Two live flows of backend 1: established, and one still waiting for its reply.
+        (ct4_key(40_000), live(ct_flags::SEEN_REPLY)),
+        (ct4_key(40_001), live(0)),
+        // Expired, and closed past its closing lifetime.
+        (
+            ct4_key(40_002),
+            Ct4Value {
+                expires: now.saturating_sub(1),
+                ..live(ct_flags::SEEN_REPLY)
+            },
+        ),
+        (
+            ct4_key(40_003),
+            Ct4Value {
+                expires: now,
+                ..live(ct_flags::SEEN_REPLY | ct_flags::TX_CLOSING)
+            },
+        ),
+        // Live, but of the backend that is gone.
+        (
+            ct4_key(40_004),
+            Ct4Value {
+                backend_id: 2,
+                ..live(ct_flags::SEEN_REPLY)
+            },
+        ),
+    ];
+    for (k, v) in &entries {
+        gc.tcp4.insert(k, v, 0).expect("insert lb4_ct_tcp");
     }
+    // The reply entry of the first flow, from backend 1's address, and one of a flow whose id
+    // 1 named another address when it was made (an id reused after a restart): its service
+    // entry goes with it.
+    let reply = |from: [u8; 4], client_port| Ct4Key {
+        saddr: from,
+        daddr: [198, 18, 10, 2],
+        sport: 8080,
+        dport: client_port,
+        proto: lb_common::IPPROTO_TCP,
+        dir: ct_dir::REPLY,
+        ..Default::default()
+    };
+    gc.tcp4
+        .insert(reply(backend.addr, 40_000), live(ct_flags::SEEN_REPLY), 0)
+        .expect("reply");
+    gc.tcp4
+        .insert(ct4_key(40_005), live(ct_flags::SEEN_REPLY), 0)
+        .expect("service");
+    gc.tcp4
+        .insert(
+            reply([198, 19, 9, 9], 40_005),
+            live(ct_flags::SEEN_REPLY),
+            0,
+        )
+        .expect("reply");
+    // A UDP flow in the other map.
+    let udp = Ct4Key {
+        proto: lb_common::IPPROTO_UDP,
+        ..ct4_key(40_006)
+    };
+    gc.any4.insert(udp, live(0), 0).expect("udp");
+
+    let report = gc.pass(now);
+    assert_eq!(report.deleted(Reason::Expired), 1, "{report:?}");
+    assert_eq!(report.deleted(Reason::Closed), 1, "{report:?}");
+    assert_eq!(report.deleted(Reason::BackendGone), 3, "{report:?}");
+    assert_eq!(report.errors, 0);
+    let left: Vec<u16> = {
+        let mut v: Vec<u16> = gc
+            .tcp4
+            .keys()
+            .map(|k| k.expect("key"))
+            .filter(|k| k.dir == ct_dir::SERVICE)
+            .map(|k| k.sport)
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(
+        left,
+        [40_000, 40_001],
+        "only live flows of live backends stay"
+    );
+    assert!(gc.tcp4.get(&reply(backend.addr, 40_000), 0).is_ok());
+    assert!(gc.any4.get(&udp, 0).is_ok(), "the live UDP flow stays");
+    // A second pass finds nothing more to do.
+    let again = gc.pass(now);
+    assert_eq!(again.total_deleted(), 0, "{again:?}");
 
     let m = Metrics::new();
     m.set_datapath_counters(counters);
-    m.set_conntrack_maps(ct4, ct6);
+    m.observe_ct_gc(&report);
     let (metrics_addr, _, task) = start(&m).await;
     let r = fetch(metrics_addr, "/metrics").await;
     task.abort();
@@ -544,7 +667,7 @@ async fn datapath_maps_are_read_at_scrape_time() {
         Some("gauge")
     );
 
-    for (index, values) in &written[..3] {
+    for (index, values) in &written[..4] {
         let event = metrics::NAMES[*index as usize];
         let packets: u64 = values.iter().map(|v| v.packets).sum();
         let bytes: u64 = values.iter().map(|v| v.bytes).sum();
@@ -578,13 +701,55 @@ async fn datapath_maps_are_read_at_scrape_time() {
             .get("event")
             .is_some_and(|e| metrics::NAMES.contains(&e.as_str()))
     }));
-
+    let insert_failed: u64 = written[3].1.iter().map(|v| v.packets).sum();
     assert_eq!(
-        value(&s, "lb_conntrack_entries", &[("family", "ipv4")]),
-        2.0
+        value(&s, "lb_conntrack_insert_failures_total", &[]),
+        insert_failed as f64
     );
+
+    let ct = |protocol, state| {
+        value(
+            &s,
+            "lb_conntrack_entries",
+            &[("family", "ipv4"), ("protocol", protocol), ("state", state)],
+        )
+    };
+    // Two established entries (flow 40000's service and reply entries), one waiting.
+    assert_eq!(ct("tcp", "established"), 2.0);
+    assert_eq!(ct("tcp", "new"), 1.0);
+    assert_eq!(ct("udp", "new"), 1.0);
+    assert_eq!(value(&s, "lb_conntrack_gc_runs_total", &[]), 1.0);
+    for (reason, n) in [("expired", 1.0), ("closed", 1.0), ("backend_gone", 3.0)] {
+        assert_eq!(
+            value(&s, "lb_conntrack_gc_deleted_total", &[("reason", reason)]),
+            n,
+            "{reason}"
+        );
+    }
     assert_eq!(
-        value(&s, "lb_conntrack_entries", &[("family", "ipv6")]),
+        value(&s, "lb_conntrack_gc_duration_seconds_count", &[]),
+        1.0
+    );
+
+    // States no entry is in any more read 0 after the next pass.
+    m.observe_ct_gc(&lb::conntrack::GcReport::default());
+    let r = {
+        let (metrics_addr, _, task) = start(&m).await;
+        let r = fetch(metrics_addr, "/metrics").await;
+        task.abort();
+        r
+    };
+    let (_, s) = parse(&r.body);
+    assert_eq!(
+        value(
+            &s,
+            "lb_conntrack_entries",
+            &[
+                ("family", "ipv4"),
+                ("protocol", "tcp"),
+                ("state", "established")
+            ]
+        ),
         0.0
     );
     drop(datapath);
@@ -812,4 +977,110 @@ async fn kube_proxy_slis_follow_changes_and_probes() {
         assert_close(value(&samples, name, &[("code", code)]), 1.0, name);
     }
     task.abort();
+}
+
+/// A measurement, not a check (`cargo test -p lb-tests --test metrics -- --ignored
+/// --nocapture`): how long one GC pass takes over 100,000 entries (50,000 flows of a live
+/// backend) that all stay, and over the same entries all expired (every one deleted), and what
+/// the default-sized conntrack maps cost in kernel memory. Needs root.
+#[test]
+#[ignore = "measurement"]
+fn conntrack_gc_pass_over_a_full_map() {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let mut datapath = Datapath::load(&LoadOptions::default()).expect("load datapath (root?)");
+    let ebpf = datapath.ebpf_mut();
+    for (name, prog) in ebpf.programs() {
+        let insns = prog
+            .info()
+            .ok()
+            .and_then(|i| i.verified_instruction_count());
+        println!("{name}: {insns:?} instructions verified");
+    }
+    for name in [
+        map_names::CT_TCP4,
+        map_names::CT_ANY4,
+        map_names::CT_TCP6,
+        map_names::CT_ANY6,
+    ] {
+        let m = ebpf.map(name).expect(name);
+        let fd = match m {
+            aya::maps::Map::LruHashMap(d) => d.fd().as_fd().as_raw_fd(),
+            _ => unreachable!(),
+        };
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap();
+        let memlock = info
+            .lines()
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .unwrap_or("?")
+            .trim()
+            .to_string();
+        println!("{name}: memlock {memlock} bytes");
+    }
+    let take = |ebpf: &mut aya::Ebpf, name: &str| ebpf.take_map(name).expect(name);
+    let mut gc = Gc {
+        tcp4: HashMap::try_from(take(ebpf, map_names::CT_TCP4)).expect("ct"),
+        any4: HashMap::try_from(take(ebpf, map_names::CT_ANY4)).expect("ct"),
+        tcp6: HashMap::try_from(take(ebpf, map_names::CT_TCP6)).expect("ct"),
+        any6: HashMap::try_from(take(ebpf, map_names::CT_ANY6)).expect("ct"),
+        backends4: HashMap::try_from(take(ebpf, map_names::BACKENDS4)).expect("backends"),
+        backends6: HashMap::try_from(take(ebpf, map_names::BACKENDS6)).expect("backends"),
+    };
+    let backend = Backend4 {
+        addr: [198, 19, 1, 1],
+        port: 8080,
+        proto: lb_common::IPPROTO_TCP,
+        state: 0,
+    };
+    gc.backends4.insert(1, backend, 0).expect("backend");
+    let now = monotonic_secs();
+    const FLOWS: u32 = 50_000;
+    let fill = |gc: &mut Gc, expires: u32| {
+        for i in 0..FLOWS {
+            let client = [198, 18, 10 + (i >> 16) as u8, (i >> 8) as u8];
+            let cport = (i & 0xff) as u16 + 1024;
+            let v = Ct4Value {
+                backend_id: 1,
+                rev_nat_id: 1,
+                expires,
+                flags: ct_flags::SEEN_REPLY,
+                ..Default::default()
+            };
+            let svc = Ct4Key {
+                saddr: client,
+                daddr: [198, 19, 0, 10],
+                sport: cport,
+                dport: 80,
+                proto: lb_common::IPPROTO_TCP,
+                dir: ct_dir::SERVICE,
+                ..Default::default()
+            };
+            let reply = Ct4Key {
+                saddr: backend.addr,
+                daddr: client,
+                sport: 8080,
+                dport: cport,
+                dir: ct_dir::REPLY,
+                ..svc
+            };
+            gc.tcp4.insert(svc, v, 0).expect("insert");
+            gc.tcp4.insert(reply, v, 0).expect("insert");
+        }
+    };
+    fill(&mut gc, now + 3600);
+    let r = gc.pass(now);
+    println!(
+        "pass over {} live entries, none deleted: {:?}",
+        r.total_entries(),
+        r.duration
+    );
+    assert_eq!(r.total_entries(), u64::from(2 * FLOWS));
+    fill(&mut gc, now.saturating_sub(1));
+    let r = gc.pass(now);
+    println!(
+        "pass over {} expired entries, all deleted: {:?}",
+        r.total_deleted(),
+        r.duration
+    );
+    assert_eq!(r.total_deleted(), u64::from(2 * FLOWS));
+    drop(datapath);
 }

@@ -13,7 +13,10 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData};
-use lb_common::{Svc4Key, SvcValue, map_names, metrics, scope, svc_flags};
+use lb_common::{
+    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Svc4Key, SvcValue, ct_dir, ct_flags,
+    map_names, metrics, scope, svc_flags,
+};
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
@@ -439,8 +442,9 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
         metrics.contains("lb_datapath_packets_total{event=\"tc_forward_new\"}"),
         "{metrics}"
     );
+    // The conntrack GC passes once at start and after every interval.
     assert!(
-        metrics.contains("lb_conntrack_entries{family=\"ipv4\"}"),
+        sample(&metrics, "lb_conntrack_gc_runs_total").unwrap() >= 1.0,
         "{metrics}"
     );
 }
@@ -1168,4 +1172,216 @@ fn terminating_backend_keeps_its_connection_and_gets_no_new_ones() {
         }
         drop(lb);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conntrack GC through a real `lb run`.
+
+fn open_lru<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> HashMap<MapData, K, V> {
+    let map = MapData::from_pin(pin_dir.join(name)).unwrap();
+    HashMap::try_from(Map::LruHashMap(map)).unwrap()
+}
+
+fn open_backends<V: aya::Pod>(pin_dir: &Path, name: &str) -> HashMap<MapData, u32, V> {
+    let map = MapData::from_pin(pin_dir.join(name)).unwrap();
+    HashMap::try_from(Map::HashMap(map)).unwrap()
+}
+
+/// Backend id of every conntrack entry in the four maps, with its count.
+fn ct_backend_ids(pin_dir: &Path) -> BTreeMap<u32, usize> {
+    let mut ids = BTreeMap::new();
+    for name in [map_names::CT_TCP4, map_names::CT_ANY4] {
+        let m: HashMap<MapData, Ct4Key, Ct4Value> = open_lru(pin_dir, name);
+        for (_, v) in m.iter().filter_map(Result::ok) {
+            *ids.entry(v.backend_id).or_default() += 1;
+        }
+    }
+    for name in [map_names::CT_TCP6, map_names::CT_ANY6] {
+        let m: HashMap<MapData, Ct6Key, Ct6Value> = open_lru(pin_dir, name);
+        for (_, v) in m.iter().filter_map(Result::ok) {
+            *ids.entry(v.backend_id).or_default() += 1;
+        }
+    }
+    ids
+}
+
+/// Ids of the backends at `v4` and `v6` in the pinned backend maps.
+fn backend_ids(pin_dir: &Path, v4: [u8; 4], v6: [u8; 16]) -> BTreeSet<u32> {
+    let b4: HashMap<MapData, u32, Backend4> = open_backends(pin_dir, map_names::BACKENDS4);
+    let b6: HashMap<MapData, u32, Backend6> = open_backends(pin_dir, map_names::BACKENDS6);
+    let mut ids: BTreeSet<u32> = b4
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(_, b)| b.addr == v4)
+        .map(|(id, _)| id)
+        .collect();
+    ids.extend(
+        b6.iter()
+            .filter_map(Result::ok)
+            .filter(|(_, b)| b.addr == v6)
+            .map(|(id, _)| id),
+    );
+    ids
+}
+
+/// Polls `f` every 100 ms until it holds or `deadline` passes.
+fn eventually(deadline: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = std::time::Instant::now() + deadline;
+    loop {
+        if f() {
+            return true;
+        }
+        if std::time::Instant::now() > end {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Flows to all three backends over the tc path, then b3 leaves the manifests: right after the
+/// sync that deletes it (the GC's interval is an hour here, so only that sync can start the
+/// pass), the GC deletes every conntrack entry of b3, TCP and UDP, both families, and keeps
+/// b1's and b2's; the GC metrics count it.
+#[test]
+fn conntrack_gc_removes_a_deleted_backends_entries() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    let mut args = lb_args(&tb, &manifests.0, false);
+    // Long lifetimes: nothing expires during the test, so every deletion is the backend's.
+    args.extend(
+        [
+            "--ct-gc-interval=3600",
+            "--bpf-ct-timeout-regular-tcp-fin=3600",
+            "--bpf-ct-timeout-regular-any=3600",
+            "--bpf-ct-global-tcp-max=65536",
+            "--bpf-ct-global-any-max=65536",
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    assert_balanced(&mut tb, false, &["b1", "b2", "b3"], &[]);
+
+    let b3 = backend_ids(
+        &lb.pin_dir,
+        [198, 18, 13, 2],
+        "2001:db8:0:13::2"
+            .parse::<std::net::Ipv6Addr>()
+            .unwrap()
+            .octets(),
+    );
+    // One id per family and protocol.
+    assert!(!b3.is_empty());
+    let before = ct_backend_ids(&lb.pin_dir);
+    for id in &b3 {
+        assert!(before.contains_key(id), "b3's flows tracked: {before:?}");
+    }
+    let others: Vec<u32> = before
+        .keys()
+        .filter(|id| !b3.contains(id))
+        .copied()
+        .collect();
+    assert!(!others.is_empty(), "{before:?}");
+
+    manifests.remove_endpoints(&["198.18.13.2", "2001:db8:0:13::2"]);
+    reload(&mut lb, 2);
+    let pin_dir = lb.pin_dir.clone();
+    let gone = eventually(Duration::from_secs(10), || {
+        let now = ct_backend_ids(&pin_dir);
+        b3.iter().all(|id| !now.contains_key(id))
+    });
+    let after = ct_backend_ids(&lb.pin_dir);
+    assert!(gone, "b3's entries still there: {after:?}");
+    for id in &others {
+        assert_eq!(
+            after.get(id),
+            before.get(id),
+            "backend {id}'s entries are all kept: before {before:?}, after {after:?}"
+        );
+    }
+    let (_, metrics) = http_get(&tb.node_ns, "127.0.0.1:10249", "/metrics");
+    let deleted = sample(
+        &metrics,
+        "lb_conntrack_gc_deleted_total{reason=\"backend_gone\"}",
+    )
+    .unwrap();
+    let b3_entries: usize = b3.iter().filter_map(|id| before.get(id)).sum();
+    assert!(
+        deleted >= b3_entries as f64,
+        "deleted {deleted}, b3 had {b3_entries}:\n{metrics}"
+    );
+    assert!(sample(&metrics, "lb_conntrack_gc_runs_total").unwrap() >= 2.0);
+    let live: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("lb_conntrack_entries{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    let kept: usize = others.iter().filter_map(|id| after.get(id)).sum();
+    assert_eq!(
+        live, kept as f64,
+        "lb_conntrack_entries sums the live entries:\n{metrics}"
+    );
+    drop(lb);
+}
+
+/// An already-expired entry written into the pinned TCP map goes with the next periodic pass;
+/// a live one beside it stays.
+#[test]
+fn conntrack_gc_removes_expired_entries() {
+    let mut tb = Testbed::create(1).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    let mut args = lb_args(&tb, &manifests.0, false);
+    args.extend(
+        [
+            "--ct-gc-interval=1",
+            "--bpf-ct-global-tcp-max=4096",
+            "--bpf-ct-global-any-max=4096",
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    let b1 = *backend_ids(&lb.pin_dir, [198, 18, 11, 2], [0xff; 16])
+        .iter()
+        .next()
+        .expect("b1's id");
+    let mut ct: HashMap<MapData, Ct4Key, Ct4Value> = open_lru(&lb.pin_dir, map_names::CT_TCP4);
+    let key = |sport| Ct4Key {
+        saddr: [198, 18, 10, 2],
+        daddr: [198, 19, 0, 10],
+        sport,
+        dport: 80,
+        proto: lb_common::IPPROTO_TCP,
+        dir: ct_dir::SERVICE,
+        pad: [0; 2],
+    };
+    let now = lb::conntrack::monotonic_secs();
+    let value = |expires| Ct4Value {
+        backend_id: b1,
+        rev_nat_id: 1,
+        expires,
+        flags: ct_flags::SEEN_REPLY,
+        ..Default::default()
+    };
+    ct.insert(key(50_000), value(now.saturating_sub(5)), 0)
+        .unwrap();
+    ct.insert(key(50_001), value(now + 3600), 0).unwrap();
+    let expired_gone = eventually(Duration::from_secs(10), || ct.get(&key(50_000), 0).is_err());
+    assert!(expired_gone, "the expired entry is still there");
+    assert!(ct.get(&key(50_001), 0).is_ok(), "the live entry stays");
+    let (_, metrics) = http_get(&tb.node_ns, "127.0.0.1:10249", "/metrics");
+    assert!(
+        sample(
+            &metrics,
+            "lb_conntrack_gc_deleted_total{reason=\"expired\"}"
+        )
+        .unwrap()
+            >= 1.0,
+        "{metrics}"
+    );
+    drop(lb);
 }

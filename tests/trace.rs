@@ -10,7 +10,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, Map, MapData};
-use lb_common::{Ct4Key, Ct4Value};
+use lb_common::{Backend4, Ct4Key, Ct4Value, ct_dir, ct_flags};
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
@@ -33,6 +33,9 @@ fn start_lb(tb: &mut Testbed) -> LbDaemon {
         "off",
         "--tc-pod",
         &ifaces,
+        // No GC pass during a test: the entries a test writes stay as written.
+        "--ct-gc-interval",
+        "3600",
     ];
     LbDaemon::start(tb, Path::new(LB), &args, "info").unwrap()
 }
@@ -162,9 +165,15 @@ fn check_agreement(
 }
 
 fn ct_entries(pin_dir: &Path) -> usize {
-    let map = MapData::from_pin(pin_dir.join("lb4_ct")).unwrap();
-    let ct: HashMap<MapData, Ct4Key, Ct4Value> = HashMap::try_from(Map::LruHashMap(map)).unwrap();
-    ct.keys().count()
+    ["lb4_ct_tcp", "lb4_ct_any"]
+        .into_iter()
+        .map(|name| {
+            let map = MapData::from_pin(pin_dir.join(name)).unwrap();
+            let ct: HashMap<MapData, Ct4Key, Ct4Value> =
+                HashMap::try_from(Map::LruHashMap(map)).unwrap();
+            ct.keys().count()
+        })
+        .sum()
 }
 
 #[test]
@@ -681,4 +690,135 @@ fn trace_shows_the_maglev_cell() {
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("not an allowed Maglev table size"), "{err}");
+}
+
+/// A live trace shows the conntrack entry a packet meets: a midstream packet of a tracked flow
+/// is `established` with the entry's flags and goes to its backend; one whose entry names a
+/// removed backend is `backend_gone` and answered with a RST (text and JSON); a SYN of that
+/// flow is balanced afresh. Live conntrack is left as it was.
+#[test]
+fn trace_shows_the_conntrack_state_a_packet_met() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), 8080).unwrap();
+    let daemon = start_lb(&mut tb);
+    let pin = daemon.pin_dir.to_str().unwrap().to_string();
+    let state = daemon.state_dir.to_str().unwrap().to_string();
+    let backends = MapData::from_pin(daemon.pin_dir.join("lb4_backends")).unwrap();
+    let backends: HashMap<MapData, u32, Backend4> =
+        HashMap::try_from(Map::HashMap(backends)).unwrap();
+    let (b1, _) = backends
+        .iter()
+        .filter_map(Result::ok)
+        .find(|(_, b)| b.addr == [198, 18, 11, 2] && b.proto == lb_common::IPPROTO_TCP)
+        .expect("b1's TCP backend");
+    let map = MapData::from_pin(daemon.pin_dir.join("lb4_ct_tcp")).unwrap();
+    let mut ct: HashMap<MapData, Ct4Key, Ct4Value> =
+        HashMap::try_from(Map::LruHashMap(map)).unwrap();
+    let key = |sport| Ct4Key {
+        saddr: [198, 18, 10, 2],
+        daddr: [198, 19, 0, 10],
+        sport,
+        dport: 80,
+        proto: lb_common::IPPROTO_TCP,
+        dir: ct_dir::SERVICE,
+        pad: [0; 2],
+    };
+    let entry = |backend_id| Ct4Value {
+        backend_id,
+        rev_nat_id: 1,
+        expires: u32::MAX,
+        flags: ct_flags::SEEN_REPLY,
+        ..Default::default()
+    };
+    ct.insert(key(45_000), entry(b1), 0).unwrap();
+    ct.insert(key(45_001), entry(999_999), 0).unwrap();
+    let live = |sport: &str, extra: &[&str]| {
+        let src = format!("198.18.10.2:{sport}");
+        let mut args = vec![
+            "--pin-dir",
+            &pin,
+            "--state-dir",
+            &state,
+            "--src",
+            &src,
+            "--dst",
+            "198.19.0.10:80",
+            "--from",
+            "pod",
+        ];
+        args.extend_from_slice(extra);
+        trace(&args).remove(0)
+    };
+
+    let est = live("45000", &["--midstream"]);
+    assert_eq!(est["conntrack"], "established", "{est}");
+    assert_eq!(est["conntrack_flags"], serde_json::json!(["seen_reply"]));
+    assert_eq!(est["backend"], "198.18.11.2:8080");
+
+    let gone = live("45001", &["--midstream"]);
+    assert_eq!(gone["verdict"], "reject", "{gone}");
+    assert_eq!(gone["reason"], "tc_reject_backend_gone");
+    assert_eq!(gone["conntrack"], "backend_gone");
+    assert_eq!(gone["conntrack_flags"], serde_json::json!(["seen_reply"]));
+    assert_eq!(gone["reply"]["proto"], "tcp-rst");
+    let syn = live("45001", &[]);
+    assert_eq!(syn["verdict"], "forward", "{syn}");
+    assert_eq!(syn["conntrack"], "new", "a SYN is balanced afresh");
+
+    let text = Command::new(LB)
+        .args(["trace", "--pin-dir", &pin, "--state-dir", &state])
+        .args(["--src", "198.18.10.2:45001", "--dst", "198.19.0.10:80"])
+        .args(["--from", "pod", "--midstream"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("conntrack:   backend gone"), "{text}");
+    assert!(text.contains("ct flags:    seen_reply"), "{text}");
+
+    assert!(
+        ct.get(&key(45_001), 0).is_ok(),
+        "the live entry is untouched: the trace deleted its private copy"
+    );
+}
+
+/// `lb trace --manifests` takes `lb run`'s conntrack flags: valid lifetimes trace as usual, a
+/// zero one is refused naming its flag.
+#[test]
+fn trace_takes_the_conntrack_flags() {
+    let d = examples();
+    let d = d.to_str().unwrap();
+    let base = [
+        "--manifests",
+        d,
+        "--hostname-override",
+        "node-a",
+        "--src",
+        "198.18.10.2",
+        "--dst",
+        "198.19.0.10:80",
+        "--from",
+        "pod",
+    ];
+    let mut ok = base.to_vec();
+    ok.extend([
+        "--bpf-ct-timeout-regular-tcp-syn=5",
+        "--bpf-ct-timeout-regular-tcp=100",
+        "--bpf-ct-timeout-regular-tcp-fin=5",
+        "--bpf-ct-timeout-regular-any=5",
+        "--bpf-ct-global-tcp-max=1000",
+    ]);
+    let r = trace(&ok).remove(0);
+    assert_eq!(r["verdict"], "forward", "{r}");
+    let out = Command::new(LB)
+        .arg("trace")
+        .args(base)
+        .arg("--bpf-ct-timeout-regular-tcp-fin=0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a zero lifetime is refused");
+    assert!(
+        stderr.contains("--bpf-ct-timeout-regular-tcp-fin") && stderr.contains("1..="),
+        "{stderr}"
+    );
 }

@@ -22,12 +22,17 @@ pub mod map_names {
     pub const SERVICES4: &str = "lb4_services";
     pub const BACKENDS4: &str = "lb4_backends";
     pub const REVNAT4: &str = "lb4_revnat";
-    pub const CT4: &str = "lb4_ct";
+    /// Conntrack, split by protocol as Cilium's (`--bpf-ct-global-tcp-max`,
+    /// `--bpf-ct-global-any-max`): TCP in `lb*_ct_tcp`, UDP, SCTP and anything else in
+    /// `lb*_ct_any`, so a UDP flood cannot evict TCP connections.
+    pub const CT_TCP4: &str = "lb4_ct_tcp";
+    pub const CT_ANY4: &str = "lb4_ct_any";
     pub const SK_REVNAT4: &str = "lb4_sk_revnat";
     pub const SERVICES6: &str = "lb6_services";
     pub const BACKENDS6: &str = "lb6_backends";
     pub const REVNAT6: &str = "lb6_revnat";
-    pub const CT6: &str = "lb6_ct";
+    pub const CT_TCP6: &str = "lb6_ct_tcp";
+    pub const CT_ANY6: &str = "lb6_ct_any";
     pub const SK_REVNAT6: &str = "lb6_sk_revnat";
     pub const METRICS: &str = "lb_metrics";
     /// This node's facts for the datapath (`LbConfig`, one entry), written at start-up.
@@ -68,16 +73,18 @@ pub mod map_names {
     pub const MAGLEV: &str = "lb_maglev";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 26] = [
+    pub const ALL: [&str; 28] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
-        CT4,
+        CT_TCP4,
+        CT_ANY4,
         SK_REVNAT4,
         SERVICES6,
         BACKENDS6,
         REVNAT6,
-        CT6,
+        CT_TCP6,
+        CT_ANY6,
         SK_REVNAT6,
         METRICS,
         CONFIG,
@@ -101,7 +108,9 @@ pub mod map_names {
 /// The layout of lb's pinned maps: their keys, values and what the fields mean. Bump it with
 /// any change a reader of the old pins would misread, even one that keeps the sizes; lb refuses
 /// (or migrates) pins of another version instead of guessing.
-pub const LAYOUT_VERSION: u32 = 1;
+///
+/// 2: conntrack split by protocol (`lb4_ct` → `lb4_ct_tcp` + `lb4_ct_any`, same for IPv6).
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// The one `lb_meta` entry, rewritten by every `lb run` that starts on the pins.
 #[repr(C)]
@@ -159,7 +168,10 @@ pub mod map_sizes {
     pub const SERVICES: u32 = 1 << 19;
     pub const BACKENDS: u32 = 1 << 18;
     pub const REVNAT: u32 = 1 << 18;
-    pub const CT: u32 = 1 << 17;
+    /// TCP conntrack entries per family (`--bpf-ct-global-tcp-max`, Cilium's default).
+    pub const CT_TCP: u32 = 1 << 19;
+    /// Non-TCP conntrack entries per family (`--bpf-ct-global-any-max`, Cilium's default).
+    pub const CT_ANY: u32 = 1 << 18;
     pub const SK_REVNAT: u32 = 1 << 17;
     pub const METRICS: u32 = crate::metrics::MAX as u32;
     /// Cluster CIDRs per family (kube-proxy takes a handful; this is generous).
@@ -190,6 +202,12 @@ pub mod globals {
     /// `u32`: M, the cells of each Maglev table in `lb_maglev` (`maglev::TABLE_SIZES`). Zero
     /// (the default) leaves every Maglev frontend without a backend, never mis-indexed.
     pub const MAGLEV_TABLE_SIZE: &str = "LB_MAGLEV_M";
+    /// `u32` seconds, the conntrack lifetimes (`--bpf-ct-timeout-regular-*`); the defaults
+    /// are `ct_timeouts`'. Frozen .rodata: each load (`lb run`, `lb trace`) carries its own.
+    pub const CT_TIMEOUT_TCP_SYN: &str = "LB_CT_TCP_SYN";
+    pub const CT_TIMEOUT_TCP: &str = "LB_CT_TCP";
+    pub const CT_TIMEOUT_TCP_FIN: &str = "LB_CT_TCP_FIN";
+    pub const CT_TIMEOUT_ANY: &str = "LB_CT_ANY";
 }
 
 /// Maglev consistent hashing (`lb_alg::MAGLEV`): each Maglev master entry (frontend × scope)
@@ -335,7 +353,8 @@ pub type ClusterCidr4 = [u8; 4];
 /// Data of an `lb6_clustercidr` key.
 pub type ClusterCidr6 = [u8; 16];
 
-/// Conntrack lifetimes in seconds (Cilium's defaults; kube-proxy relies on nf_conntrack's).
+/// Default conntrack lifetimes in seconds (Cilium's defaults; kube-proxy relies on
+/// nf_conntrack's); `lb run` sets them with `--bpf-ct-timeout-regular-*` (`globals::CT_*`).
 ///
 /// SCTP associations use the TCP lifetimes: an INIT without reply is `TCP_SYN`, an association
 /// that has seen a reply is `TCP_ESTABLISHED` (nf_conntrack's 210 s relies on heartbeats, which
@@ -455,7 +474,7 @@ pub struct RevNat6 {
     pub pad: u16,
 }
 
-/// Map key of `lb4_ct`: a flow's 5-tuple as seen in `dir`. Service entries are keyed on the
+/// Map key of `lb4_ct_tcp` and `lb4_ct_any`: a flow's 5-tuple as seen in `dir`. Service entries are keyed on the
 /// tuple the client sent (destination = VIP), so one backend behind several VIPs gets one entry
 /// per VIP.
 #[repr(C)]
@@ -472,7 +491,7 @@ pub struct Ct4Key {
     pub pad: [u8; 2],
 }
 
-/// Map key of `lb6_ct`.
+/// Map key of `lb6_ct_tcp` and `lb6_ct_any`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -486,7 +505,7 @@ pub struct Ct6Key {
     pub pad: [u8; 2],
 }
 
-/// Map value of `lb4_ct`. Both entries of a flow carry the same ids, flags and expiry; the NAT
+/// Map value of `lb4_ct_tcp` and `lb4_ct_any`. Both entries of a flow carry the same ids, flags and expiry; the NAT
 /// endpoint differs (see `ct_flags::SNAT`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -508,7 +527,7 @@ pub struct Ct4Value {
     pub nat_addr: [u8; 4],
 }
 
-/// Map value of `lb6_ct`.
+/// Map value of `lb6_ct_tcp` and `lb6_ct_any`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -712,6 +731,9 @@ pub mod trace_ct {
     /// Like `NEW`, for a TCP/SCTP packet that opens no connection: its flow had no usable entry
     /// (`metrics::TC_CT_MISS_MIDSTREAM`).
     pub const NEW_MIDSTREAM: u8 = 4;
+    /// A TCP packet that opens no connection met its flow's entry, but the entry's backend is
+    /// gone: answered with a RST, the entry deleted (`metrics::TC_REJECT_BACKEND_GONE`).
+    pub const BACKEND_GONE: u8 = 5;
 }
 
 /// Value of the one-entry array `lb_trace`: the decision of the last packet a tc program
@@ -749,7 +771,10 @@ pub struct TraceRecord {
     pub maglev_cell: u32,
     /// `lb_alg` of the master entry a new flow's backend was chosen with (new flows only).
     pub lb_alg: u8,
-    pub pad2: [u8; 3],
+    pub pad2: u8,
+    /// `ct_flags` of the conntrack entry the packet met (established, reply, backend gone),
+    /// before this packet changed them; 0 without one.
+    pub ct_flags: u16,
 }
 
 /// Per-CPU value of `lb_metrics` (key: a `metrics` index, `u32`).
@@ -956,6 +981,7 @@ mod tests {
         assert_eq!(core::mem::offset_of!(TraceRecord, maglev_cell), 20);
         assert_eq!(core::mem::offset_of!(TraceRecord, lb_alg), 24);
         assert_eq!(core::mem::offset_of!(TraceRecord, pad2), 25);
+        assert_eq!(core::mem::offset_of!(TraceRecord, ct_flags), 26);
         assert_eq!(size_of::<TraceRecord>(), 28);
     }
 

@@ -68,12 +68,17 @@ pub const XDP_REDIRECT: u32 = 24;
 /// balanced as a new flow over the backends programmed now, never a remembered one. Counted in
 /// addition to its verdict (`TC_FWD_NEW`).
 pub const TC_CT_MISS_MIDSTREAM: u32 = 25;
+/// tc: a TCP packet that opens no connection (no SYN) whose conntrack entry names a backend
+/// that is gone; answered with a RST (a RST itself is only dropped) and the entry deleted, so
+/// the client learns at once instead of retransmitting into a new backend that never heard of
+/// the connection. UDP, SCTP and SYNs are re-balanced instead.
+pub const TC_REJECT_BACKEND_GONE: u32 = 26;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 26] = [
+pub const NAMES: [&str; 27] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -100,4 +105,5 @@ pub const NAMES: [&str; 26] = [
     "xdp_tx",
     "xdp_redirect",
     "tc_ct_miss_midstream",
+    "tc_reject_backend_gone",
 ];

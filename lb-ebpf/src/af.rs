@@ -8,15 +8,16 @@
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterIp4Key,
-    ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue,
-    config_flags,
+    ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_TCP, LbConfig, RevNat4, RevNat6,
+    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key,
+    Svc6Key, SvcValue, config_flags,
 };
 
 use crate::maps::{
     AFF_MATCH4, AFF_MATCH6, AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CLUSTER_CIDR4,
-    CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT4, CT6, REVNAT4, REVNAT6, SERVICES4, SERVICES6,
-    SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6, SVC_CIDR4, SVC_CIDR6, scratch,
+    CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT_ANY4, CT_ANY6, CT_TCP4, CT_TCP6, REVNAT4,
+    REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6, SVC_CIDR4,
+    SVC_CIDR6, scratch,
 };
 
 /// Which scratch slot (`maps::Scratch::keys`) a conntrack key is built in: the two keys a step
@@ -115,6 +116,8 @@ pub trait Af {
     /// # Safety
     /// `h` must come from a successful `ct_get` of this family in this program run.
     unsafe fn ct_nat_addr(h: *mut CtHead) -> Self::Addr;
+    /// Deletes the entry under `key` (a missing one is no error).
+    fn ct_del(key: &Self::CtKey);
 
     /// Remembers that socket `cookie` talks to `backend` on behalf of the frontend.
     fn sk_revnat_put(
@@ -271,7 +274,21 @@ impl Af for V4 {
 
     #[inline(always)]
     fn ct_get(key: &Ct4Key) -> Option<*mut CtHead> {
-        CT4.get_ptr_mut(key).map(|v| v.cast::<CtHead>())
+        let v = if key.proto == IPPROTO_TCP {
+            CT_TCP4.get_ptr_mut(key)
+        } else {
+            CT_ANY4.get_ptr_mut(key)
+        };
+        v.map(|v| v.cast::<CtHead>())
+    }
+
+    #[inline(always)]
+    fn ct_del(key: &Ct4Key) {
+        let _ = if key.proto == IPPROTO_TCP {
+            CT_TCP4.remove(key)
+        } else {
+            CT_ANY4.remove(key)
+        };
     }
 
     #[inline(always)]
@@ -290,7 +307,11 @@ impl Af for V4 {
             };
             &*v
         };
-        CT4.insert(key, value, flags)
+        if key.proto == IPPROTO_TCP {
+            CT_TCP4.insert(key, value, flags)
+        } else {
+            CT_ANY4.insert(key, value, flags)
+        }
     }
 
     #[inline(always)]
@@ -479,7 +500,21 @@ impl Af for V6 {
 
     #[inline(always)]
     fn ct_get(key: &Ct6Key) -> Option<*mut CtHead> {
-        CT6.get_ptr_mut(key).map(|v| v.cast::<CtHead>())
+        let v = if key.proto == IPPROTO_TCP {
+            CT_TCP6.get_ptr_mut(key)
+        } else {
+            CT_ANY6.get_ptr_mut(key)
+        };
+        v.map(|v| v.cast::<CtHead>())
+    }
+
+    #[inline(always)]
+    fn ct_del(key: &Ct6Key) {
+        let _ = if key.proto == IPPROTO_TCP {
+            CT_TCP6.remove(key)
+        } else {
+            CT_ANY6.remove(key)
+        };
     }
 
     #[inline(always)]
@@ -498,7 +533,11 @@ impl Af for V6 {
             };
             &*v
         };
-        CT6.insert(key, value, flags)
+        if key.proto == IPPROTO_TCP {
+            CT_TCP6.insert(key, value, flags)
+        } else {
+            CT_ANY6.insert(key, value, flags)
+        }
     }
 
     #[inline(always)]

@@ -84,17 +84,37 @@ pub fn midstream<A>(p: &Packet<A>) -> bool {
     }
 }
 
+// The lifetimes, set by the loader (`lb_common::globals::CT_TIMEOUT_*`, from the
+// `--bpf-ct-timeout-regular-*` flags). Frozen .rodata: the verifier sees constants, and each
+// load carries its own, so no pinned layout has to hold them.
+#[unsafe(no_mangle)]
+static LB_CT_TCP_SYN: u32 = ct_timeouts::TCP_SYN;
+#[unsafe(no_mangle)]
+static LB_CT_TCP: u32 = ct_timeouts::TCP_ESTABLISHED;
+#[unsafe(no_mangle)]
+static LB_CT_TCP_FIN: u32 = ct_timeouts::TCP_CLOSING;
+#[unsafe(no_mangle)]
+static LB_CT_ANY: u32 = ct_timeouts::NON_TCP;
+
+/// A lifetime global as the loader set it.
+#[inline(always)]
+fn timeout(g: &'static u32) -> u32 {
+    // SAFETY: a plain read of a static; volatile so the compiler keeps the load the loader's
+    // value feeds instead of folding in the default it was compiled with.
+    unsafe { core::ptr::read_volatile(g) }
+}
+
 /// Seconds an entry lives; SCTP uses TCP's lifetimes (see `ct_timeouts`).
 #[inline(always)]
 fn lifetime(proto: u8, flags: u16) -> u32 {
     if proto != IPPROTO_TCP && proto != IPPROTO_SCTP {
-        ct_timeouts::NON_TCP
+        timeout(&LB_CT_ANY)
     } else if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
-        ct_timeouts::TCP_CLOSING
+        timeout(&LB_CT_TCP_FIN)
     } else if flags & ct_flags::SEEN_REPLY != 0 {
-        ct_timeouts::TCP_ESTABLISHED
+        timeout(&LB_CT_TCP)
     } else {
-        ct_timeouts::TCP_SYN
+        timeout(&LB_CT_TCP_SYN)
     }
 }
 
@@ -184,31 +204,53 @@ fn refresh_reply<A: Af>(
     }
 }
 
-/// The live flow of a client → frontend packet whose backend still exists (written to `out`),
-/// its entries refreshed. `false` for a new flow, an expired one, a SYN or INIT reusing a
-/// closed flow's 5-tuple (balanced afresh), or one whose backend is gone (re-balanced rather
-/// than blackholed).
-#[inline(never)]
-pub fn established<A: Af>(p: &Packet<A::Addr>, now: u32, out: &mut Flow<A::Addr>) -> bool {
-    match established_flow::<A>(p, now) {
-        Some(f) => {
-            *out = f;
-            true
-        }
-        None => false,
-    }
-}
+/// `established`: no live entry; the packet opens a new flow (or is re-balanced as one).
+pub const CT_NEW: u8 = 0;
+/// `established`: the flow's entry and its backend, in `out`.
+pub const CT_ESTABLISHED: u8 = 1;
+/// `established`: a TCP packet without SYN met a live entry whose backend is gone; `out`
+/// holds the entry's ids and flags (its endpoints zero). The caller answers with a RST and
+/// deletes the entry (`forget`).
+pub const CT_BACKEND_GONE: u8 = 2;
 
-#[inline(always)]
-fn established_flow<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr>> {
-    let h = A::ct_get(service_key::<A>(p)?)?;
+/// The live flow of a client → frontend packet whose backend still exists (written to `out`),
+/// its entries refreshed: `CT_ESTABLISHED`. `CT_NEW` for a new flow, an expired one, a SYN or
+/// INIT reusing a closed flow's 5-tuple (balanced afresh), or a UDP/SCTP packet or TCP SYN
+/// whose backend is gone (re-balanced rather than blackholed); `CT_BACKEND_GONE` for any other
+/// TCP packet whose backend is gone: the connection cannot continue anywhere else.
+#[inline(never)]
+pub fn established<A: Af>(p: &Packet<A::Addr>, now: u32, out: &mut Flow<A::Addr>) -> u8 {
+    let Some(key) = service_key::<A>(p) else {
+        return CT_NEW;
+    };
+    let Some(h) = A::ct_get(key) else {
+        return CT_NEW;
+    };
     // SAFETY: pointer from a successful lookup, valid for this run (see `af`).
     let v = unsafe { *h };
     let reopened = opening(p) && v.flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0;
     if v.expires <= now || reopened {
-        return None;
+        return CT_NEW;
     }
-    let backend = A::backend(v.backend_id)?;
+    let Some(backend) = A::backend(v.backend_id) else {
+        if p.proto != IPPROTO_TCP || p.tcp_flags & TCP_SYN != 0 {
+            return CT_NEW;
+        }
+        *out = Flow {
+            endpoint: Endpoint {
+                addr: A::ZERO,
+                port: 0,
+            },
+            backend_id: v.backend_id,
+            rev_nat_id: v.rev_nat_id,
+            nat: Endpoint {
+                addr: A::ZERO,
+                port: 0,
+            },
+            flags: v.flags,
+        };
+        return CT_BACKEND_GONE;
+    };
     // Zero in entries without `ct_flags::SNAT`.
     let nat = Endpoint {
         // SAFETY: as above.
@@ -231,13 +273,24 @@ fn established_flow<A: Af>(p: &Packet<A::Addr>, now: u32) -> Option<Flow<A::Addr
         };
         refresh_reply::<A>(p, &backend, &nat, snat, &head);
     }
-    Some(Flow {
+    *out = Flow {
         endpoint: backend,
         backend_id: v.backend_id,
         rev_nat_id: v.rev_nat_id,
         nat,
         flags: v.flags,
-    })
+    };
+    CT_ESTABLISHED
+}
+
+/// Deletes the service entry of `p`'s flow (its backend is gone). The reply entry, keyed on
+/// the gone backend's address that nothing here knows any more, is left to expire or to the
+/// userspace GC (`backend_gone`).
+#[inline(always)]
+pub fn forget<A: Af>(p: &Packet<A::Addr>) {
+    if let Some(key) = service_key::<A>(p) {
+        A::ct_del(key);
+    }
 }
 
 /// The head a new flow of `p` to a frontend with `svc_flags` starts with (no NAT yet).

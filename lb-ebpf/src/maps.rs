@@ -27,8 +27,13 @@ pub static BACKENDS4: HashMap<u32, Backend4, { map_sizes::BACKENDS as usize }, N
 #[btf_map(name = "lb4_revnat")]
 pub static REVNAT4: HashMap<u32, RevNat4, { map_sizes::REVNAT as usize }, NO_PREALLOC> =
     HashMap::new();
-#[btf_map(name = "lb4_ct")]
-pub static CT4: LruHashMap<Ct4Key, Ct4Value, { map_sizes::CT as usize }> = LruHashMap::new();
+// Conntrack by protocol (see `map_names::CT_TCP4`); `af` picks the map by the key's protocol.
+#[btf_map(name = "lb4_ct_tcp")]
+pub static CT_TCP4: LruHashMap<Ct4Key, Ct4Value, { map_sizes::CT_TCP as usize }> =
+    LruHashMap::new();
+#[btf_map(name = "lb4_ct_any")]
+pub static CT_ANY4: LruHashMap<Ct4Key, Ct4Value, { map_sizes::CT_ANY as usize }> =
+    LruHashMap::new();
 #[btf_map(name = "lb4_sk_revnat")]
 pub static SK_REVNAT4: LruHashMap<SkRevNat4Key, SkRevNat4Value, { map_sizes::SK_REVNAT as usize }> =
     LruHashMap::new();
@@ -42,8 +47,12 @@ pub static BACKENDS6: HashMap<u32, Backend6, { map_sizes::BACKENDS as usize }, N
 #[btf_map(name = "lb6_revnat")]
 pub static REVNAT6: HashMap<u32, RevNat6, { map_sizes::REVNAT as usize }, NO_PREALLOC> =
     HashMap::new();
-#[btf_map(name = "lb6_ct")]
-pub static CT6: LruHashMap<Ct6Key, Ct6Value, { map_sizes::CT as usize }> = LruHashMap::new();
+#[btf_map(name = "lb6_ct_tcp")]
+pub static CT_TCP6: LruHashMap<Ct6Key, Ct6Value, { map_sizes::CT_TCP as usize }> =
+    LruHashMap::new();
+#[btf_map(name = "lb6_ct_any")]
+pub static CT_ANY6: LruHashMap<Ct6Key, Ct6Value, { map_sizes::CT_ANY as usize }> =
+    LruHashMap::new();
 #[btf_map(name = "lb6_sk_revnat")]
 pub static SK_REVNAT6: LruHashMap<SkRevNat6Key, SkRevNat6Value, { map_sizes::SK_REVNAT as usize }> =
     LruHashMap::new();

@@ -135,8 +135,11 @@ fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf>(
         && lookup::<A>(p, origin, svc)
     {
         let now = conntrack::now_secs();
-        if established::<A>(p, now, flow) {
-            return established_flow::<C, A>(ctx, p, svc, flow);
+        match established::<A>(p, now, flow) {
+            conntrack::CT_ESTABLISHED => return established_flow::<C, A>(ctx, p, svc, flow),
+            conntrack::CT_BACKEND_GONE if !C::BUILDS_REPLIES => return Ok(to_tc::<C>()),
+            conntrack::CT_BACKEND_GONE => return backend_gone::<C, A>(ctx, p, svc, flow),
+            _ => {}
         }
         return new_flow::<C, A>(ctx, p, svc, now);
     }
@@ -220,8 +223,38 @@ fn reject_verdict<C: PacketCtx>(action: i32) -> u8 {
 
 /// `conntrack::established`, into `out`.
 #[inline(always)]
-fn established<A: Af>(p: &Packet<A::Addr>, now: u32, out: &mut conntrack::Flow<A::Addr>) -> bool {
+fn established<A: Af>(p: &Packet<A::Addr>, now: u32, out: &mut conntrack::Flow<A::Addr>) -> u8 {
     conntrack::established::<A>(p, now, out)
+}
+
+/// A TCP packet of an established flow whose backend was removed: no other backend knows the
+/// connection, so the client gets a RST now (as Cilium does) instead of retransmitting into a
+/// re-balanced backend that would answer with one anyway; the entry goes, so the client's next
+/// SYN on the same 5-tuple is balanced afresh. tc only: XDP hands the packet on untouched,
+/// entry and all.
+#[inline(always)]
+fn backend_gone<C: PacketCtx, A: FwdAf + RejectAf>(
+    ctx: &C,
+    p: &Packet<A::Addr>,
+    svc: &Service<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
+) -> Result<Decision, Error> {
+    conntrack::forget::<A>(p);
+    let action = reject_packet::<C, A>(ctx, p)?;
+    trace::record(|r| {
+        r.verdict = reject_verdict::<C>(action);
+        r.reason = metrics::TC_REJECT_BACKEND_GONE as u8;
+        r.scope = svc.scope;
+        r.ct_state = trace_ct::BACKEND_GONE;
+        r.svc_flags = svc.master.flags;
+        r.backend_id = flow.backend_id;
+        r.rev_nat_id = flow.rev_nat_id;
+        r.ct_flags = flow.flags;
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_REJECT_BACKEND_GONE,
+    })
 }
 
 /// `conntrack::reply`, into `out`.
@@ -319,6 +352,7 @@ fn established_flow<C: PacketCtx, A: FwdAf>(
         r.svc_flags = svc.master.flags;
         r.backend_id = flow.backend_id;
         r.rev_nat_id = flow.rev_nat_id;
+        r.ct_flags = flow.flags;
         trace_nat(r, &flow.nat, flow.masqueraded());
     });
     Ok(Decision {
@@ -616,6 +650,7 @@ fn from_backend<C: PacketCtx, A: FwdAf>(
         r.ct_state = trace_ct::REPLY;
         r.backend_id = flow.backend_id;
         r.rev_nat_id = flow.rev_nat_id;
+        r.ct_flags = flow.flags;
     });
     Ok(Decision {
         action,

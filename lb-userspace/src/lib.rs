@@ -7,8 +7,10 @@
 //! live maps back (`lb services`, `lb status`, `lb trace`), with service names from the
 //! daemon's `state_dir`; `metrics` serves Prometheus and health;
 //! `healthcheck` runs the health check node ports of `externalTrafficPolicy: Local` services;
-//! `privileges` checks at start that `lb run` has the capabilities it needs.
+//! `privileges` checks at start that `lb run` has the capabilities it needs; `conntrack` sizes
+//! the conntrack maps, sets their lifetimes and garbage-collects them.
 pub mod cli;
+pub mod conntrack;
 pub mod controller;
 pub mod datapath;
 pub mod healthcheck;

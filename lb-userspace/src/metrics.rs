@@ -18,7 +18,12 @@
 //! | `lb_map_full_total` | counter | `map` |
 //! | `lb_datapath_packets_total` | counter | `event` (a `lb_common::metrics::NAMES` entry) |
 //! | `lb_datapath_bytes_total` | counter | `event` |
-//! | `lb_conntrack_entries` | gauge | `family` = `ipv4` \| `ipv6` |
+//! | `lb_conntrack_entries` | gauge | `family` = `ipv4` \| `ipv6`, `protocol` = `tcp` \| `udp` \| `sctp` \| `other`, `state` = `new` \| `established` \| `closing` (live entries after the last GC pass) |
+//! | `lb_conntrack_gc_runs_total` | counter | |
+//! | `lb_conntrack_gc_deleted_total` | counter | `reason` = `expired` \| `closed` \| `backend_gone` |
+//! | `lb_conntrack_gc_duration_seconds` | histogram | |
+//! | `lb_conntrack_gc_errors_total` | counter | (maps a pass could not walk or write) |
+//! | `lb_conntrack_insert_failures_total` | counter | (the datapath's `tc_ct_insert_failed`) |
 //! | `lb_healthcheck_bind_errors_total` | counter | |
 //! | `lb_healthcheck_listeners` | gauge | |
 //! | `lb_apiserver_connected` | gauge | (Kubernetes source only) 1 while the API server answers |
@@ -29,10 +34,11 @@
 //! kube-proxy's own SLIs are served too, under kube-proxy's names ([`kubeproxy`]), and
 //! `/proxyMode` on the metrics port answers `ebpf`, as kube-proxy's answers its mode.
 //!
-//! The datapath and conntrack series are read from the BPF maps at scrape time, and only once
-//! the maps have been handed over ([`Metrics::set_datapath_counters`],
-//! [`Metrics::set_conntrack_maps`]); a map that cannot be read leaves its series out of that
-//! scrape.
+//! The datapath series (and `lb_conntrack_insert_failures_total`) are read from `lb_metrics`
+//! at scrape time, once it has been handed over ([`Metrics::set_datapath_counters`]); a map
+//! that cannot be read leaves its series out of that scrape. The other conntrack series come
+//! from the conntrack GC's passes ([`Metrics::observe_ct_gc`]), which walk the maps anyway: a
+//! scrape costs no syscall per entry.
 //!
 //! Health follows kube-proxy's healthz server: `/healthz` answers 200 once the maps have been
 //! programmed, no source change has waited longer than [`HEALTH_TIMEOUT`] to be applied, and
@@ -80,21 +86,24 @@ use axum::{
     response::IntoResponse,
     routing::get,
 };
-use aya::maps::{HashMap, IterableMap as _, MapData, PerCpuArray};
-use lb_common::{Ct4Key, Ct4Value, Ct6Key, Ct6Value, MetricValue, map_names, metrics::NAMES};
+use aya::maps::{MapData, PerCpuArray};
+use lb_common::{
+    MetricValue,
+    metrics::{NAMES, TC_CT_INSERT_FAILED},
+};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric as _, prometheus_text},
     metrics::{
         counter::{ConstCounter, Counter},
         family::Family,
-        gauge::{ConstGauge, Gauge},
+        gauge::Gauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
 };
 
-use crate::datapath::maps::{count_keys, read_counter};
+use crate::datapath::maps::read_counter;
 
 pub mod kubeproxy;
 
@@ -129,6 +138,18 @@ struct MapLabels {
     map: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CtLabels {
+    family: &'static str,
+    protocol: &'static str,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
 /// The daemon's metrics and health state. Shared as `Arc<Metrics>`; every method takes `&self`.
 #[derive(Debug)]
 pub struct Metrics {
@@ -151,6 +172,13 @@ pub struct Metrics {
     watch_errors: Family<KindLabels, Counter>,
     watch_relists: Family<KindLabels, Counter>,
     kube_proxy: kubeproxy::KubeProxyMetrics,
+    ct_entries: Family<CtLabels, Gauge>,
+    ct_gc_runs: Counter,
+    ct_gc_deleted: Family<ReasonLabels, Counter>,
+    ct_gc_duration: Histogram,
+    ct_gc_errors: Counter,
+    /// Every `lb_conntrack_entries` label set a GC pass reported so far.
+    ct_labels: Mutex<Vec<CtLabels>>,
     bpf: Arc<BpfCollector>,
     health: Mutex<Health>,
 }
@@ -294,6 +322,42 @@ impl Metrics {
             watch_relists.clone(),
         );
         let kube_proxy = kubeproxy::KubeProxyMetrics::register(&mut registry);
+        let ct_entries = Family::<CtLabels, Gauge>::default();
+        registry.register(
+            "lb_conntrack_entries",
+            "Live entries in the datapath's conntrack maps after the last GC pass, by family, \
+             protocol and state (each flow has a service and a reply entry)",
+            ct_entries.clone(),
+        );
+        let ct_gc_runs = Counter::default();
+        registry.register(
+            "lb_conntrack_gc_runs",
+            "Passes of the conntrack GC",
+            ct_gc_runs.clone(),
+        );
+        let ct_gc_deleted = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "lb_conntrack_gc_deleted",
+            "Conntrack entries the GC deleted, by reason",
+            ct_gc_deleted.clone(),
+        );
+        for r in crate::conntrack::Reason::ALL {
+            ct_gc_deleted
+                .get_or_create(&ReasonLabels { reason: r.as_str() })
+                .inc_by(0);
+        }
+        let ct_gc_duration = Histogram::new(exponential_buckets(1e-4, 2.0, 20));
+        registry.register(
+            "lb_conntrack_gc_duration_seconds",
+            "Time one conntrack GC pass over all conntrack maps took",
+            ct_gc_duration.clone(),
+        );
+        let ct_gc_errors = Counter::default();
+        registry.register(
+            "lb_conntrack_gc_errors",
+            "Conntrack maps a GC pass could not walk, or entries it could not delete",
+            ct_gc_errors.clone(),
+        );
         let bpf = Arc::new(BpfCollector::default());
         registry.register_collector(Box::new(Arc::clone(&bpf)));
         Arc::new(Metrics {
@@ -316,6 +380,12 @@ impl Metrics {
             watch_errors,
             watch_relists,
             kube_proxy,
+            ct_entries,
+            ct_gc_runs,
+            ct_gc_deleted,
+            ct_gc_duration,
+            ct_gc_errors,
+            ct_labels: Mutex::new(Vec::new()),
             bpf,
             health: Mutex::new(Health::default()),
         })
@@ -488,14 +558,41 @@ impl Metrics {
         *lock(&self.bpf.counters) = Some(map);
     }
 
-    /// Conntrack fill, counted at scrape time from the LRU maps `lb4_ct` / `lb6_ct`; exported as
-    /// `lb_conntrack_entries{family="ipv4"|"ipv6"}`.
-    pub fn set_conntrack_maps(
-        &self,
-        ct4: HashMap<MapData, Ct4Key, Ct4Value>,
-        ct6: HashMap<MapData, Ct6Key, Ct6Value>,
-    ) {
-        *lock(&self.bpf.conntrack) = Some((ct4, ct6));
+    /// A conntrack GC pass ran: its entries replace the `lb_conntrack_entries` series (a state
+    /// no entry is in any more reads 0), its deletions and duration are counted.
+    pub fn observe_ct_gc(&self, report: &crate::conntrack::GcReport) {
+        self.ct_gc_runs.inc();
+        self.ct_gc_duration.observe(report.duration.as_secs_f64());
+        self.ct_gc_errors.inc_by(report.errors);
+        for (reason, n) in &report.deleted {
+            self.ct_gc_deleted
+                .get_or_create(&ReasonLabels {
+                    reason: reason.as_str(),
+                })
+                .inc_by(*n);
+        }
+        // Families, protocols and states seen before keep their series, at 0.
+        let mut seen = Vec::new();
+        for ((family, protocol, state), n) in &report.entries {
+            let labels = CtLabels {
+                family,
+                protocol,
+                state,
+            };
+            self.ct_entries.get_or_create(&labels).set(to_i64(*n));
+            seen.push(labels);
+        }
+        let mut stale = lock(&self.ct_labels);
+        for l in stale.iter() {
+            if !seen.contains(l) {
+                self.ct_entries.get_or_create(l).set(0);
+            }
+        }
+        for l in seen {
+            if !stale.contains(&l) {
+                stale.push(l);
+            }
+        }
     }
 
     /// The full exposition in the Prometheus text format ([`METRICS_CONTENT_TYPE`]).
@@ -619,21 +716,16 @@ pub fn rfc3339(t: SystemTime) -> String {
     s
 }
 
-type Ct4Map = HashMap<MapData, Ct4Key, Ct4Value>;
-type Ct6Map = HashMap<MapData, Ct6Key, Ct6Value>;
-
 /// Reads the BPF maps on every scrape.
 #[derive(Default)]
 struct BpfCollector {
     counters: Mutex<Option<PerCpuArray<MapData, MetricValue>>>,
-    conntrack: Mutex<Option<(Ct4Map, Ct6Map)>>,
 }
 
 impl std::fmt::Debug for BpfCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BpfCollector")
             .field("counters", &lock(&self.counters).is_some())
-            .field("conntrack", &lock(&self.conntrack).is_some())
             .finish()
     }
 }
@@ -654,39 +746,6 @@ impl BpfCollector {
         }
         out
     }
-
-    /// `(family, entries)` per readable conntrack map.
-    fn conntrack_entries(&self) -> Vec<(&'static str, u64)> {
-        let guard = lock(&self.conntrack);
-        let Some((ct4, ct6)) = guard.as_ref() else {
-            return Vec::new();
-        };
-        let mut out = Vec::with_capacity(2);
-        if let Some(n) = conntrack_keys(ct4, map_names::CT4) {
-            out.push(("ipv4", n));
-        }
-        if let Some(n) = conntrack_keys(ct6, map_names::CT6) {
-            out.push(("ipv6", n));
-        }
-        out
-    }
-}
-
-/// A conntrack map's key count (see [`count_keys`]); `None` if the map cannot be read.
-fn conntrack_keys<K: aya::Pod, V: aya::Pod>(
-    map: &HashMap<MapData, K, V>,
-    name: &str,
-) -> Option<u64> {
-    let capacity = match map.map().info() {
-        Ok(info) => info.max_entries(),
-        Err(e) => {
-            tracing::debug!(map = name, error = %e, "reading map info");
-            return None;
-        }
-    };
-    count_keys(map, capacity)
-        .inspect_err(|e| tracing::debug!(map = name, error = %e, "walking conntrack keys"))
-        .ok()
 }
 
 impl Collector for BpfCollector {
@@ -715,18 +774,19 @@ impl Collector for BpfCollector {
                 ConstCounter::new(*b).encode(bytes.encode_family(&labels)?)?;
             }
         }
-        let conntrack = self.conntrack_entries();
-        if !conntrack.is_empty() {
-            let mut entries = encoder.encode_descriptor(
-                "lb_conntrack_entries",
-                "Entries in the datapath's conntrack maps",
+        if let Some((_, p, _)) = counters
+            .iter()
+            .find(|(event, ..)| *event == NAMES[TC_CT_INSERT_FAILED as usize])
+        {
+            let mut failures = encoder.encode_descriptor(
+                "lb_conntrack_insert_failures",
+                "New flows whose conntrack entries could not be inserted (forwarded anyway; \
+                 later packets may be re-balanced); the datapath's tc_ct_insert_failed",
                 None,
-                ConstGauge::new(0i64).metric_type(),
+                ConstCounter::new(0u64).metric_type(),
             )?;
-            for (family, n) in conntrack {
-                let labels = [("family", family)];
-                ConstGauge::new(to_i64(n)).encode(entries.encode_family(&labels)?)?;
-            }
+            let none: [(&str, &str); 0] = [];
+            ConstCounter::new(*p).encode(failures.encode_family(&none)?)?;
         }
         Ok(())
     }

@@ -31,6 +31,11 @@ pub fn slowdown() -> u32 {
         .filter(|n| *n >= 1)
         .unwrap_or(1)
 }
+/// The conntrack sizes [`LbDaemon::spawn`] gives lb (a few MiB instead of ~180).
+pub const TEST_CT_MAX: [&str; 2] = [
+    "--bpf-ct-global-tcp-max=16384",
+    "--bpf-ct-global-any-max=16384",
+];
 /// How long lb may take to exit after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a wait looks at lb's exit and the interrupt flag.
@@ -86,7 +91,9 @@ pub struct LbDaemon {
 
 impl LbDaemon {
     /// Starts `lb run ARGS --pin-dir … --state-dir …` (`lb` is the binary) in `tb`'s node netns
-    /// with [`LbOptions::for_testbed`], without waiting for it.
+    /// with [`LbOptions::for_testbed`], without waiting for it. Unless ARGS size them, the
+    /// conntrack maps get [`TEST_CT_MAX`] entries: at the defaults (Cilium's) they take about
+    /// 180 MiB of kernel memory per lb, and tests run several at once.
     pub fn spawn(
         tb: &mut Testbed,
         lb: &Path,
@@ -94,7 +101,11 @@ impl LbDaemon {
         rust_log: &str,
     ) -> anyhow::Result<Self> {
         let opts = LbOptions::for_testbed(tb, rust_log);
-        Self::spawn_with(tb, lb, args, opts)
+        let mut args: Vec<&str> = args.to_vec();
+        if !args.iter().any(|a| a.starts_with("--bpf-ct-global-")) {
+            args.extend(TEST_CT_MAX);
+        }
+        Self::spawn_with(tb, lb, &args, opts)
     }
 
     /// The arguments [`LbDaemon::spawn_with`] gives lb, for showing the command line.

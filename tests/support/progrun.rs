@@ -212,8 +212,13 @@ impl Loaded {
                     dir,
                     pad: [0; 2],
                 };
+                let name = if proto == lb_common::IPPROTO_TCP {
+                    map_names::CT_TCP4
+                } else {
+                    map_names::CT_ANY4
+                };
                 let map: HashMap<_, Ct4Key, Ct4Value> =
-                    HashMap::try_from(ebpf.map(map_names::CT4).expect("ct4")).expect("ct4");
+                    HashMap::try_from(ebpf.map(name).expect("ct4")).expect("ct4");
                 view!(map.get(&key, 0))
             }
             (IpAddr::V6(s), IpAddr::V6(d)) => {
@@ -226,8 +231,13 @@ impl Loaded {
                     dir,
                     pad: [0; 2],
                 };
+                let name = if proto == lb_common::IPPROTO_TCP {
+                    map_names::CT_TCP6
+                } else {
+                    map_names::CT_ANY6
+                };
                 let map: HashMap<_, Ct6Key, Ct6Value> =
-                    HashMap::try_from(ebpf.map(map_names::CT6).expect("ct6")).expect("ct6");
+                    HashMap::try_from(ebpf.map(name).expect("ct6")).expect("ct6");
                 view!(map.get(&key, 0))
             }
             _ => None,

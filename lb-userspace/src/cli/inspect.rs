@@ -580,8 +580,12 @@ fn map_status(dir: &Path, name: &str) -> anyhow::Result<MapStatus> {
         map_names::BACKENDS6 => count(count_keys(&open_hash::<u32, Backend6>(dir, name)?, max))?,
         map_names::REVNAT4 => count(count_keys(&open_hash::<u32, RevNat4>(dir, name)?, max))?,
         map_names::REVNAT6 => count(count_keys(&open_hash::<u32, RevNat6>(dir, name)?, max))?,
-        map_names::CT4 => count(count_keys(&open_hash::<Ct4Key, Ct4Value>(dir, name)?, max))?,
-        map_names::CT6 => count(count_keys(&open_hash::<Ct6Key, Ct6Value>(dir, name)?, max))?,
+        map_names::CT_TCP4 | map_names::CT_ANY4 => {
+            count(count_keys(&open_hash::<Ct4Key, Ct4Value>(dir, name)?, max))?
+        }
+        map_names::CT_TCP6 | map_names::CT_ANY6 => {
+            count(count_keys(&open_hash::<Ct6Key, Ct6Value>(dir, name)?, max))?
+        }
         map_names::SK_REVNAT4 => count(count_keys(
             &open_hash::<SkRevNat4Key, SkRevNat4Value>(dir, name)?,
             max,

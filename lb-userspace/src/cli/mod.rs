@@ -117,6 +117,12 @@ struct RunArgs {
     #[arg(long, value_parser = parse_map_max)]
     bpf_map_max: Vec<(String, u32)>,
     #[command(flatten)]
+    ct: crate::conntrack::CtArgs,
+    /// Seconds between passes of the conntrack GC, which deletes expired and closed entries
+    /// and those of removed backends (a sync that removes backends also starts one at once).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    ct_gc_interval: u64,
+    #[command(flatten)]
     node_facts: crate::node_facts::NodeFactsArgs,
     #[command(flatten)]
     algorithm: AlgorithmArgs,
@@ -245,7 +251,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 metrics_addr,
                 healthz_addr,
                 state_dir: args.state_dir,
-                map_max: args.bpf_map_max.into_iter().collect(),
+                // The conntrack sizes, unless --bpf-map-max names the map itself.
+                map_max: args
+                    .ct
+                    .map_sizes()
+                    .into_iter()
+                    .map(|(n, v)| (n.to_string(), v))
+                    .chain(args.bpf_map_max)
+                    .collect(),
+                ct_timeouts: args.ct.timeouts(),
+                ct_gc_interval: std::time::Duration::from_secs(args.ct_gc_interval),
                 node_facts: args.node_facts,
                 algorithm: args.algorithm,
                 watch_timeout: std::time::Duration::from_secs(args.watch_timeout),

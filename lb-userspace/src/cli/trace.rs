@@ -19,13 +19,15 @@ use aya::{
     programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp},
 };
 use lb_common::{
-    Affinity4Key, Affinity6Key, AffinityValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value, TraceRecord,
-    ct_dir, lb_alg, map_names, metrics, prog_names, trace_affinity, trace_ct, trace_verdict,
+    Affinity4Key, Affinity6Key, AffinityValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_TCP,
+    TraceRecord, ct_dir, ct_flags, lb_alg, map_names, metrics, prog_names, trace_affinity,
+    trace_ct, trace_verdict,
 };
 use serde::Serialize;
 
 use super::AlgorithmArgs;
 use crate::{
+    conntrack::CtTimeouts,
     controller::{
         manifests,
         reconcile::Reconciler,
@@ -103,8 +105,14 @@ pub struct TraceResult {
     pub reason: &'static str,
     /// Conntrack: `new` (a backend was chosen), `new_midstream` (the same, for a TCP/SCTP
     /// packet that opens no connection and had no usable entry), `established` (the flow's
-    /// entry was reused), `reply` (a backend's reply was reverse-NATed), or `null`.
+    /// entry was reused), `reply` (a backend's reply was reverse-NATed), `backend_gone` (a TCP
+    /// packet without SYN met an entry whose backend was removed: answered with a RST, the
+    /// entry deleted), or `null`.
     pub conntrack: Option<&'static str>,
+    /// The flags of the conntrack entry the packet met, before the packet changed them:
+    /// `seen_reply`, `tx_closing` (FIN/RST from the client), `rx_closing` (from the backend),
+    /// `snat`, `local_frontend`; empty without an entry.
+    pub conntrack_flags: Vec<&'static str>,
     /// The backend slot chosen for a new flow (`1..=count`), or `null` (none chosen, or the
     /// client's session affinity entry chose the backend).
     pub slot: Option<u16>,
@@ -210,12 +218,29 @@ pub struct Probe {
     pub dport: u16,
     pub proto: Proto,
     pub origin: Origin,
+    /// TCP: an ACK of an established connection instead of a SYN (`--midstream`).
+    pub midstream: bool,
 }
 
-/// The running lb's IPv4 and IPv6 conntrack maps.
+/// Names of `ct_flags` bits, in bit order.
+pub fn ct_flag_names(flags: u16) -> Vec<&'static str> {
+    [
+        (ct_flags::SEEN_REPLY, "seen_reply"),
+        (ct_flags::TX_CLOSING, "tx_closing"),
+        (ct_flags::RX_CLOSING, "rx_closing"),
+        (ct_flags::SNAT, "snat"),
+        (ct_flags::LOCAL_FRONTEND, "local_frontend"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| flags & bit != 0)
+    .map(|(_, name)| name)
+    .collect()
+}
+
+/// The running lb's conntrack maps: TCP and the rest, IPv4 then IPv6.
 type LiveCt = (
-    HashMap<MapData, Ct4Key, Ct4Value>,
-    HashMap<MapData, Ct6Key, Ct6Value>,
+    [HashMap<MapData, Ct4Key, Ct4Value>; 2],
+    [HashMap<MapData, Ct6Key, Ct6Value>; 2],
 );
 
 /// The running lb's IPv4 and IPv6 session affinity maps.
@@ -223,6 +248,19 @@ type LiveAffinity = (
     HashMap<MapData, Affinity4Key, AffinityValue>,
     HashMap<MapData, Affinity6Key, AffinityValue>,
 );
+/// The private conntrack maps of a trace hold a handful of flows: no need for the hundreds of
+/// megabytes `lb run`'s preallocated defaults take.
+fn private_ct_sizes() -> std::collections::BTreeMap<String, u32> {
+    [
+        map_names::CT_TCP4,
+        map_names::CT_ANY4,
+        map_names::CT_TCP6,
+        map_names::CT_ANY6,
+    ]
+    .into_iter()
+    .map(|n| (n.to_string(), 1024))
+    .collect()
+}
 
 pub struct Tracer {
     datapath: Datapath,
@@ -249,6 +287,7 @@ impl Tracer {
         pin_dir: &Path,
         state_dir: &Path,
         facts: Option<&NodeFacts>,
+        ct_timeouts: CtTimeouts,
     ) -> anyhow::Result<Self> {
         let mut shared = SERVICE_MAPS.to_vec();
         // The running lb's Maglev tables, read with its M (pins of an lb without Maglev have
@@ -274,6 +313,8 @@ impl Tracer {
         let mut datapath = Datapath::load(&LoadOptions {
             pin_dir: Some(pin_dir.to_path_buf()),
             only_pinned: Some(shared),
+            max_entries: private_ct_sizes(),
+            ct_timeouts,
             trace: true,
             maglev_table_size: maglev.0,
             maglev_tables: maglev.1,
@@ -304,8 +345,14 @@ impl Tracer {
             })
             .collect();
         let live_ct = Some((
-            open_hash(pin_dir, map_names::CT4)?,
-            open_hash(pin_dir, map_names::CT6)?,
+            [
+                open_hash(pin_dir, map_names::CT_TCP4)?,
+                open_hash(pin_dir, map_names::CT_ANY4)?,
+            ],
+            [
+                open_hash(pin_dir, map_names::CT_TCP6)?,
+                open_hash(pin_dir, map_names::CT_ANY6)?,
+            ],
         ));
         Ok(Self {
             datapath,
@@ -330,8 +377,11 @@ impl Tracer {
         node_name: &str,
         facts: &NodeFactsArgs,
         algorithm: &AlgorithmArgs,
+        ct_timeouts: CtTimeouts,
     ) -> anyhow::Result<(Self, NodeFacts)> {
         let mut datapath = Datapath::load(&LoadOptions {
+            max_entries: private_ct_sizes(),
+            ct_timeouts,
             trace: true,
             maglev_table_size: algorithm.maglev_table_size,
             maglev_tables: algorithm.tables(),
@@ -527,8 +577,10 @@ impl Tracer {
                 trace_ct::NEW_MIDSTREAM => Some("new_midstream"),
                 trace_ct::ESTABLISHED => Some("established"),
                 trace_ct::REPLY => Some("reply"),
+                trace_ct::BACKEND_GONE => Some("backend_gone"),
                 _ => None,
             },
+            conntrack_flags: ct_flag_names(record.ct_flags),
             slot: (record.slot != 0).then_some(record.slot),
             affinity: match record.affinity {
                 trace_affinity::HIT => Some("hit"),
@@ -616,6 +668,13 @@ impl Tracer {
             return Ok(());
         };
         let proto = p.proto.number();
+        // The map the datapath looks the flow up in (see `map_names::CT_TCP4`).
+        let i = usize::from(proto != IPPROTO_TCP);
+        let (name4, name6) = if i == 0 {
+            (map_names::CT_TCP4, map_names::CT_TCP6)
+        } else {
+            (map_names::CT_ANY4, map_names::CT_ANY6)
+        };
         let ebpf = self.datapath.ebpf_mut();
         match (p.src, p.dst) {
             (IpAddr::V4(s), IpAddr::V4(d)) => {
@@ -628,7 +687,7 @@ impl Tracer {
                     dir: ct_dir::SERVICE,
                     pad: [0; 2],
                 };
-                copy_entry(live4, ebpf, map_names::CT4, key)
+                copy_entry(&live4[i], ebpf, name4, key)
             }
             (IpAddr::V6(s), IpAddr::V6(d)) => {
                 let key = Ct6Key {
@@ -640,7 +699,7 @@ impl Tracer {
                     dir: ct_dir::SERVICE,
                     pad: [0; 2],
                 };
-                copy_entry(live6, ebpf, map_names::CT6, key)
+                copy_entry(&live6[i], ebpf, name6, key)
             }
             _ => bail!("source and destination are of different address families"),
         }
@@ -715,7 +774,12 @@ fn build_packet(p: &Probe) -> Vec<u8> {
             h[2..4].copy_from_slice(&p.dport.to_be_bytes());
             h[4..8].copy_from_slice(&1u32.to_be_bytes());
             h[12] = 5 << 4;
-            h[13] = 0x02; // SYN: a new flow
+            if p.midstream {
+                h[8..12].copy_from_slice(&1u32.to_be_bytes());
+                h[13] = 0x10; // ACK: a later packet of the connection
+            } else {
+                h[13] = 0x02; // SYN: a new flow
+            }
             h[14..16].copy_from_slice(&64240u16.to_be_bytes());
             (6, h)
         }
@@ -837,8 +901,15 @@ impl fmt::Display for TraceResult {
                 f,
                 "conntrack:   new (mid-stream packet without a conntrack entry: re-balanced)"
             )?,
+            Some("backend_gone") => writeln!(
+                f,
+                "conntrack:   backend gone (the entry's backend was removed: RST, entry deleted)"
+            )?,
             Some(ct) => writeln!(f, "conntrack:   {ct}")?,
             None => {}
+        }
+        if !self.conntrack_flags.is_empty() {
+            writeln!(f, "ct flags:    {}", self.conntrack_flags.join(", "))?;
         }
         if let Some(scope) = self.scope {
             let slot = self.slot.map(|s| format!(", slot {s}")).unwrap_or_default();
@@ -917,6 +988,14 @@ pub struct TraceArgs {
     /// One JSON object per traced packet.
     #[arg(long)]
     pub json: bool,
+    /// TCP: trace an ACK of an established connection instead of a SYN, as the flow's later
+    /// packets are (what a live flow's conntrack entry does to them, e.g. a removed backend).
+    #[arg(long)]
+    pub midstream: bool,
+    /// The conntrack lifetimes, as `lb run` takes them (the sizes are accepted too; a trace's
+    /// private conntrack holds a few entries whatever they say).
+    #[command(flatten)]
+    pub ct: crate::conntrack::CtArgs,
     /// Trace a private copy programmed from these manifests instead of the running lb.
     #[arg(long)]
     pub manifests: Option<std::path::PathBuf>,
@@ -978,14 +1057,26 @@ pub fn run(
     }
     let mut tracer = match &args.manifests {
         Some(dir) => {
-            Tracer::from_manifests(dir, &node_name()?, &args.node_facts, &args.algorithm)?.0
+            Tracer::from_manifests(
+                dir,
+                &node_name()?,
+                &args.node_facts,
+                &args.algorithm,
+                args.ct.timeouts(),
+            )?
+            .0
         }
         None => {
             let facts = args
                 .node_facts
                 .any()
                 .then(|| NodeFacts::resolve(&args.node_facts, None, host_ips));
-            Tracer::live(&args.pin_dir, &args.state_dir, facts.as_ref())?
+            Tracer::live(
+                &args.pin_dir,
+                &args.state_dir,
+                facts.as_ref(),
+                args.ct.timeouts(),
+            )?
         }
     };
     let xdp = match args.devices.xdp {
@@ -1024,6 +1115,7 @@ pub fn run(
             dport: args.dst.port(),
             proto,
             origin,
+            midstream: args.midstream,
         };
         let result = tracer.trace(&probe)?;
         if args.json {

@@ -69,6 +69,10 @@ pub struct RunOptions {
     pub watch_timeout: std::time::Duration,
     /// `--lb-algorithm`, `--maglev-table-size`, `--bpf-maglev-tables`.
     pub algorithm: crate::cli::AlgorithmArgs,
+    /// Conntrack lifetimes (`--bpf-ct-timeout-regular-*`).
+    pub ct_timeouts: crate::conntrack::CtTimeouts,
+    /// Between conntrack GC passes (`--ct-gc-interval`).
+    pub ct_gc_interval: std::time::Duration,
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -93,6 +97,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         pin_dir: Some(opts.pin_dir.clone()),
         only_pinned: None,
         max_entries: opts.map_max.clone(),
+        ct_timeouts: opts.ct_timeouts,
         trace: false,
         no_set_retval: false,
         // A restart (or upgrade) must not leave a moment without programs: see `links`.
@@ -122,6 +127,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;
     datapath.export_metrics(&metrics)?;
+    // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
+    let ct_gc = crate::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, metrics.clone())?;
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
@@ -186,6 +193,10 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 let base = node_base(&opts, facts.as_ref());
                 let synced =
                     sync_node(&mut reconciler, &snapshot, &base, generation, &metrics, &changes);
+                if synced.report.backends_deleted > 0 {
+                    // Their flows' entries go now, not at the next interval.
+                    ct_gc.notify_one();
+                }
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
                 }

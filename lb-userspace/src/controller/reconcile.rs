@@ -82,6 +82,8 @@ impl From<String> for Failure {
 pub struct ApplyReport {
     pub writes: usize,
     pub deletes: usize,
+    /// Backends deleted (their conntrack entries are the GC's to remove: `conntrack::Gc`).
+    pub backends_deleted: usize,
     pub errors: Vec<ServiceError>,
     /// Maglev services programmed with random selection instead, because `lb_maglev` had no
     /// free table (`full_map` names it); they work, without Maglev's consistency.
@@ -922,6 +924,7 @@ impl<M: LbMaps> Reconciler<M> {
             match self.maps.del_backend(id, Family::of(&b.l4.addr)) {
                 Ok(()) => {
                     report.deletes += 1;
+                    report.backends_deleted += 1;
                     self.backends.remove(&id);
                     if self.backend_ids.get(&b.l4) == Some(&id) {
                         self.backend_ids.remove(&b.l4);

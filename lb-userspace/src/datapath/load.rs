@@ -68,11 +68,12 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 26] = [
+const MAP_SPECS: [MapSpec; 28] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
-    spec::<Ct4Key, Ct4Value>(map_names::CT4, MapType::LruHash, map_sizes::CT),
+    spec::<Ct4Key, Ct4Value>(map_names::CT_TCP4, MapType::LruHash, map_sizes::CT_TCP),
+    spec::<Ct4Key, Ct4Value>(map_names::CT_ANY4, MapType::LruHash, map_sizes::CT_ANY),
     spec::<SkRevNat4Key, SkRevNat4Value>(
         map_names::SK_REVNAT4,
         MapType::LruHash,
@@ -81,7 +82,8 @@ const MAP_SPECS: [MapSpec; 26] = [
     spec::<Svc6Key, SvcValue>(map_names::SERVICES6, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend6>(map_names::BACKENDS6, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat6>(map_names::REVNAT6, MapType::Hash, map_sizes::REVNAT),
-    spec::<Ct6Key, Ct6Value>(map_names::CT6, MapType::LruHash, map_sizes::CT),
+    spec::<Ct6Key, Ct6Value>(map_names::CT_TCP6, MapType::LruHash, map_sizes::CT_TCP),
+    spec::<Ct6Key, Ct6Value>(map_names::CT_ANY6, MapType::LruHash, map_sizes::CT_ANY),
     spec::<SkRevNat6Key, SkRevNat6Value>(
         map_names::SK_REVNAT6,
         MapType::LruHash,
@@ -203,8 +205,11 @@ pub struct LoadOptions {
     /// private. `lb trace` shares the live services but never touches live conntrack or
     /// counters this way.
     pub only_pinned: Option<Vec<&'static str>>,
-    /// max_entries per map name, overriding lb-common's defaults (`--bpf-map-max`).
+    /// max_entries per map name, overriding lb-common's defaults (`--bpf-map-max`, and the
+    /// conntrack maps' `--bpf-ct-global-*-max`).
     pub max_entries: BTreeMap<String, u32>,
+    /// Conntrack lifetimes (`--bpf-ct-timeout-regular-*`), the datapath's read-only globals.
+    pub ct_timeouts: crate::conntrack::CtTimeouts,
     /// The tc programs write each packet's decision into `lb_trace` (a `TraceRecord`), for
     /// `lb trace` and tests. `lb_trace` is never pinned, so each load reads only its own.
     pub trace: bool,
@@ -262,6 +267,7 @@ impl LoadOptions {
                 g.table_size
             );
         }
+        self.ct_timeouts.validate()?;
         for (name, n) in &self.max_entries {
             if name == map_names::MAGLEV {
                 bail!("{name} is sized by --bpf-maglev-tables and --maglev-table-size");
@@ -375,6 +381,15 @@ impl Datapath {
             // A .rodata global: the kernel freezes it, so with the default 0 the verifier
             // prunes the tracing code from production loads.
             loader.override_global(globals::TRACE, &1u8, true);
+        }
+        let t = &opts.ct_timeouts;
+        for (name, secs) in [
+            (globals::CT_TIMEOUT_TCP_SYN, &t.tcp_syn),
+            (globals::CT_TIMEOUT_TCP, &t.tcp),
+            (globals::CT_TIMEOUT_TCP_FIN, &t.tcp_fin),
+            (globals::CT_TIMEOUT_ANY, &t.any),
+        ] {
+            loader.override_global(name, secs, true);
         }
         let set_retval = !opts.no_set_retval && sock_set_retval_supported();
         if set_retval {
@@ -761,14 +776,14 @@ impl Datapath {
         LpmTrie::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
     }
 
-    /// Hands the datapath counters and conntrack maps to `metrics`, read at scrape time.
+    /// Hands the datapath counters to `metrics`, read at scrape time (the conntrack series
+    /// come from the GC's walks: `conntrack::Gc`).
     pub fn export_metrics(&mut self, metrics: &crate::metrics::Metrics) -> anyhow::Result<()> {
         let counters = self
             .ebpf
             .take_map(map_names::METRICS)
             .context("map lb_metrics missing")?;
         metrics.set_datapath_counters(aya::maps::PerCpuArray::try_from(counters)?);
-        metrics.set_conntrack_maps(self.take(map_names::CT4)?, self.take(map_names::CT6)?);
         Ok(())
     }
 
@@ -906,7 +921,12 @@ pub fn pinned_maglev_tables(dir: &Path, table_size: u32) -> Option<u32> {
 fn check_pinned_maps(dir: &Path, opts: &LoadOptions) -> anyhow::Result<()> {
     for spec in &MAP_SPECS {
         let path = dir.join(spec.name);
-        if !path.exists() {
+        // A map this load keeps private (`only_pinned`) may have any size in the pins.
+        let shared = opts
+            .only_pinned
+            .as_ref()
+            .is_none_or(|names| names.contains(&spec.name));
+        if !shared || !path.exists() {
             continue;
         }
         let info = MapInfo::from_pin(&path)
@@ -929,6 +949,23 @@ fn check_pinned_maps(dir: &Path, opts: &LoadOptions) -> anyhow::Result<()> {
                 "pinned map {} holds {} Maglev cells, this lb wants {} (--bpf-maglev-tables × \
                  --maglev-table-size): run with the flags it was made with, or stop lb and \
                  remove {} (lb rebuilds every table before its programs attach)",
+                path.display(),
+                found.3,
+                want.3,
+                path.display()
+            );
+        }
+        if found.0 == want.0 && found.1 == want.1 && found.2 == want.2 && found.3 != want.3 {
+            let flag = match spec.name {
+                map_names::CT_TCP4 | map_names::CT_TCP6 => "--bpf-ct-global-tcp-max",
+                map_names::CT_ANY4 | map_names::CT_ANY6 => "--bpf-ct-global-any-max",
+                _ => "--bpf-map-max",
+            };
+            bail!(
+                "pinned map {} has {} entries, this lb is configured for {} ({flag}): a map \
+                 cannot be resized in place; keep the old size, or stop lb and remove {} to \
+                 start afresh (conntrack entries are lost: established connections through the \
+                 tc path are re-balanced)",
                 path.display(),
                 found.3,
                 want.3,

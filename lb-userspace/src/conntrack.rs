@@ -1,0 +1,661 @@
+//! Conntrack lifecycle in userspace: the sizes and lifetimes `lb run` gives the datapath's
+//! conntrack maps, and the garbage collector that walks them.
+//!
+//! The datapath (lb-ebpf `conntrack.rs`) only ever reads, refreshes and inserts entries; LRU
+//! eviction makes room under pressure. What it cannot do is notice an entry nobody uses any
+//! more: an expired flow, a closed one past its closing lifetime, or the flow of a backend that
+//! was removed (whose reply entry, keyed on the backend's address, no packet will look up
+//! again). [`Gc`] removes those, every `--ct-gc-interval` and right after a sync that deleted
+//! backends, and reports what the maps hold for the `lb_conntrack_*` metrics.
+//!
+//! A pass reads a whole map first (`BPF_MAP_LOOKUP_BATCH`, 4096 entries a syscall) and deletes
+//! after (a delete during a key walk can restart it), and re-reads an expired entry before
+//! deleting it, so a flow a new packet re-created meanwhile stays. It never deletes an entry
+//! whose backend exists under the same address.
+use std::{
+    collections::{BTreeMap, HashMap as StdHashMap},
+    hash::Hash,
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use aya::maps::{HashMap, IterableMap as _, MapData, MapError};
+use lb_common::{
+    Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    ct_dir, ct_flags, ct_timeouts, map_names, map_sizes,
+};
+
+use crate::datapath::pinned::open_hash;
+
+/// The conntrack flags of `lb run` and `lb trace --manifests` (Cilium's names).
+#[derive(Clone, Debug, clap::Args)]
+pub struct CtArgs {
+    /// Entries of each family's TCP conntrack map (`lb4_ct_tcp`, `lb6_ct_tcp`). A pinned map of
+    /// another size is refused: resizing needs a fresh pin directory.
+    #[arg(long, default_value_t = map_sizes::CT_TCP, value_parser = clap::value_parser!(u32).range(1..))]
+    pub bpf_ct_global_tcp_max: u32,
+    /// Entries of each family's conntrack map for UDP, SCTP and the rest (`lb4_ct_any`,
+    /// `lb6_ct_any`).
+    #[arg(long, default_value_t = map_sizes::CT_ANY, value_parser = clap::value_parser!(u32).range(1..))]
+    pub bpf_ct_global_any_max: u32,
+    /// Seconds a TCP (or SCTP) flow lives until the backend answers.
+    #[arg(long, default_value_t = ct_timeouts::TCP_SYN, value_parser = timeout_secs)]
+    pub bpf_ct_timeout_regular_tcp_syn: u32,
+    /// Seconds an established TCP (or SCTP) flow lives without packets.
+    #[arg(long, default_value_t = ct_timeouts::TCP_ESTABLISHED, value_parser = timeout_secs)]
+    pub bpf_ct_timeout_regular_tcp: u32,
+    /// Seconds a TCP (or SCTP) flow lives after a FIN or RST from either side.
+    #[arg(long, default_value_t = ct_timeouts::TCP_CLOSING, value_parser = timeout_secs)]
+    pub bpf_ct_timeout_regular_tcp_fin: u32,
+    /// Seconds a UDP (or other connectionless) flow lives without packets.
+    #[arg(long, default_value_t = ct_timeouts::NON_TCP, value_parser = timeout_secs)]
+    pub bpf_ct_timeout_regular_any: u32,
+}
+
+impl Default for CtArgs {
+    fn default() -> Self {
+        Self {
+            bpf_ct_global_tcp_max: map_sizes::CT_TCP,
+            bpf_ct_global_any_max: map_sizes::CT_ANY,
+            bpf_ct_timeout_regular_tcp_syn: ct_timeouts::TCP_SYN,
+            bpf_ct_timeout_regular_tcp: ct_timeouts::TCP_ESTABLISHED,
+            bpf_ct_timeout_regular_tcp_fin: ct_timeouts::TCP_CLOSING,
+            bpf_ct_timeout_regular_any: ct_timeouts::NON_TCP,
+        }
+    }
+}
+
+/// The longest lifetime accepted: a year. Expiries are `u32` seconds of uptime, so anything
+/// near 2^32 would wrap into the past.
+pub const MAX_TIMEOUT: u32 = 365 * 24 * 3600;
+
+fn timeout_secs(s: &str) -> Result<u32, String> {
+    let n: u32 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
+    if n == 0 || n > MAX_TIMEOUT {
+        return Err(format!(
+            "{n} s: a conntrack lifetime must be 1..={MAX_TIMEOUT} seconds"
+        ));
+    }
+    Ok(n)
+}
+
+impl CtArgs {
+    /// The lifetimes the datapath gets.
+    pub fn timeouts(&self) -> CtTimeouts {
+        CtTimeouts {
+            tcp_syn: self.bpf_ct_timeout_regular_tcp_syn,
+            tcp: self.bpf_ct_timeout_regular_tcp,
+            tcp_fin: self.bpf_ct_timeout_regular_tcp_fin,
+            any: self.bpf_ct_timeout_regular_any,
+        }
+    }
+
+    /// max_entries of the four conntrack maps, as `LoadOptions::max_entries` takes them.
+    pub fn map_sizes(&self) -> [(&'static str, u32); 4] {
+        [
+            (map_names::CT_TCP4, self.bpf_ct_global_tcp_max),
+            (map_names::CT_TCP6, self.bpf_ct_global_tcp_max),
+            (map_names::CT_ANY4, self.bpf_ct_global_any_max),
+            (map_names::CT_ANY6, self.bpf_ct_global_any_max),
+        ]
+    }
+}
+
+/// Conntrack lifetimes in seconds, set as the datapath's read-only globals at load
+/// (`lb_common::globals::CT_TIMEOUT_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtTimeouts {
+    pub tcp_syn: u32,
+    pub tcp: u32,
+    pub tcp_fin: u32,
+    pub any: u32,
+}
+
+impl Default for CtTimeouts {
+    fn default() -> Self {
+        CtArgs::default().timeouts()
+    }
+}
+
+impl CtTimeouts {
+    /// Refuses lifetimes the datapath cannot use (zero, or long enough to wrap).
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (flag, v) in [
+            ("--bpf-ct-timeout-regular-tcp-syn", self.tcp_syn),
+            ("--bpf-ct-timeout-regular-tcp", self.tcp),
+            ("--bpf-ct-timeout-regular-tcp-fin", self.tcp_fin),
+            ("--bpf-ct-timeout-regular-any", self.any),
+        ] {
+            if v == 0 || v > MAX_TIMEOUT {
+                anyhow::bail!("{flag} {v}: a conntrack lifetime must be 1..={MAX_TIMEOUT} seconds");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `CLOCK_MONOTONIC` in whole seconds: the datapath's clock (`bpf_ktime_get_ns() / 1e9`).
+pub fn monotonic_secs() -> u32 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: plain syscall with a valid pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    u32::try_from(ts.tv_sec).unwrap_or(u32::MAX)
+}
+
+/// Why the GC deleted an entry (`lb_conntrack_gc_deleted_total{reason}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Reason {
+    /// Past its lifetime, never closed.
+    Expired,
+    /// Closed (FIN, RST, ABORT…) and past its closing lifetime.
+    Closed,
+    /// Its backend id is not in the backend map, or names another address now.
+    BackendGone,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 3] = [Reason::Expired, Reason::Closed, Reason::BackendGone];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Expired => "expired",
+            Reason::Closed => "closed",
+            Reason::BackendGone => "backend_gone",
+        }
+    }
+}
+
+/// A live entry's state (`lb_conntrack_entries{state}`).
+pub fn state_name(flags: u16) -> &'static str {
+    if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
+        "closing"
+    } else if flags & ct_flags::SEEN_REPLY != 0 {
+        "established"
+    } else {
+        "new"
+    }
+}
+
+/// `lb_conntrack_entries{protocol}` of an IP protocol number.
+pub fn protocol_name(proto: u8) -> &'static str {
+    match proto {
+        IPPROTO_TCP => "tcp",
+        IPPROTO_UDP => "udp",
+        IPPROTO_SCTP => "sctp",
+        _ => "other",
+    }
+}
+
+/// What one GC pass found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Live entries left, by (family `ipv4`/`ipv6`, protocol, state).
+    pub entries: BTreeMap<(&'static str, &'static str, &'static str), u64>,
+    /// Entries deleted, by reason.
+    pub deleted: BTreeMap<Reason, u64>,
+    /// Maps that could not be walked or written (logged); their entries are missing above.
+    pub errors: u64,
+    pub duration: Duration,
+}
+
+impl GcReport {
+    pub fn deleted(&self, r: Reason) -> u64 {
+        self.deleted.get(&r).copied().unwrap_or(0)
+    }
+
+    pub fn total_deleted(&self) -> u64 {
+        self.deleted.values().sum()
+    }
+
+    pub fn total_entries(&self) -> u64 {
+        self.entries.values().sum()
+    }
+}
+
+/// One family's key and value types, as the GC reads them.
+trait Family {
+    type Key: aya::Pod + bytemuck::Pod + Eq + Hash;
+    type Value: aya::Pod + bytemuck::Pod;
+    type Backend: aya::Pod;
+    type Addr: Copy + Eq + Hash;
+    const NAME: &'static str;
+
+    fn backend_addr(b: &Self::Backend) -> (Self::Addr, u16);
+    /// (saddr, sport, daddr, dport, proto, dir)
+    fn key(k: &Self::Key) -> (Self::Addr, u16, Self::Addr, u16, u8, u8);
+    /// (backend_id, expires, flags, nat_addr, nat_port)
+    fn value(v: &Self::Value) -> (u32, u32, u16, Self::Addr, u16);
+}
+
+enum V4 {}
+enum V6 {}
+
+impl Family for V4 {
+    type Key = Ct4Key;
+    type Value = Ct4Value;
+    type Backend = Backend4;
+    type Addr = [u8; 4];
+    const NAME: &'static str = "ipv4";
+
+    fn backend_addr(b: &Backend4) -> ([u8; 4], u16) {
+        (b.addr, b.port)
+    }
+    fn key(k: &Ct4Key) -> ([u8; 4], u16, [u8; 4], u16, u8, u8) {
+        (k.saddr, k.sport, k.daddr, k.dport, k.proto, k.dir)
+    }
+    fn value(v: &Ct4Value) -> (u32, u32, u16, [u8; 4], u16) {
+        (v.backend_id, v.expires, v.flags, v.nat_addr, v.nat_port)
+    }
+}
+
+impl Family for V6 {
+    type Key = Ct6Key;
+    type Value = Ct6Value;
+    type Backend = Backend6;
+    type Addr = [u8; 16];
+    const NAME: &'static str = "ipv6";
+
+    fn backend_addr(b: &Backend6) -> ([u8; 16], u16) {
+        (b.addr, b.port)
+    }
+    fn key(k: &Ct6Key) -> ([u8; 16], u16, [u8; 16], u16, u8, u8) {
+        (k.saddr, k.sport, k.daddr, k.dport, k.proto, k.dir)
+    }
+    fn value(v: &Ct6Value) -> (u32, u32, u16, [u8; 16], u16) {
+        (v.backend_id, v.expires, v.flags, v.nat_addr, v.nat_port)
+    }
+}
+
+/// The conntrack maps and the backend maps the GC checks them against.
+pub struct Gc {
+    pub tcp4: HashMap<MapData, Ct4Key, Ct4Value>,
+    pub any4: HashMap<MapData, Ct4Key, Ct4Value>,
+    pub tcp6: HashMap<MapData, Ct6Key, Ct6Value>,
+    pub any6: HashMap<MapData, Ct6Key, Ct6Value>,
+    pub backends4: HashMap<MapData, u32, Backend4>,
+    pub backends6: HashMap<MapData, u32, Backend6>,
+}
+
+impl Gc {
+    /// Opens the maps `lb run` pinned in `dir` (its own handles: the GC runs beside the
+    /// reconciler, never on its path).
+    pub fn open(dir: &Path) -> anyhow::Result<Self> {
+        Ok(Self {
+            tcp4: open_hash(dir, map_names::CT_TCP4)?,
+            any4: open_hash(dir, map_names::CT_ANY4)?,
+            tcp6: open_hash(dir, map_names::CT_TCP6)?,
+            any6: open_hash(dir, map_names::CT_ANY6)?,
+            backends4: open_hash(dir, map_names::BACKENDS4)?,
+            backends6: open_hash(dir, map_names::BACKENDS6)?,
+        })
+    }
+
+    /// One pass over the four maps at `now` (`monotonic_secs`).
+    pub fn pass(&mut self, now: u32) -> GcReport {
+        let start = Instant::now();
+        let mut report = GcReport::default();
+        for (name, map) in [
+            (map_names::CT_TCP4, &mut self.tcp4),
+            (map_names::CT_ANY4, &mut self.any4),
+        ] {
+            sweep::<V4>(name, map, &self.backends4, now, &mut report);
+        }
+        for (name, map) in [
+            (map_names::CT_TCP6, &mut self.tcp6),
+            (map_names::CT_ANY6, &mut self.any6),
+        ] {
+            sweep::<V6>(name, map, &self.backends6, now, &mut report);
+        }
+        report.duration = start.elapsed();
+        report
+    }
+}
+
+fn read_backends<F: Family>(
+    map: &HashMap<MapData, u32, F::Backend>,
+) -> Result<StdHashMap<u32, (F::Addr, u16)>, MapError> {
+    let mut out = StdHashMap::new();
+    for item in map.iter() {
+        let (id, b) = item?;
+        out.insert(id, F::backend_addr(&b));
+    }
+    Ok(out)
+}
+
+/// Reads the whole map: in batches of [`BATCH`] (`BPF_MAP_LOOKUP_BATCH`, one syscall per batch
+/// instead of two per entry), or entry by entry where the kernel refuses batches.
+fn snapshot<K, V>(map: &HashMap<MapData, K, V>) -> Result<StdHashMap<K, V>, MapError>
+where
+    K: aya::Pod + bytemuck::Pod + Eq + Hash,
+    V: aya::Pod + bytemuck::Pod,
+{
+    use std::os::fd::AsFd as _;
+    match lookup_batch::<K, V>(map.map().fd().as_fd()) {
+        Ok(entries) => return Ok(entries),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOTSUP | 524)) => {
+            // 524: ENOTSUPP, the kernel's own "not supported" for map types without batches.
+            tracing::debug!(error = %e, "no batched map lookups; walking key by key");
+        }
+        Err(e) => {
+            return Err(MapError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_map_lookup_batch",
+                io_error: e,
+            }));
+        }
+    }
+    snapshot_by_key(map)
+}
+
+/// Entries per `BPF_MAP_LOOKUP_BATCH`.
+const BATCH: u32 = 4096;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// The `batch` member of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Every entry of the hash map `fd`, in batches. A hash map's batch cursor is a bucket index
+/// (`u32`), so an entry the datapath adds or deletes meanwhile is seen at most once.
+fn lookup_batch<K, V>(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<StdHashMap<K, V>>
+where
+    K: bytemuck::Pod + Eq + Hash,
+    V: bytemuck::Pod,
+{
+    use std::os::fd::AsRawFd as _;
+    let mut out = StdHashMap::new();
+    let mut chunk = BATCH;
+    let (mut cursor_in, mut cursor_out) = (0u32, 0u32);
+    let mut first = true;
+    loop {
+        let mut keys = vec![K::zeroed(); chunk as usize];
+        let mut values = vec![V::zeroed(); chunk as usize];
+        let mut attr = BatchAttr {
+            in_batch: if first {
+                0
+            } else {
+                std::ptr::from_mut(&mut cursor_in) as u64
+            },
+            out_batch: std::ptr::from_mut(&mut cursor_out) as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: chunk,
+            map_fd: u32::try_from(fd.as_raw_fd()).unwrap_or(u32::MAX),
+            ..BatchAttr::default()
+        };
+        // SAFETY: `attr` is a valid `bpf_attr` prefix whose pointers name buffers of `count`
+        // keys and values of the map's sizes (checked by aya when the map was opened), and the
+        // two cursors; all outlive the call.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                std::ptr::from_mut(&mut attr),
+                size_of::<BatchAttr>(),
+            )
+        };
+        let err = (r < 0).then(std::io::Error::last_os_error);
+        match err.as_ref().and_then(std::io::Error::raw_os_error) {
+            // A bucket holds more than `chunk` entries: retry it with more room.
+            Some(libc::ENOSPC) if attr.count == 0 => {
+                chunk = chunk.saturating_mul(2);
+                continue;
+            }
+            None | Some(libc::ENOENT) => {}
+            Some(_) => return Err(err.unwrap_or_else(std::io::Error::last_os_error)),
+        }
+        let n = (attr.count as usize).min(keys.len());
+        out.extend(keys.into_iter().zip(values).take(n));
+        if err.is_some() {
+            // ENOENT: the walk is complete.
+            return Ok(out);
+        }
+        cursor_in = cursor_out;
+        first = false;
+    }
+}
+
+/// Reads the whole map key by key (at most twice its capacity of steps: a walk that deletes
+/// restarts from the first key, and the datapath deletes too).
+fn snapshot_by_key<K: aya::Pod + Eq + Hash, V: aya::Pod>(
+    map: &HashMap<MapData, K, V>,
+) -> Result<StdHashMap<K, V>, MapError> {
+    let max = map
+        .map()
+        .info()
+        .map(|i| u64::from(i.max_entries()))
+        .unwrap_or(u64::from(u32::MAX));
+    let mut out = StdHashMap::new();
+    let mut steps = 0u64;
+    for item in map.iter() {
+        match item {
+            Ok((k, v)) => {
+                out.insert(k, v);
+            }
+            // Deleted between its key and its value: nothing to collect.
+            Err(MapError::KeyNotFound) => {}
+            Err(e) => return Err(e),
+        }
+        steps += 1;
+        if steps >= 2 * max {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// A reply entry's client side (address, port), protocol and backend id.
+type ReplyOf<F> = (<F as Family>::Addr, u16, u8, u32);
+
+fn sweep<F: Family>(
+    name: &str,
+    map: &mut HashMap<MapData, F::Key, F::Value>,
+    backend_map: &HashMap<MapData, u32, F::Backend>,
+    now: u32,
+    report: &mut GcReport,
+) {
+    let entries = match snapshot(map) {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::warn!(map = name, error = %e, "conntrack GC: cannot walk the map");
+            report.errors += 1;
+            return;
+        }
+    };
+    // The backends after the entries: a backend added since is in this read with any entry
+    // of it the walk saw, so no live flow of a new backend looks orphaned. (Ids are not reused
+    // while lb runs, so one deleted meanwhile only keeps its entries until the next pass.)
+    let backends = match read_backends::<F>(backend_map) {
+        Ok(b) => b,
+        Err(e) => {
+            // Without the backends nothing can be judged: delete nothing.
+            tracing::warn!(map = name, error = %e, "conntrack GC: cannot read the backends");
+            report.errors += 1;
+            return;
+        }
+    };
+    // Where each flow's reply entry says its backend is: (client side as the reply entry is
+    // keyed, proto, backend id) → backend address. A service entry's backend id names the
+    // backend it was made for only if that address is still the id's.
+    let mut replies: StdHashMap<ReplyOf<F>, (F::Addr, u16)> = StdHashMap::new();
+    for (k, v) in &entries {
+        let (saddr, sport, daddr, dport, proto, dir) = F::key(k);
+        if dir == ct_dir::REPLY {
+            let (id, ..) = F::value(v);
+            replies.insert((daddr, dport, proto, id), (saddr, sport));
+        }
+    }
+    let mut doomed: Vec<(F::Key, Reason)> = Vec::new();
+    for (k, v) in &entries {
+        let (saddr, sport, _, _, proto, dir) = F::key(k);
+        let (id, expires, flags, nat_addr, nat_port) = F::value(v);
+        let reason = if expires <= now {
+            Some(
+                if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
+                    Reason::Closed
+                } else {
+                    Reason::Expired
+                },
+            )
+        } else {
+            match backends.get(&id) {
+                None => Some(Reason::BackendGone),
+                Some(addr) => {
+                    // The address the entry was made for: the reply entry's own source, or
+                    // what the flow's reply entry says.
+                    let made_for = if dir == ct_dir::REPLY {
+                        Some((saddr, sport))
+                    } else {
+                        let client = if flags & ct_flags::SNAT != 0 {
+                            (nat_addr, nat_port)
+                        } else {
+                            (saddr, sport)
+                        };
+                        replies.get(&(client.0, client.1, proto, id)).copied()
+                    };
+                    match made_for {
+                        Some(a) if a != *addr => Some(Reason::BackendGone),
+                        _ => None,
+                    }
+                }
+            }
+        };
+        match reason {
+            Some(r) => doomed.push((*k, r)),
+            None => {
+                *report
+                    .entries
+                    .entry((F::NAME, protocol_name(proto), state_name(flags)))
+                    .or_default() += 1;
+            }
+        }
+    }
+    for (k, reason) in doomed {
+        if matches!(reason, Reason::Expired | Reason::Closed) {
+            // A packet may have revived the flow since the walk.
+            match map.get(&k, 0) {
+                Ok(v) if F::value(&v).1 > now => {
+                    let (_, _, _, _, proto, _) = F::key(&k);
+                    *report
+                        .entries
+                        .entry((F::NAME, protocol_name(proto), state_name(F::value(&v).2)))
+                        .or_default() += 1;
+                    continue;
+                }
+                Ok(_) => {}
+                Err(_) => continue, // gone already (LRU, the datapath)
+            }
+        }
+        match map.remove(&k) {
+            Ok(()) => *report.deleted.entry(reason).or_default() += 1,
+            Err(MapError::KeyNotFound) => {}
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => {
+                tracing::warn!(map = name, error = %e, "conntrack GC: cannot delete an entry");
+                report.errors += 1;
+                return;
+            }
+        }
+    }
+}
+
+/// Runs the GC of the maps pinned in `pin_dir` every `interval`, and as soon as `kick` is
+/// notified (a sync deleted backends), on a blocking thread; reports to `metrics`.
+pub fn spawn(
+    pin_dir: &Path,
+    interval: Duration,
+    metrics: Arc<crate::metrics::Metrics>,
+) -> anyhow::Result<Arc<tokio::sync::Notify>> {
+    let gc = Gc::open(pin_dir).context("opening the conntrack maps for the GC")?;
+    let kick = Arc::new(tokio::sync::Notify::new());
+    let notified = Arc::clone(&kick);
+    tokio::spawn(async move {
+        let mut gc = Some(gc);
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = notified.notified() => {}
+            }
+            let Some(mut g) = gc.take() else { return };
+            let done = tokio::task::spawn_blocking(move || {
+                let report = g.pass(monotonic_secs());
+                (g, report)
+            })
+            .await;
+            let Ok((g, report)) = done else {
+                tracing::error!("conntrack GC pass panicked; GC stopped");
+                return;
+            };
+            gc = Some(g);
+            metrics.observe_ct_gc(&report);
+            if report.total_deleted() > 0 || report.errors > 0 {
+                tracing::info!(
+                    entries = report.total_entries(),
+                    expired = report.deleted(Reason::Expired),
+                    closed = report.deleted(Reason::Closed),
+                    backend_gone = report.deleted(Reason::BackendGone),
+                    errors = report.errors,
+                    elapsed_us = report.duration.as_micros() as u64,
+                    "conntrack GC pass"
+                );
+            } else {
+                tracing::debug!(
+                    entries = report.total_entries(),
+                    elapsed_us = report.duration.as_micros() as u64,
+                    "conntrack GC pass"
+                );
+            }
+        }
+    });
+    Ok(kick)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_refuse_zero_and_wrapping_values() {
+        assert!(timeout_secs("0").is_err());
+        assert!(timeout_secs("-1").is_err());
+        assert!(timeout_secs(&(MAX_TIMEOUT + 1).to_string()).is_err());
+        assert_eq!(timeout_secs("10"), Ok(10));
+        assert!(CtTimeouts::default().validate().is_ok());
+        let zero = CtTimeouts {
+            tcp_fin: 0,
+            ..CtTimeouts::default()
+        };
+        let e = zero.validate().unwrap_err().to_string();
+        assert!(e.contains("--bpf-ct-timeout-regular-tcp-fin"), "{e}");
+    }
+
+    #[test]
+    fn states_and_protocols_have_names() {
+        assert_eq!(state_name(0), "new");
+        assert_eq!(state_name(ct_flags::SEEN_REPLY), "established");
+        assert_eq!(
+            state_name(ct_flags::SEEN_REPLY | ct_flags::RX_CLOSING),
+            "closing"
+        );
+        assert_eq!(protocol_name(IPPROTO_TCP), "tcp");
+        assert_eq!(protocol_name(1), "other");
+    }
+}
