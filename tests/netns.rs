@@ -993,3 +993,163 @@ fn restart_under_load_loses_nothing() {
         drop(lb);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Connected UDP re-steering (issue 15, item 5; controller/resteer.rs, datapath/sockterm.rs)
+
+/// Whether the kernel has the `bpf_sock_destroy` kfunc (6.5+), lb's re-steering mechanism.
+fn has_sock_destroy() -> bool {
+    fs::read_to_string("/proc/kallsyms")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.ends_with(" bpf_sock_destroy"))
+}
+
+/// What one `lb-echo stream` run saw, and when (ms since it started).
+#[derive(Debug, Default)]
+struct StreamRun {
+    replies: Vec<(f64, String)>,
+    /// (time, op, errno)
+    errors: Vec<(f64, String, i64)>,
+    sent: u64,
+    received: u64,
+}
+
+/// The resolver-like client of `lb-echo stream`: a connected UDP socket sending every 10 ms to
+/// a service whose backend is removed (the manifest rewritten, the backend's link down, as a
+/// deleted pod leaves: silent, no ICMP) once the client has had replies for a while. The old
+/// backend's last reply to the first reply from another must be at most 1 s apart (the issue's
+/// bound), and the socket must have been destroyed (ECONNABORTED on recv, or EDESTADDRREQ on a
+/// send after the disconnect), not re-steered by some other error.
+#[test]
+fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
+    if !has_sock_destroy() {
+        eprintln!(
+            "skipped: no bpf_sock_destroy kfunc (Linux < 6.5); connected UDP sockets are not \
+             re-steered on this kernel (README, Kernels)"
+        );
+        return;
+    }
+    const DURATION_MS: u64 = 4000;
+    const REMOVE_AFTER_REPLIES: usize = 30;
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    let args = lb_args(&tb, &manifests.0, true);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut lb = LbDaemon::spawn(
+        &mut tb,
+        Path::new(LB),
+        &args,
+        "info,lb::controller::resteer=debug",
+    )
+    .unwrap();
+    lb.wait_for(|l| l.contains("connected UDP re-steering"), "re-steering on")
+        .unwrap();
+    lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
+
+    let mut removed = 0;
+    for target in ["198.19.0.10:53", "[2001:db8:ffff::10]:53"] {
+        let mut cmd = Command::new(LB_ECHO);
+        cmd.args(["stream", "--target", target, "--interval-ms", "10"])
+            .args(["--duration-ms", &DURATION_MS.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let (ns, cg) = (tb.client.ns.clone(), tb.cgroup.clone());
+        let mut child = tb.spawn(&ns, Some(cg.as_path()), cmd).expect("stream");
+        let stdout = child.stdout.take().unwrap();
+        let mut run = StreamRun::default();
+        let mut pinned: Option<String> = None;
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let line = line.unwrap();
+            let v: serde_json::Value = serde_json::from_str(&line).expect("stream JSON");
+            let t = v["t_ms"].as_f64().unwrap_or_default();
+            match v["event"].as_str() {
+                Some("reply") => {
+                    let b = v["backend"].as_str().unwrap().to_string();
+                    run.replies.push((t, b.clone()));
+                    if pinned.is_none() && run.replies.len() == REMOVE_AFTER_REPLIES {
+                        // The backend dies and leaves the service, as a deleted pod does.
+                        let host = tb.backends.iter().find(|h| h.name == b).unwrap().clone();
+                        lb_tests::netns::ip(&["-n", &host.ns, "link", "set", "eth0", "down"])
+                            .unwrap();
+                        let (v4, v6) = (host.ipv4.to_string(), host.ipv6.to_string());
+                        manifests.remove_endpoints(&[&v4, &v6]);
+                        pinned = Some(b);
+                    }
+                }
+                Some("error") => run.errors.push((
+                    t,
+                    v["op"].as_str().unwrap_or_default().to_string(),
+                    v["errno"].as_i64().unwrap_or(-1),
+                )),
+                Some("done") => {
+                    run.sent = v["sent"].as_u64().unwrap_or_default();
+                    run.received = v["received"].as_u64().unwrap_or_default();
+                }
+                _ => {}
+            }
+        }
+        let status = child.wait().unwrap();
+        assert!(status.success(), "{target}: lb-echo stream failed: {run:?}");
+        let old = pinned.unwrap_or_else(|| panic!("{target}: too few replies: {run:?}"));
+        removed += 1;
+        let last_old = run
+            .replies
+            .iter()
+            .filter(|(_, b)| *b == old)
+            .map(|(t, _)| *t)
+            .fold(0.0, f64::max);
+        let first_new = run
+            .replies
+            .iter()
+            .find(|(t, b)| *b != old && *t > last_old)
+            .map(|(t, _)| *t)
+            .unwrap_or_else(|| {
+                panic!(
+                    "{target}: no reply from another backend after {old} was removed (the \
+                     socket was never re-steered): errors {:?}",
+                    run.errors
+                )
+            });
+        let window = first_new - last_old;
+        let lost = run.sent - run.received;
+        eprintln!(
+            "{target}: loss window {window:.0} ms ({lost} of {} datagrams unanswered), \
+             {old} -> another backend; errors {:?}",
+            run.sent, run.errors
+        );
+        // The error that moved the client is the destroy's: ECONNABORTED (103) on recv, or
+        // EDESTADDRREQ (89) on a send after the disconnect.
+        let cause = run.errors.iter().find(|(t, _, _)| *t > last_old);
+        assert!(
+            matches!(cause, Some((_, _, 103 | 89))),
+            "{target}: the client must have been moved by its socket being destroyed: errors \
+             {:?}",
+            run.errors
+        );
+        assert!(
+            window <= 1000.0,
+            "{target}: {window:.0} ms without replies, more than the 1 s bound"
+        );
+        assert!(
+            run.replies.iter().all(|(t, b)| *t <= last_old || *b != old),
+            "{target}: no reply from the removed backend after the switch"
+        );
+        lb.wait_for(
+            |l| l.contains("UDP socket destroy pass") && l.contains("destroyed=1"),
+            "destroy pass",
+        )
+        .unwrap();
+    }
+    let node = tb.node_ns.clone();
+    let (_, metrics) = http_get(&node, "127.0.0.1:10249", "/metrics");
+    assert_eq!(
+        sample(&metrics, "lb_udp_sockets_destroyed_total"),
+        Some(f64::from(removed)),
+        "one destroyed socket per removal"
+    );
+    drop(lb);
+}

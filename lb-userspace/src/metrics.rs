@@ -25,6 +25,9 @@
 //! | `lb_apiserver_last_contact_timestamp_seconds` | gauge | (Kubernetes source only) |
 //! | `lb_watch_errors_total` | counter | `kind` = `services` \| `endpointslices` \| `node` |
 //! | `lb_watch_relists_total` | counter | `kind` (full relists after the first list: 410 Gone, watcher reset) |
+//! | `lb_udp_sockets_destroyed_total` | counter | connected UDP sockets destroyed because their backend left the service |
+//! | `lb_udp_destroy_passes_total` | counter | `result` = `ok` \| `partial` (some netns not walked) |
+//! | `lb_udp_destroy_pass_duration_seconds` | histogram | |
 //!
 //! The datapath and conntrack series are read from the BPF maps at scrape time, and only once
 //! the maps have been handed over ([`Metrics::set_datapath_counters`],
@@ -144,6 +147,8 @@ pub struct Metrics {
     watch_relists: Family<KindLabels, Counter>,
     bpf: Arc<BpfCollector>,
     health: Mutex<Health>,
+    /// Connected UDP re-steering (`controller::resteer`).
+    pub udp: UdpResteerMetrics,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -284,6 +289,7 @@ impl Metrics {
             "Full relists after the first list (410 Gone, watcher reset), by kind",
             watch_relists.clone(),
         );
+        let udp = UdpResteerMetrics::register(&mut registry);
         let bpf = Arc::new(BpfCollector::default());
         registry.register_collector(Box::new(Arc::clone(&bpf)));
         Arc::new(Metrics {
@@ -307,6 +313,7 @@ impl Metrics {
             watch_relists,
             bpf,
             health: Mutex::new(Health::default()),
+            udp,
         })
     }
 
@@ -795,6 +802,53 @@ async fn healthz_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoRespon
 
 async fn livez_handler() -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], "ok")
+}
+
+
+/// The connected UDP re-steering series (`controller::resteer`).
+#[derive(Debug)]
+pub struct UdpResteerMetrics {
+    destroyed: Counter,
+    passes: Family<ResultLabels, Counter>,
+    duration: Histogram,
+}
+
+impl UdpResteerMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let destroyed = Counter::default();
+        registry.register(
+            "lb_udp_sockets_destroyed",
+            "Connected UDP sockets destroyed because socket LB had pinned them to a backend that \
+             left the service",
+            destroyed.clone(),
+        );
+        let passes = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "lb_udp_destroy_passes",
+            "Socket destroy passes over the network namespaces of socket LB's cgroup, by result \
+             (partial: some namespace could not be entered)",
+            passes.clone(),
+        );
+        let duration = Histogram::new(latency_buckets());
+        registry.register(
+            "lb_udp_destroy_pass_duration_seconds",
+            "Duration of one socket destroy pass",
+            duration.clone(),
+        );
+        Self {
+            destroyed,
+            passes,
+            duration,
+        }
+    }
+
+    /// One pass took `d`, destroyed `destroyed` sockets and walked every namespace if `ok`.
+    pub fn observe_pass(&self, d: Duration, destroyed: u64, ok: bool) {
+        self.destroyed.inc_by(destroyed);
+        let result = if ok { "ok" } else { "partial" };
+        self.passes.get_or_create(&ResultLabels { result }).inc();
+        self.duration.observe(d.as_secs_f64());
+    }
 }
 
 #[cfg(test)]

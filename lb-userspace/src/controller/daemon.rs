@@ -108,6 +108,11 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let maps = datapath.take_lb_maps()?;
     datapath.export_metrics(&metrics)?;
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
+    // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
+    let resteer = opts.cgroup.as_ref().and_then(|cg| {
+        super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), metrics.clone())
+    });
+    let mut last_state: Option<crate::model::DesiredState> = None;
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
         services = reconciler.service_count(),
@@ -167,8 +172,14 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 }
                 let base = node_base(&opts, facts.as_ref());
                 let synced = sync_node(&mut reconciler, &snapshot, &base, generation, &metrics);
+                if let (Some(r), Some(old)) = (&resteer, &last_state) {
+                    r.removed(super::resteer::gone_pairs(old, &synced.state, &synced.report));
+                }
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
+                }
+                if resteer.is_some() {
+                    last_state = Some(synced.state);
                 }
                 if generation == 1 {
                     // Attach only once the maps hold the full state, so no packet sees less.
