@@ -1005,6 +1005,15 @@ fn has_sock_destroy() -> bool {
         .any(|l| l.ends_with(" bpf_sock_destroy"))
 }
 
+/// Adds or deletes blackhole routes to `client` in netns `ns`: everything sent there
+/// vanishes without an error reaching the client.
+fn blackhole(ns: &str, client: &lb_tests::testbed::Host, op: &str) {
+    let v4 = format!("{}/32", client.ipv4);
+    let v6 = format!("{}/128", client.ipv6);
+    lb_tests::netns::ip(&["-n", ns, "route", op, "blackhole", &v4]).unwrap();
+    lb_tests::netns::ip(&["-n", ns, "-6", "route", op, "blackhole", &v6]).unwrap();
+}
+
 /// What one `lb-echo stream` run saw, and when (ms since it started).
 #[derive(Debug, Default)]
 struct StreamRun {
@@ -1016,8 +1025,8 @@ struct StreamRun {
 }
 
 /// The resolver-like client of `lb-echo stream`: a connected UDP socket sending every 10 ms to
-/// a service whose backend is removed (the manifest rewritten, the backend's link down, as a
-/// deleted pod leaves: silent, no ICMP) once the client has had replies for a while. The old
+/// a service whose backend is removed (the manifest rewritten, the backend's replies
+/// blackholed, as a deleted pod leaves: silent, no ICMP) once the client has had replies for a while. The old
 /// backend's last reply to the first reply from another must be at most 1 s apart (the issue's
 /// bound), and the socket must have been destroyed (ECONNABORTED on recv, or EDESTADDRREQ on a
 /// send after the disconnect), not re-steered by some other error.
@@ -1050,7 +1059,14 @@ fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
     lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
 
     let mut removed = 0;
-    for target in ["198.19.0.10:53", "[2001:db8:ffff::10]:53"] {
+    let mut generation = 1;
+    // IPv4, IPv6, and an IPv6 socket connected to the IPv4 VIP as ::ffff:a.b.c.d (socket LB
+    // balances it with the IPv4 maps; the kernel sends IPv4).
+    for target in [
+        "198.19.0.10:53",
+        "[2001:db8:ffff::10]:53",
+        "[::ffff:198.19.0.10]:53",
+    ] {
         let mut cmd = Command::new(LB_ECHO);
         cmd.args(["stream", "--target", target, "--interval-ms", "10"])
             .args(["--duration-ms", &DURATION_MS.to_string()])
@@ -1071,10 +1087,10 @@ fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
                     let b = v["backend"].as_str().unwrap().to_string();
                     run.replies.push((t, b.clone()));
                     if pinned.is_none() && run.replies.len() == REMOVE_AFTER_REPLIES {
-                        // The backend dies and leaves the service, as a deleted pod does.
+                        // The backend goes silent (its replies to the client blackholed: no
+                        // ICMP either) and leaves the service, as a deleted pod does.
                         let host = tb.backends.iter().find(|h| h.name == b).unwrap().clone();
-                        lb_tests::netns::ip(&["-n", &host.ns, "link", "set", "eth0", "down"])
-                            .unwrap();
+                        blackhole(&host.ns, &tb.client, "add");
                         let (v4, v6) = (host.ipv4.to_string(), host.ipv6.to_string());
                         manifests.remove_endpoints(&[&v4, &v6]);
                         pinned = Some(b);
@@ -1096,6 +1112,7 @@ fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
         assert!(status.success(), "{target}: lb-echo stream failed: {run:?}");
         let old = pinned.unwrap_or_else(|| panic!("{target}: too few replies: {run:?}"));
         removed += 1;
+        generation += 1;
         let last_old = run
             .replies
             .iter()
@@ -1143,6 +1160,16 @@ fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
             "destroy pass",
         )
         .unwrap();
+        // The backend comes back for the next round (three backends each time).
+        let host = tb.backends.iter().find(|h| h.name == old).unwrap().clone();
+        blackhole(&host.ns, &tb.client, "del");
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
+        let text = fs::read_to_string(examples.join("echo-endpointslices.yaml")).unwrap();
+        manifests.add("echo-endpointslices.yaml", &text);
+        generation += 1;
+        let want = format!("generation={generation}");
+        lb.wait_for(|l| l.contains("synced") && l.contains(&want), &want)
+            .unwrap();
     }
     let node = tb.node_ns.clone();
     let (_, metrics) = http_get(&node, "127.0.0.1:10249", "/metrics");

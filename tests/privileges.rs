@@ -178,6 +178,17 @@ fn lb_run_needs_exactly_the_capabilities_it_checks_for() {
         ready,
         "lb runs with BPF, PERFMON and NET_ADMIN only:\n{log}"
     );
+    // The UDP re-steering iterator loads with these too (where the kernel has the kfunc);
+    // only entering other processes' netns would need more (controller/resteer.rs).
+    let kfunc = fs::read_to_string("/proc/kallsyms")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.ends_with(" bpf_sock_destroy"));
+    assert_eq!(
+        log.contains("connected UDP re-steering"),
+        kfunc,
+        "re-steering on exactly where bpf_sock_destroy exists:\n{log}"
+    );
     let _ = fs::remove_dir_all(&pin_dir);
 
     for (set, missing) in [
