@@ -1054,8 +1054,11 @@ fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
         "info,lb::controller::resteer=debug",
     )
     .unwrap();
-    lb.wait_for(|l| l.contains("connected UDP re-steering"), "re-steering on")
-        .unwrap();
+    lb.wait_for(
+        |l| l.contains("connected UDP re-steering"),
+        "re-steering on",
+    )
+    .unwrap();
     lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
 
     let mut removed = 0;

@@ -189,6 +189,10 @@ fn lb_run_needs_exactly_the_capabilities_it_checks_for() {
         kfunc,
         "re-steering on exactly where bpf_sock_destroy exists:\n{log}"
     );
+    assert!(
+        !kfunc || log.contains("need CAP_SYS_ADMIN and CAP_SYS_PTRACE"),
+        "without CAP_SYS_ADMIN/CAP_SYS_PTRACE lb says re-steering stays in its own netns:\n{log}"
+    );
     let _ = fs::remove_dir_all(&pin_dir);
 
     for (set, missing) in [

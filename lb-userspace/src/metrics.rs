@@ -804,7 +804,6 @@ async fn livez_handler() -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], "ok")
 }
 
-
 /// The connected UDP re-steering series (`controller::resteer`).
 #[derive(Debug)]
 pub struct UdpResteerMetrics {

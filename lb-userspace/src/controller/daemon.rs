@@ -109,9 +109,10 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     datapath.export_metrics(&metrics)?;
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
-    let resteer = opts.cgroup.as_ref().and_then(|cg| {
-        super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), metrics.clone())
-    });
+    let resteer = opts
+        .cgroup
+        .as_ref()
+        .and_then(|cg| super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), metrics.clone()));
     let mut last_state: Option<crate::model::DesiredState> = None;
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),

@@ -27,6 +27,7 @@ use crate::{
     datapath::sockterm::{DestroyKey, Destroyer, netns_in_cgroup},
     metrics::Metrics,
     model::{DesiredState, L4Addr, Proto},
+    privileges,
 };
 
 /// The UDP (frontend, backend) pairs of `old` that `new` no longer has, as `lb_udp_destroy`
@@ -89,7 +90,8 @@ pub struct Resteer {
 
 impl Resteer {
     /// Loads the iterator and starts the worker; `None` (logged) where the kernel cannot.
-    /// `cgroup`: socket LB's cgroup, whose processes' namespaces each pass walks.
+    /// `cgroup`: socket LB's cgroup, whose processes' namespaces each pass walks (with
+    /// CAP_SYS_ADMIN and CAP_SYS_PTRACE; else lb's own namespace only).
     pub fn start(pin_dir: &Path, cgroup: PathBuf, metrics: Arc<Metrics>) -> Option<Self> {
         let destroyer = match Destroyer::load(pin_dir) {
             Ok(d) => d,
@@ -102,11 +104,25 @@ impl Resteer {
                 return None;
             }
         };
-        tracing::info!(udp_resteer = mechanism(true), "connected UDP re-steering");
+        // Other processes' namespaces (pods') need setns and ptrace access; without them the
+        // passes walk lb's own namespace only (host-network processes).
+        let other_netns =
+            privileges::has_all(&[privileges::CAP_SYS_ADMIN, privileges::CAP_SYS_PTRACE]);
+        tracing::info!(
+            udp_resteer = mechanism(true),
+            netns = if other_netns {
+                "lb's and those of the processes in socket LB's cgroup"
+            } else {
+                "lb's own only: other network namespaces (pods) need CAP_SYS_ADMIN and \
+                 CAP_SYS_PTRACE"
+            },
+            "connected UDP re-steering"
+        );
         let (tx, rx) = mpsc::channel::<Vec<DestroyKey>>();
+        let cgroup = other_netns.then_some(cgroup);
         let spawned = std::thread::Builder::new()
             .name("lb-udp-resteer".into())
-            .spawn(move || worker(&destroyer, &cgroup, &rx, &metrics));
+            .spawn(move || worker(&destroyer, cgroup.as_deref(), &rx, &metrics));
         match spawned {
             Ok(_) => Some(Self { tx }),
             Err(e) => {
@@ -126,7 +142,7 @@ impl Resteer {
 
 fn worker(
     destroyer: &Destroyer,
-    cgroup: &Path,
+    cgroup: Option<&Path>,
     rx: &mpsc::Receiver<Vec<DestroyKey>>,
     metrics: &Metrics,
 ) {
@@ -148,14 +164,16 @@ fn worker(
         pairs.sort();
         pairs.dedup();
         let start = Instant::now();
-        let (found, unreadable) = netns_in_cgroup(cgroup);
+        let (found, unreadable) = cgroup.map_or_else(|| (Vec::new(), 0), netns_in_cgroup);
         let mut netns = Vec::with_capacity(found.len() + 1);
         if let Ok(h) = home.try_clone() {
             netns.push(("lb".to_string(), h));
         }
-        netns.extend(found.into_iter().filter(|(_, f)| {
-            f.metadata().map(|m| (m.dev(), m.ino())).ok() != home_id
-        }));
+        netns.extend(
+            found
+                .into_iter()
+                .filter(|(_, f)| f.metadata().map(|m| (m.dev(), m.ino())).ok() != home_id),
+        );
         let report = destroyer.pass(&pairs, &netns, &home);
         let elapsed = start.elapsed();
         let ok = report.failed.is_empty() && unreadable == 0;
@@ -224,7 +242,12 @@ mod tests {
         assert_eq!((p.family, p.frontend_port, p.backend_port), (4, 53, 8080));
         assert_eq!(&p.frontend[..4], &[198, 19, 0, 10]);
         assert_eq!(&p.backend[..4], &[198, 18, 11, 2]);
-        assert!(p.frontend[4..].iter().chain(&p.backend[4..]).all(|&b| b == 0));
+        assert!(
+            p.frontend[4..]
+                .iter()
+                .chain(&p.backend[4..])
+                .all(|&b| b == 0)
+        );
     }
 
     #[test]

@@ -569,7 +569,11 @@ fn stream(target: SocketAddr, interval: Duration, duration: Duration) -> anyhow:
                     let (backend, _) = parse_reply(&buf[..n])?;
                     emit(serde_json::json!({"event": "reply", "backend": backend}))?;
                 }
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
                 Err(e) => failed = Some(("recv", e)),
             }
         }
