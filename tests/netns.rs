@@ -1158,11 +1158,13 @@ fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
             run.replies.iter().all(|(t, b)| *t <= last_old || *b != old),
             "{target}: no reply from the removed backend after the switch"
         );
-        lb.wait_for(
-            |l| l.contains("UDP socket destroy pass") && l.contains("destroyed=1"),
-            "destroy pass",
-        )
-        .unwrap();
+        let pass = lb
+            .wait_for(
+                |l| l.contains("UDP socket destroy pass") && l.contains("destroyed=1"),
+                "destroy pass",
+            )
+            .unwrap();
+        eprintln!("{target}: {pass}");
         // The backend comes back for the next round (three backends each time).
         let host = tb.backends.iter().find(|h| h.name == old).unwrap().clone();
         blackhole(&host.ns, &tb.client, "del");
