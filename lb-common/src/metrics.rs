@@ -68,12 +68,16 @@ pub const XDP_REDIRECT: u32 = 24;
 /// balanced as a new flow over the backends programmed now, never a remembered one. Counted in
 /// addition to its verdict (`TC_FWD_NEW`).
 pub const TC_CT_MISS_MIDSTREAM: u32 = 25;
+/// cgroup egress: a datagram of a connected UDP socket that socket LB pinned to a backend that
+/// has left its frontend (`lb_udp_gone`); dropped, so the send() fails with EPERM and the
+/// application reconnects (the re-steering fallback where sockets cannot be destroyed).
+pub const SOCK_UDP_GONE_DROP: u32 = 26;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 26] = [
+pub const NAMES: [&str; 27] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -100,4 +104,5 @@ pub const NAMES: [&str; 26] = [
     "xdp_tx",
     "xdp_redirect",
     "tc_ct_miss_midstream",
+    "sock_udp_gone_drop",
 ];

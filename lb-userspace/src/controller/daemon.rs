@@ -109,10 +109,16 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     datapath.export_metrics(&metrics)?;
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
-    let resteer = opts
-        .cgroup
-        .as_ref()
-        .and_then(|cg| super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), metrics.clone()));
+    let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
+        (Some(cg), Ok(gone)) => {
+            super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), gone, metrics.clone())
+        }
+        (Some(_), Err(e)) => {
+            tracing::warn!(error = format!("{e:#}"), "no connected UDP re-steering");
+            None
+        }
+        (None, _) => None,
+    };
     let mut last_state: Option<crate::model::DesiredState> = None;
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
@@ -174,7 +180,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 let base = node_base(&opts, facts.as_ref());
                 let synced = sync_node(&mut reconciler, &snapshot, &base, generation, &metrics);
                 if let (Some(r), Some(old)) = (&resteer, &last_state) {
-                    r.removed(super::resteer::gone_pairs(old, &synced.state, &synced.report));
+                    r.apply(super::resteer::changes(old, &synced.state, &synced.report));
                 }
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");

@@ -4,14 +4,19 @@
 //! straight to the backend (no sendmsg hook runs for a connected send, no conntrack entry
 //! exists to re-balance), so a removed backend keeps receiving them until the application
 //! reconnects. After every sync the daemon hands the (frontend, backend) pairs that went away
-//! ([`gone_pairs`], pure) to a worker thread, which destroys the sockets socket LB pinned to
-//! one of them with `datapath::sockterm`'s iterator, in lb's own network namespace and in each
-//! namespace of a process in socket LB's cgroup. The pair, not the backend address alone: the
-//! same address may still serve another frontend, whose sockets stay.
+//! and those that came (back) ([`changes`], pure) to a worker thread, which, in order:
 //!
-//! Kernels before 6.5 have no `bpf_sock_destroy`: there is no re-steering, the worker is not
-//! started, and the applications' own timeouts are what moves them (see the README's kernel
-//! table).
+//! 1. forgets the pairs that came back in `lb_udp_gone`;
+//! 2. where the kernel has `bpf_sock_destroy` (6.5+), destroys the sockets socket LB pinned to
+//!    a gone pair with `datapath::sockterm`'s iterator, in lb's own network namespace and in
+//!    each namespace of a process in socket LB's cgroup (with CAP_SYS_ADMIN + CAP_SYS_PTRACE);
+//! 3. records the gone pairs in `lb_udp_gone`, where `lb_sk_egress` (cgroup skb egress) drops
+//!    the datagrams of sockets still pinned to one, so their send() fails with EPERM and the
+//!    application reconnects: the fallback for older kernels and for namespaces lb cannot
+//!    enter. After the destroy pass, so a socket the pass reaches sees the destroy.
+//!
+//! The pair, not the backend address alone: the same address may still serve another
+//! frontend, whose sockets stay.
 use std::{
     collections::BTreeSet,
     fs::File,
@@ -24,31 +29,58 @@ use std::{
 
 use crate::{
     controller::reconcile::ApplyReport,
-    datapath::sockterm::{DestroyKey, Destroyer, netns_in_cgroup},
+    datapath::sockterm::{DestroyKey, Destroyer, GoneMap, netns_in_cgroup},
     metrics::Metrics,
     model::{DesiredState, L4Addr, Proto},
     privileges,
 };
 
-/// The UDP (frontend, backend) pairs of `old` that `new` no longer has, as `lb_udp_destroy`
-/// keys. A frontend whose write failed (`report.errors`) kept its previous state in the maps,
-/// so its pairs are not gone. Frontends are compared by address only: socket LB records the
-/// address the application connected to, whatever scope served it.
-pub fn gone_pairs(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> Vec<DestroyKey> {
+/// What a sync changed for connected UDP sockets.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// UDP (frontend, backend) pairs `old` had and `new` has not.
+    pub gone: Vec<DestroyKey>,
+    /// UDP pairs `new` has and `old` had not (a gone entry of theirs must go).
+    pub back: Vec<DestroyKey>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.gone.is_empty() && self.back.is_empty()
+    }
+}
+
+/// The UDP pairs between `old` and `new`, as `lb_udp_gone` keys. A frontend whose write failed
+/// (`report.errors`) kept its previous state in the maps, so its pairs are not gone.
+/// Frontends are compared by address only: socket LB records the address the application
+/// connected to, whatever scope served it.
+pub fn changes(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> Changes {
     let failed: BTreeSet<L4Addr> = report.errors.iter().map(|e| e.frontend.l4).collect();
-    let kept: BTreeSet<(L4Addr, L4Addr)> = new
-        .services
-        .iter()
-        .flat_map(|(fe, e)| e.backends.iter().map(move |b| (fe.l4, b.l4)))
-        .collect();
-    let gone: BTreeSet<(L4Addr, L4Addr)> = old
-        .services
-        .iter()
-        .filter(|(fe, _)| fe.l4.proto == Proto::Udp && !failed.contains(&fe.l4))
-        .flat_map(|(fe, e)| e.backends.iter().map(move |b| (fe.l4, b.l4)))
-        .filter(|pair| !kept.contains(pair))
-        .collect();
-    gone.into_iter().filter_map(|(f, b)| key(f, b)).collect()
+    let pairs = |s: &DesiredState| -> BTreeSet<(L4Addr, L4Addr)> {
+        s.services
+            .iter()
+            .filter(|(fe, _)| fe.l4.proto == Proto::Udp)
+            .flat_map(|(fe, e)| e.backends.iter().map(move |b| (fe.l4, b.l4)))
+            .collect()
+    };
+    let (before, after) = (pairs(old), pairs(new));
+    let keys = |set: Vec<&(L4Addr, L4Addr)>| -> Vec<DestroyKey> {
+        set.into_iter().filter_map(|(f, b)| key(*f, *b)).collect()
+    };
+    Changes {
+        gone: keys(
+            before
+                .difference(&after)
+                .filter(|(f, _)| !failed.contains(f))
+                .collect(),
+        ),
+        back: keys(after.difference(&before).collect()),
+    }
+}
+
+/// The pairs `changes` reports gone.
+pub fn gone_pairs(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> Vec<DestroyKey> {
+    changes(old, new, report).gone
 }
 
 fn key(frontend: L4Addr, backend: L4Addr) -> Option<DestroyKey> {
@@ -75,33 +107,45 @@ fn key(frontend: L4Addr, backend: L4Addr) -> Option<DestroyKey> {
 }
 
 /// Which mechanism moves connected UDP sockets off a removed backend.
-pub fn mechanism(available: bool) -> &'static str {
-    if available {
-        "destroyed by an iter/udp program (bpf_sock_destroy)"
+pub fn mechanism(destroy: bool) -> &'static str {
+    if destroy {
+        "destroyed by an iter/udp program (bpf_sock_destroy); where that cannot reach, their \
+         datagrams are dropped at cgroup egress (send() fails with EPERM)"
     } else {
-        "none: they stay on the removed backend until the application reconnects"
+        "their datagrams are dropped at cgroup egress (send() fails with EPERM; no \
+         bpf_sock_destroy)"
     }
 }
 
-/// The worker thread; passes run in the order the syncs happened.
+/// The worker thread; changes are applied in the order the syncs happened.
 pub struct Resteer {
-    tx: mpsc::Sender<Vec<DestroyKey>>,
+    tx: mpsc::Sender<Changes>,
 }
 
 impl Resteer {
-    /// Loads the iterator and starts the worker; `None` (logged) where the kernel cannot.
+    /// Starts the worker: `gone` is the datapath's `lb_udp_gone`; the iterator is loaded where
+    /// the kernel can (`LB_NO_SOCK_DESTROY=1` leaves it out, for tests of the fallback).
     /// `cgroup`: socket LB's cgroup, whose processes' namespaces each pass walks (with
     /// CAP_SYS_ADMIN and CAP_SYS_PTRACE; else lb's own namespace only).
-    pub fn start(pin_dir: &Path, cgroup: PathBuf, metrics: Arc<Metrics>) -> Option<Self> {
-        let destroyer = match Destroyer::load(pin_dir) {
-            Ok(d) => d,
-            Err(e) => {
-                tracing::info!(
-                    reason = format!("{e:#}"),
-                    udp_resteer = mechanism(false),
-                    "connected UDP sockets are not re-steered"
-                );
-                return None;
+    pub fn start(
+        pin_dir: &Path,
+        cgroup: PathBuf,
+        gone: GoneMap,
+        metrics: Arc<Metrics>,
+    ) -> Option<Self> {
+        let destroyer = if std::env::var_os("LB_NO_SOCK_DESTROY").is_some_and(|v| v == "1") {
+            tracing::info!("LB_NO_SOCK_DESTROY=1: no socket destroy iterator");
+            None
+        } else {
+            match Destroyer::load(pin_dir) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tracing::info!(
+                        reason = format!("{e:#}"),
+                        "no socket destroy iterator (bpf_sock_destroy needs 6.5+)"
+                    );
+                    None
+                }
             }
         };
         // Other processes' namespaces (pods') need setns and ptrace access; without them the
@@ -109,20 +153,22 @@ impl Resteer {
         let other_netns =
             privileges::has_all(&[privileges::CAP_SYS_ADMIN, privileges::CAP_SYS_PTRACE]);
         tracing::info!(
-            udp_resteer = mechanism(true),
-            netns = if other_netns {
-                "lb's and those of the processes in socket LB's cgroup"
-            } else {
-                "lb's own only: other network namespaces (pods) need CAP_SYS_ADMIN and \
-                 CAP_SYS_PTRACE"
+            udp_resteer = mechanism(destroy_loaded(&destroyer)),
+            netns = match (&destroyer, other_netns) {
+                (None, _) => "all (cgroup egress)",
+                (Some(_), true) => "lb's and those of the processes in socket LB's cgroup",
+                (Some(_), false) => {
+                    "destroyed in lb's own only: other network namespaces (pods) need \
+                     CAP_SYS_ADMIN and CAP_SYS_PTRACE"
+                }
             },
             "connected UDP re-steering"
         );
-        let (tx, rx) = mpsc::channel::<Vec<DestroyKey>>();
+        let (tx, rx) = mpsc::channel::<Changes>();
         let cgroup = other_netns.then_some(cgroup);
         let spawned = std::thread::Builder::new()
             .name("lb-udp-resteer".into())
-            .spawn(move || worker(&destroyer, cgroup.as_deref(), &rx, &metrics));
+            .spawn(move || worker(destroyer.as_ref(), &gone, cgroup.as_deref(), &rx, &metrics));
         match spawned {
             Ok(_) => Some(Self { tx }),
             Err(e) => {
@@ -132,18 +178,23 @@ impl Resteer {
         }
     }
 
-    /// Queues a pass for `pairs` (nothing when empty). Never blocks.
-    pub fn removed(&self, pairs: Vec<DestroyKey>) {
-        if !pairs.is_empty() {
-            let _ = self.tx.send(pairs);
+    /// Queues `changes` (nothing when empty). Never blocks.
+    pub fn apply(&self, changes: Changes) {
+        if !changes.is_empty() {
+            let _ = self.tx.send(changes);
         }
     }
 }
 
+fn destroy_loaded(d: &Option<Destroyer>) -> bool {
+    d.is_some()
+}
+
 fn worker(
-    destroyer: &Destroyer,
+    destroyer: Option<&Destroyer>,
+    gone: &GoneMap,
     cgroup: Option<&Path>,
-    rx: &mpsc::Receiver<Vec<DestroyKey>>,
+    rx: &mpsc::Receiver<Changes>,
     metrics: &Metrics,
 ) {
     // Opened before any setns: this thread's namespace is lb's.
@@ -156,44 +207,50 @@ fn worker(
     };
     let home_id = home.metadata().map(|m| (m.dev(), m.ino())).ok();
     let mut warned = false;
-    while let Ok(mut pairs) = rx.recv() {
-        // Syncs that queued up while a pass ran go into one pass.
-        while let Ok(more) = rx.try_recv() {
-            pairs.extend(more);
+    while let Ok(changes) = rx.recv() {
+        for k in &changes.back {
+            if let Err(e) = gone.remove(k) {
+                tracing::warn!(error = %e, "cannot update lb_udp_gone");
+            }
         }
-        pairs.sort();
-        pairs.dedup();
-        let start = Instant::now();
-        let (found, unreadable) = cgroup.map_or_else(|| (Vec::new(), 0), netns_in_cgroup);
-        let mut netns = Vec::with_capacity(found.len() + 1);
-        if let Ok(h) = home.try_clone() {
-            netns.push(("lb".to_string(), h));
-        }
-        netns.extend(
-            found
-                .into_iter()
-                .filter(|(_, f)| f.metadata().map(|m| (m.dev(), m.ino())).ok() != home_id),
-        );
-        let report = destroyer.pass(&pairs, &netns, &home);
-        let elapsed = start.elapsed();
-        let ok = report.failed.is_empty() && unreadable == 0;
-        metrics.udp.observe_pass(elapsed, report.destroyed, ok);
-        tracing::debug!(
-            pairs = pairs.len(),
-            netns = report.netns,
-            destroyed = report.destroyed,
-            elapsed_us = elapsed.as_micros() as u64,
-            "UDP socket destroy pass"
-        );
-        if !ok && !warned {
-            warned = true;
-            tracing::warn!(
-                failed = ?report.failed,
-                unreadable_processes = unreadable,
-                "some network namespaces of socket LB's cgroup could not be walked (entering \
-                 another process's netns needs CAP_SYS_ADMIN, opening it CAP_SYS_PTRACE): \
-                 connected UDP sockets there stay on removed backends; logged once"
+        if let Some(destroyer) = destroyer.filter(|_| !changes.gone.is_empty()) {
+            let start = Instant::now();
+            let (found, unreadable) = cgroup.map_or_else(|| (Vec::new(), 0), netns_in_cgroup);
+            let mut netns = Vec::with_capacity(found.len() + 1);
+            if let Ok(h) = home.try_clone() {
+                netns.push(("lb".to_string(), h));
+            }
+            netns.extend(
+                found
+                    .into_iter()
+                    .filter(|(_, f)| f.metadata().map(|m| (m.dev(), m.ino())).ok() != home_id),
             );
+            let report = destroyer.pass(&changes.gone, &netns, &home);
+            let elapsed = start.elapsed();
+            let ok = report.failed.is_empty() && unreadable == 0;
+            metrics.udp.observe_pass(elapsed, report.destroyed, ok);
+            tracing::debug!(
+                pairs = changes.gone.len(),
+                netns = report.netns,
+                destroyed = report.destroyed,
+                elapsed_us = elapsed.as_micros() as u64,
+                "UDP socket destroy pass"
+            );
+            if !ok && !warned {
+                warned = true;
+                tracing::warn!(
+                    failed = ?report.failed,
+                    unreadable_processes = unreadable,
+                    "some network namespaces of socket LB's cgroup could not be walked: their \
+                     connected UDP sockets are moved by the cgroup egress drop instead; logged \
+                     once"
+                );
+            }
+        }
+        for k in &changes.gone {
+            if let Err(e) = gone.insert(k) {
+                tracing::warn!(error = %e, "cannot update lb_udp_gone");
+            }
         }
     }
 }
@@ -273,7 +330,11 @@ mod tests {
         let new = state(&[(udp, Scope::Internal, &[b1])]);
         assert!(gone_pairs(&old, &new, &ApplyReport::default()).is_empty());
         // Nothing changed: nothing gone.
-        assert!(gone_pairs(&old, &old, &ApplyReport::default()).is_empty());
+        assert!(changes(&old, &old, &ApplyReport::default()).is_empty());
+        // A pair that comes back is reported as such (its gone entry must go).
+        let c = changes(&new, &old, &ApplyReport::default());
+        assert!(c.gone.is_empty());
+        assert_eq!(c.back.len(), 1);
     }
 
     #[test]

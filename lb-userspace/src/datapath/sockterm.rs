@@ -34,32 +34,13 @@ pub const PROG_NAME: &str = "lb_udp_sockterm";
 /// Most pairs one pass handles; a larger removal takes several passes.
 pub const MAX_PAIRS: u32 = 4096;
 
-/// Key of `lb_udp_destroy`: a frontend and one backend that left it, as socket LB recorded
-/// them in `lb*_sk_revnat` (IPv4 addresses in the first 4 bytes, ports in host order).
-/// The value is a `u64` the program increments for every socket it destroyed.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct DestroyKey {
-    pub frontend: [u8; 16],
-    pub backend: [u8; 16],
-    pub frontend_port: u16,
-    pub backend_port: u16,
-    /// 4 or 6: which `lb*_sk_revnat` the socket's entry is in.
-    pub family: u8,
-    pub pad: [u8; 3],
-}
-const _: () = assert!(size_of::<DestroyKey>() == 40);
+/// Key of `lb_udp_destroy` (and of `lb_udp_gone`): a frontend and one backend that left it,
+/// as socket LB recorded them in `lb*_sk_revnat`. The destroy map's value is a `u64` the
+/// program increments for every socket it destroyed.
+pub type DestroyKey = lb_common::UdpGoneKey;
 
-impl DestroyKey {
-    fn bytes(&self) -> [u8; 40] {
-        let mut b = [0u8; 40];
-        b[..16].copy_from_slice(&self.frontend);
-        b[16..32].copy_from_slice(&self.backend);
-        b[32..34].copy_from_slice(&self.frontend_port.to_ne_bytes());
-        b[34..36].copy_from_slice(&self.backend_port.to_ne_bytes());
-        b[36] = self.family;
-        b
-    }
+fn key_bytes(key: &DestroyKey) -> &[u8] {
+    bytemuck::bytes_of(key)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -502,6 +483,51 @@ impl Attr {
     }
 }
 
+fn map_update(map: &OwnedFd, key: &[u8], value: &[u8]) -> io::Result<()> {
+    Attr::new()
+        .u32(0, map.as_raw_fd() as u32)
+        .u64(8, key.as_ptr() as u64)
+        .u64(16, value.as_ptr() as u64)
+        .sys(BPF_MAP_UPDATE_ELEM)
+        .map(drop)
+}
+
+fn map_lookup(map: &OwnedFd, key: &[u8], value: &mut [u8]) -> io::Result<()> {
+    Attr::new()
+        .u32(0, map.as_raw_fd() as u32)
+        .u64(8, key.as_ptr() as u64)
+        .u64(16, value.as_mut_ptr() as u64)
+        .sys(BPF_MAP_LOOKUP_ELEM)
+        .map(drop)
+}
+
+fn map_delete(map: &OwnedFd, key: &[u8]) -> io::Result<()> {
+    Attr::new()
+        .u32(0, map.as_raw_fd() as u32)
+        .u64(8, key.as_ptr() as u64)
+        .sys(BPF_MAP_DELETE_ELEM)
+        .map(drop)
+}
+
+/// `lb_udp_gone`, the pairs `lb_sk_egress` drops datagrams for (the fallback where a socket
+/// cannot be destroyed).
+#[derive(Debug)]
+pub struct GoneMap(pub OwnedFd);
+
+impl GoneMap {
+    pub fn insert(&self, key: &DestroyKey) -> io::Result<()> {
+        map_update(&self.0, key_bytes(key), &0u32.to_ne_bytes())
+    }
+
+    /// Removes `key`; absent is fine.
+    pub fn remove(&self, key: &DestroyKey) -> io::Result<()> {
+        match map_delete(&self.0, key_bytes(key)) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+            r => r,
+        }
+    }
+}
+
 fn obj_get(path: &Path) -> anyhow::Result<OwnedFd> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
     Attr::new()
@@ -601,30 +627,14 @@ impl Destroyer {
     }
 
     fn update(&self, key: &DestroyKey) -> io::Result<()> {
-        let k = key.bytes();
-        let v = 0u64;
-        Attr::new()
-            .u32(0, self.map.as_raw_fd() as u32)
-            .u64(8, k.as_ptr() as u64)
-            .u64(16, (&raw const v) as u64)
-            .sys(BPF_MAP_UPDATE_ELEM)
-            .map(drop)
+        map_update(&self.map, key_bytes(key), &0u64.to_ne_bytes())
     }
 
     fn take(&self, key: &DestroyKey) -> u64 {
-        let k = key.bytes();
-        let mut v = 0u64;
-        let found = Attr::new()
-            .u32(0, self.map.as_raw_fd() as u32)
-            .u64(8, k.as_ptr() as u64)
-            .u64(16, (&raw mut v) as u64)
-            .sys(BPF_MAP_LOOKUP_ELEM)
-            .is_ok();
-        let _ = Attr::new()
-            .u32(0, self.map.as_raw_fd() as u32)
-            .u64(8, k.as_ptr() as u64)
-            .sys(BPF_MAP_DELETE_ELEM);
-        if found { v } else { 0 }
+        let mut v = [0u8; 8];
+        let found = map_lookup(&self.map, key_bytes(key), &mut v).is_ok();
+        let _ = map_delete(&self.map, key_bytes(key));
+        if found { u64::from_ne_bytes(v) } else { 0 }
     }
 
     /// Runs the iterator once in the calling thread's current network namespace.
@@ -758,7 +768,9 @@ mod tests {
             family: 4,
             pad: [0; 3],
         };
-        let b = k.bytes();
+        // The offsets the program writes the key at (D + 16, D + 32, D + 34, D + 36).
+        let b = key_bytes(&k);
+        assert_eq!(b.len(), 40);
         assert_eq!(b[0], 1);
         assert_eq!(b[16], 2);
         assert_eq!(u16::from_ne_bytes([b[32], b[33]]), 53);
