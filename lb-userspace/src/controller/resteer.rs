@@ -332,7 +332,7 @@ mod tests {
         // Nothing changed: nothing gone.
         assert!(changes(&old, &old, &ApplyReport::default()).is_empty());
         // A pair that comes back is reported as such (its gone entry must go).
-        let c = changes(&new, &old, &ApplyReport::default());
+        let c = changes(&state(&[]), &new, &ApplyReport::default());
         assert!(c.gone.is_empty());
         assert_eq!(c.back.len(), 1);
     }
