@@ -132,8 +132,8 @@ pub fn probe(devices: &[String], xdp: XdpMode) -> Features {
             syms.contains("bpf_sock_destroy"),
             "kfunc present (6.5+): connected UDP sockets socket LB pinned to a removed backend \
              are destroyed by an iter/udp program, and the application reconnects",
-            "kfunc absent (before 6.5): connected UDP sockets stay on a removed backend until \
-             the application reconnects by itself",
+            "kfunc absent (before 6.5): a connected UDP socket pinned to a removed backend has \
+             its next datagram dropped at cgroup egress (EPERM) and the application reconnects",
         ),
         feature(
             "socket iterators",
