@@ -178,6 +178,25 @@ fn lb_run_needs_exactly_the_capabilities_it_checks_for() {
         ready,
         "lb runs with BPF, PERFMON and NET_ADMIN only:\n{log}"
     );
+    // The UDP re-steering iterator loads with these too (where the kernel has the kfunc);
+    // only entering other processes' netns would need more (controller/resteer.rs).
+    let kfunc = fs::read_to_string("/proc/kallsyms")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.ends_with(" bpf_sock_destroy"));
+    assert!(
+        log.contains("connected UDP re-steering"),
+        "re-steering on:\n{log}"
+    );
+    assert_eq!(
+        log.contains("destroyed by an iter/udp program"),
+        kfunc,
+        "the destroy iterator exactly where bpf_sock_destroy exists:\n{log}"
+    );
+    assert!(
+        !kfunc || log.contains("need CAP_SYS_ADMIN and CAP_SYS_PTRACE"),
+        "without CAP_SYS_ADMIN/CAP_SYS_PTRACE lb says re-steering stays in its own netns:\n{log}"
+    );
     let _ = fs::remove_dir_all(&pin_dir);
 
     for (set, missing) in [

@@ -56,6 +56,9 @@ pub mod map_names {
     /// The decision record of traced loads (`TraceRecord`). Never pinned, so not in `ALL`: each
     /// load owns its own, and a trace load cannot touch a running lb's.
     pub const TRACE: &str = "lb_trace";
+    /// (frontend, backend) pairs of UDP frontends that lost the backend (`UdpGoneKey`), for
+    /// `lb_sk_egress`. Not pinned: each `lb run` fills its own from its syncs.
+    pub const UDP_GONE: &str = "lb_udp_gone";
     /// Who made the pins (`PinMeta`, one entry): the layout version every other pinned map is
     /// read with, checked before anything is reused.
     pub const META: &str = "lb_meta";
@@ -144,9 +147,12 @@ pub mod prog_names {
     pub const SENDMSG6: &str = "lb_sendmsg6";
     pub const RECVMSG6: &str = "lb_recvmsg6";
     pub const GETPEERNAME6: &str = "lb_getpeername6";
+    /// cgroup skb egress on socket LB's cgroup: drops datagrams of connected UDP sockets
+    /// pinned to a gone backend (`lb_udp_gone`).
+    pub const SK_EGRESS: &str = "lb_sk_egress";
 
     /// Every program lb loads, in a stable order.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
         XDP,
         TC_INGRESS,
         TC_POD,
@@ -159,6 +165,7 @@ pub mod prog_names {
         SENDMSG6,
         RECVMSG6,
         GETPEERNAME6,
+        SK_EGRESS,
     ];
 }
 
@@ -173,6 +180,8 @@ pub mod map_sizes {
     /// Non-TCP conntrack entries per family (`--bpf-ct-global-any-max`, Cilium's default).
     pub const CT_ANY: u32 = 1 << 18;
     pub const SK_REVNAT: u32 = 1 << 17;
+    /// Gone UDP (frontend, backend) pairs remembered (LRU: the oldest go first).
+    pub const UDP_GONE: u32 = 1 << 14;
     pub const METRICS: u32 = crate::metrics::MAX as u32;
     /// Cluster CIDRs per family (kube-proxy takes a handful; this is generous).
     pub const CLUSTER_CIDR: u32 = 64;
@@ -585,6 +594,22 @@ pub struct SkRevNat6Value {
     pub rev_nat_id: u32,
 }
 
+/// Map key of `lb_udp_gone`: a UDP frontend and a backend that left it, as socket LB records
+/// them in `lb*_sk_revnat` (IPv4 addresses in the first 4 bytes, the rest zero; ports in host
+/// order). The value is a `u32`, unused (0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct UdpGoneKey {
+    pub frontend: [u8; 16],
+    pub backend: [u8; 16],
+    pub frontend_port: u16,
+    pub backend_port: u16,
+    /// 4 or 6: which `lb*_sk_revnat` the socket's entry is in.
+    pub family: u8,
+    pub pad: [u8; 3],
+}
+
 /// Map key of `lb4_cluster_ips`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -884,6 +909,7 @@ const _: () = {
     assert!(size_of::<SkRevNat4Value>() == 12);
     assert!(size_of::<SkRevNat6Key>() == 32);
     assert!(size_of::<SkRevNat6Value>() == 24);
+    assert!(size_of::<UdpGoneKey>() == 40);
     assert!(size_of::<MetricValue>() == 16);
     assert!(size_of::<TraceRecord>() == 28);
     assert!(size_of::<ClusterIp4Key>() == 4);

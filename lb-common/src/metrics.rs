@@ -73,12 +73,16 @@ pub const TC_CT_MISS_MIDSTREAM: u32 = 25;
 /// the client learns at once instead of retransmitting into a new backend that never heard of
 /// the connection. UDP, SCTP and SYNs are re-balanced instead.
 pub const TC_REJECT_BACKEND_GONE: u32 = 26;
+/// cgroup egress: a datagram of a connected UDP socket that socket LB pinned to a backend that
+/// has left its frontend (`lb_udp_gone`); dropped, so the send() fails with EPERM and the
+/// application reconnects (the re-steering fallback where sockets cannot be destroyed).
+pub const SOCK_UDP_GONE_DROP: u32 = 27;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 27] = [
+pub const NAMES: [&str; 28] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -106,4 +110,5 @@ pub const NAMES: [&str; 27] = [
     "xdp_redirect",
     "tc_ct_miss_midstream",
     "tc_reject_backend_gone",
+    "sock_udp_gone_drop",
 ];

@@ -8,6 +8,8 @@
 //! - `lb_connect4/6`, `lb_sendmsg4/6`, `lb_recvmsg4/6`, `lb_getpeername4/6`: socket-level load
 //!   balancing on a cgroup v2 directory; the application sees the VIP, the wire sees the
 //!   backend, and no per-packet work is done.
+//! - `lb_sk_egress` (`sock_egress`): on the same cgroup, drops datagrams of connected UDP
+//!   sockets pinned to a backend that left the frontend, so the application reconnects.
 //!
 //! Program entry points (`xdp`, `tc`, `sock`) stay thin, and the packet hooks share one
 //! pipeline (`packet`); each concern lives in one file they share:
@@ -38,6 +40,7 @@ mod reject;
 mod rewrite;
 mod select;
 mod sock;
+mod sock_egress;
 mod tc;
 mod trace;
 mod xdp;

@@ -1,6 +1,6 @@
 //! The maps, BTF-defined so `bpftool map dump` prints their fields. Userspace pins them by
-//! name under the pin directory and reuses them across restarts (all but `lb_trace` and
-//! `lb_scratch`, which each load owns).
+//! name under the pin directory and reuses them across restarts (all but `lb_trace`,
+//! `lb_scratch` and `lb_udp_gone`, which each load owns).
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
@@ -11,7 +11,7 @@ use lb_common::{
     ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
     LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
     SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, TraceRecord,
-    map_sizes,
+    UdpGoneKey, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -169,6 +169,11 @@ pub fn config() -> Option<&'static LbConfig> {
 }
 
 /// The last tc decision, written only by traced loads (see `trace.rs`).
+/// Gone UDP (frontend, backend) pairs, written by `lb run` (not pinned).
+#[btf_map(name = "lb_udp_gone")]
+pub static UDP_GONE: LruHashMap<UdpGoneKey, u32, { map_sizes::UDP_GONE as usize }> =
+    LruHashMap::new();
+
 #[btf_map(name = "lb_trace")]
 pub static TRACE: Array<TraceRecord, 1> = Array::new();
 

@@ -30,6 +30,9 @@
 //! | `lb_apiserver_last_contact_timestamp_seconds` | gauge | (Kubernetes source only) |
 //! | `lb_watch_errors_total` | counter | `kind` = `services` \| `endpointslices` \| `node` |
 //! | `lb_watch_relists_total` | counter | `kind` (full relists after the first list: 410 Gone, watcher reset) |
+//! | `lb_udp_sockets_destroyed_total` | counter | connected UDP sockets destroyed because their backend left the service |
+//! | `lb_udp_destroy_passes_total` | counter | `result` = `ok` \| `partial` (some netns not walked) |
+//! | `lb_udp_destroy_pass_duration_seconds` | histogram | |
 //!
 //! kube-proxy's own SLIs are served too, under kube-proxy's names ([`kubeproxy`]), and
 //! `/proxyMode` on the metrics port answers `ebpf`, as kube-proxy's answers its mode.
@@ -181,6 +184,8 @@ pub struct Metrics {
     ct_labels: Mutex<Vec<CtLabels>>,
     bpf: Arc<BpfCollector>,
     health: Mutex<Health>,
+    /// Connected UDP re-steering (`controller::resteer`).
+    pub udp: UdpResteerMetrics,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -358,6 +363,7 @@ impl Metrics {
             "Conntrack maps a GC pass could not walk, or entries it could not delete",
             ct_gc_errors.clone(),
         );
+        let udp = UdpResteerMetrics::register(&mut registry);
         let bpf = Arc::new(BpfCollector::default());
         registry.register_collector(Box::new(Arc::clone(&bpf)));
         Arc::new(Metrics {
@@ -388,6 +394,7 @@ impl Metrics {
             ct_labels: Mutex::new(Vec::new()),
             bpf,
             health: Mutex::new(Health::default()),
+            udp,
         })
     }
 
@@ -887,6 +894,52 @@ async fn healthz_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoRespon
 async fn livez_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
     metrics.kube_proxy().livez_answered("200");
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], "ok")
+}
+
+/// The connected UDP re-steering series (`controller::resteer`).
+#[derive(Debug)]
+pub struct UdpResteerMetrics {
+    destroyed: Counter,
+    passes: Family<ResultLabels, Counter>,
+    duration: Histogram,
+}
+
+impl UdpResteerMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let destroyed = Counter::default();
+        registry.register(
+            "lb_udp_sockets_destroyed",
+            "Connected UDP sockets destroyed because socket LB had pinned them to a backend that \
+             left the service",
+            destroyed.clone(),
+        );
+        let passes = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "lb_udp_destroy_passes",
+            "Socket destroy passes over the network namespaces of socket LB's cgroup, by result \
+             (partial: some namespace could not be entered)",
+            passes.clone(),
+        );
+        let duration = Histogram::new(latency_buckets());
+        registry.register(
+            "lb_udp_destroy_pass_duration_seconds",
+            "Duration of one socket destroy pass",
+            duration.clone(),
+        );
+        Self {
+            destroyed,
+            passes,
+            duration,
+        }
+    }
+
+    /// One pass took `d`, destroyed `destroyed` sockets and walked every namespace if `ok`.
+    pub fn observe_pass(&self, d: Duration, destroyed: u64, ok: bool) {
+        self.destroyed.inc_by(destroyed);
+        let result = if ok { "ok" } else { "partial" };
+        self.passes.get_or_create(&ResultLabels { result }).inc();
+        self.duration.observe(d.as_secs_f64());
+    }
 }
 
 #[cfg(test)]

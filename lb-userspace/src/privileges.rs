@@ -12,12 +12,13 @@
 //! | `CAP_PERFMON` (5.8+; or `CAP_SYS_ADMIN`) | the verifier's trusted mode: without it the socket programs are refused (pointer arithmetic under spectre hardening) |
 //! | `CAP_NET_ADMIN` | loading tc, XDP and cgroup sock_addr programs (network program types) and attaching them: tcx/XDP/cgroup links, and the netlink tc filters used before 6.6, where `CAP_SYS_ADMIN` does not stand in |
 //!
+//! | `CAP_SYS_ADMIN` + `CAP_SYS_PTRACE` (optional) | re-steering connected UDP sockets in other network namespaces (pods): `setns` into them, and opening other processes' `/proc/PID/ns/net`; without them only lb's own namespace is walked (`controller/resteer.rs`, logged at start) |
+//!
 //! Before 5.8 (no CAP_BPF) `CAP_SYS_ADMIN` is what `bpf(2)` checks, so it is required there.
 //! Not needed by `lb run`: `CAP_SYS_ADMIN` on 5.8+ (lb never opens programs or links by id;
 //! only `lb status`'s program listing walks ids, which needs it), `CAP_SYS_RESOURCE` on 5.11+
 //! (memory is charged to the cgroup; before 5.11 the locked-memory limit must be raised, which
-//! lb tries and warns about), mounting bpffs (the DaemonSet's init container does that) and
-//! `setns` (lb never changes namespace).
+//! lb tries and warns about) and mounting bpffs (the DaemonSet's init container does that).
 use anyhow::bail;
 
 /// One capability, by its number in `linux/capability.h`.
@@ -30,6 +31,10 @@ pub struct Cap {
 pub const CAP_NET_ADMIN: Cap = Cap {
     name: "CAP_NET_ADMIN",
     bit: 12,
+};
+pub const CAP_SYS_PTRACE: Cap = Cap {
+    name: "CAP_SYS_PTRACE",
+    bit: 19,
 };
 pub const CAP_SYS_ADMIN: Cap = Cap {
     name: "CAP_SYS_ADMIN",
@@ -96,6 +101,14 @@ pub fn parse_cap_eff(status: &str) -> Option<u64> {
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+}
+
+/// Whether this process has every capability of `caps` (false if it cannot tell).
+pub fn has_all(caps: &[Cap]) -> bool {
+    let effective = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| parse_cap_eff(&s));
+    effective.is_some_and(|e| caps.iter().all(|c| e & (1u64 << c.bit) != 0))
 }
 
 /// Fails, naming every missing capability and what it is for, unless this process has all

@@ -57,6 +57,8 @@ pub struct LbOptions {
     pub on_line: Option<fn(&str)>,
     /// Waits fail with "interrupted; cleaning up" once this is set (lb-demo's SIGINT handler).
     pub interrupted: Option<&'static AtomicBool>,
+    /// Extra environment variables for lb.
+    pub env: Vec<(String, String)>,
 }
 
 impl LbOptions {
@@ -69,6 +71,7 @@ impl LbOptions {
             log_file: None,
             on_line: None,
             interrupted: None,
+            env: Vec::new(),
         }
     }
 }
@@ -138,6 +141,7 @@ impl LbDaemon {
             .arg(&opts.state_dir)
             .env("RUST_LOG", &opts.rust_log)
             .env("NO_COLOR", "1")
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .env_remove("HTTPS_PROXY")
             .env_remove("https_proxy")
             .env_remove("KUBECONFIG")

@@ -41,7 +41,7 @@ use crate::{
 };
 
 /// Every program lb loads (as the kernel names them).
-pub const PROGRAM_NAMES: [&str; 12] = prog_names::ALL;
+pub const PROGRAM_NAMES: [&str; 13] = prog_names::ALL;
 
 /// `lb services`.
 #[derive(Clone, Debug, clap::Args)]

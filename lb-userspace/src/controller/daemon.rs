@@ -130,6 +130,18 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
     let ct_gc = crate::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, metrics.clone())?;
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
+    // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
+    let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
+        (Some(cg), Ok(gone)) => {
+            super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), gone, metrics.clone())
+        }
+        (Some(_), Err(e)) => {
+            tracing::warn!(error = format!("{e:#}"), "no connected UDP re-steering");
+            None
+        }
+        (None, _) => None,
+    };
+    let mut last_state: Option<crate::model::DesiredState> = None;
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
         services = reconciler.service_count(),
@@ -197,8 +209,14 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     // Their flows' entries go now, not at the next interval.
                     ct_gc.notify_one();
                 }
+                if let (Some(r), Some(old)) = (&resteer, &last_state) {
+                    r.apply(super::resteer::changes(old, &synced.state, &synced.report));
+                }
                 if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
+                }
+                if resteer.is_some() {
+                    last_state = Some(synced.state);
                 }
                 if generation == 1 {
                     // Attach only once the maps hold the full state, so no packet sees less.

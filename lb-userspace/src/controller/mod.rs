@@ -3,12 +3,14 @@
 //!
 //! `source`/`manifests`/`k8s` produce snapshots of Services, EndpointSlices and this node's
 //! Node; `translate` turns a snapshot into a `model::DesiredState` (pure, kube-proxy's rules);
-//! `maglev` builds Maglev lookup tables (pure); `reconcile` writes the difference into the maps in an order no packet can see half-done;
-//! `daemon` is `lb run`, which wires them together.
+//! `maglev` builds Maglev lookup tables (pure); `reconcile` writes the difference into the maps
+//! in an order no packet can see half-done; `resteer` destroys connected UDP sockets pinned to
+//! backends a sync removed; `daemon` is `lb run`, which wires them together.
 pub mod daemon;
 pub mod k8s;
 pub mod maglev;
 pub mod manifests;
 pub mod reconcile;
+pub mod resteer;
 pub mod source;
 pub mod translate;

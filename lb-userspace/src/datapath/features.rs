@@ -130,8 +130,10 @@ pub fn probe(devices: &[String], xdp: XdpMode) -> Features {
         feature(
             "bpf_sock_destroy",
             syms.contains("bpf_sock_destroy"),
-            "kfunc present (6.5+), for destroying sockets pinned to removed backends",
-            "kfunc absent (before 6.5): sockets pinned to removed backends cannot be destroyed",
+            "kfunc present (6.5+): connected UDP sockets socket LB pinned to a removed backend \
+             are destroyed by an iter/udp program, and the application reconnects",
+            "kfunc absent (before 6.5): a connected UDP socket pinned to a removed backend has \
+             its next datagram dropped at cgroup egress (EPERM) and the application reconnects",
         ),
         feature(
             "socket iterators",

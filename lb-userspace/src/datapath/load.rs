@@ -12,7 +12,8 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, MapData, MapInfo, MapType, lpm_trie::Key as LpmKey},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, Program, ProgramType, SchedClassifier, TcAttachType, Xdp,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr, Program, ProgramType,
+        SchedClassifier, TcAttachType, Xdp,
         links::FdLink,
         tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions},
         xdp::XdpMode as AyaXdpMode,
@@ -423,6 +424,7 @@ impl Datapath {
             let r = match program {
                 Program::SchedClassifier(p) => p.load(),
                 Program::CgroupSockAddr(p) => p.load(),
+                Program::CgroupSkb(p) => p.load(),
                 Program::Xdp(p) => p.load(),
                 _ => continue,
             };
@@ -648,6 +650,36 @@ impl Datapath {
                 self.used_links.push(pin);
             }
         }
+        // The connected-UDP re-steering fallback (`lb_sk_egress`, sock_egress.rs) beside them.
+        let name = prog_names::SK_EGRESS;
+        let pin = self
+            .link_pins
+            .as_deref()
+            .map(|d| links::path(d, &format!("{name}@cgroup{id}")));
+        let prog: &mut CgroupSkb = self
+            .ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the object"))?
+            .try_into()?;
+        if let Some(pin) = &pin
+            && links::adopt(pin, prog.fd()?.as_fd())?
+        {
+            adopted += 1;
+            self.used_links.push(pin.clone());
+        } else {
+            let link = prog
+                .attach(
+                    &cgroup,
+                    CgroupSkbAttachType::Egress,
+                    CgroupAttachMode::Single,
+                )
+                .with_context(|| format!("attaching {name} to {}", path.display()))?;
+            if let Some(pin) = pin {
+                let link = FdLink::try_from(prog.take_link(link)?)?;
+                pin_link(link, &pin)?;
+                self.used_links.push(pin);
+            }
+        }
         self.attachments.push(format!(
             "socket LB on cgroup {}{}",
             path.display(),
@@ -752,6 +784,21 @@ impl Datapath {
             ),
             maglev_geometry: self.maglev,
         })
+    }
+
+    /// A descriptor of `lb_udp_gone`, the pairs `lb_sk_egress` drops datagrams for
+    /// (`controller::resteer` keeps it up to date).
+    pub fn udp_gone_map(&self) -> anyhow::Result<super::sockterm::GoneMap> {
+        let map = self
+            .ebpf
+            .map(map_names::UDP_GONE)
+            .context("map lb_udp_gone missing")?;
+        let aya::maps::Map::LruHashMap(data) = map else {
+            bail!("lb_udp_gone is not an LRU hash");
+        };
+        Ok(super::sockterm::GoneMap(
+            data.fd().as_fd().try_clone_to_owned()?,
+        ))
     }
 
     fn take<K: aya::Pod, V: aya::Pod>(

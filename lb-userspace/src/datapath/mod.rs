@@ -1,7 +1,8 @@
 //! The kernel side as userspace sees it: loading lb's eBPF object, pinning and reusing its
 //! maps, attaching its programs (`load`), and typed access to the service, backend and rev-NAT
 //! maps (`maps`); the pins' layout version (`meta`); opening what a running lb pinned (`pinned`); finding cgroup v2 (`cgroup`);
-//! probing what the kernel offers and which fallbacks lb takes (`features`).
+//! probing what the kernel offers and which fallbacks lb takes (`features`); destroying
+//! connected UDP sockets pinned to removed backends (`sockterm`).
 pub mod cgroup;
 pub mod features;
 pub mod links;
@@ -9,3 +10,4 @@ pub mod load;
 pub mod maps;
 pub mod meta;
 pub mod pinned;
+pub mod sockterm;

@@ -400,6 +400,7 @@ fn demo(cli: &Cli, report: &mut Report) -> anyhow::Result<()> {
                 .transpose()
                 .context("cloning the log file handle")?,
             on_line: Some(print_lb_line),
+            env: Vec::new(),
             interrupted: Some(&INTERRUPTED),
         };
         let shown = LbDaemon::command_args(&args, &opts).join(" ");
@@ -748,6 +749,7 @@ metadata: {name: demo-node, labels: {topology.kubernetes.io/zone: zone-a}}
                 .transpose()
                 .context("cloning the log file handle")?,
             on_line: Some(print_lb_line),
+            env: Vec::new(),
             interrupted: Some(&INTERRUPTED),
         };
         let shown = LbDaemon::command_args(&args, &opts).join(" ");

@@ -13,6 +13,12 @@
 //!   `--connected-udp`). `local` is the socket's local address; for unconnected UDP its IP is the
 //!   destination address of the reply (from `IP_PKTINFO`/`IPV6_PKTINFO`). The exit code is 1 if
 //!   any request failed.
+//! * `lb-echo stream --target IP:PORT [--interval-ms 10] --duration-ms MS` behaves like a DNS
+//!   resolver's connected UDP socket: one socket connect()ed to the target, a datagram every
+//!   interval, replies read in between; on any error it closes the socket and connects a new
+//!   one. One JSON line per event, `t_ms` since start: `{"t_ms":0,"event":"connect",...}`,
+//!   `{"t_ms":..,"event":"reply","backend":"NAME"}`, `{"t_ms":..,"event":"error","op":"send"|
+//!   "recv","errno":N,"error":"…"}`, and last `{"event":"done","sent":N,"received":M}`.
 use std::{
     io::{self, BufRead, BufReader, Read as _, Write as _},
     mem,
@@ -73,6 +79,15 @@ enum Cmd {
         #[arg(long)]
         keep_connection: bool,
     },
+    /// A resolver-like connected UDP socket sending every interval, reconnecting on errors.
+    Stream {
+        #[arg(long)]
+        target: SocketAddr,
+        #[arg(long, default_value_t = 10)]
+        interval_ms: u64,
+        #[arg(long)]
+        duration_ms: u64,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -102,6 +117,16 @@ fn main() -> ExitCode {
             Duration::from_millis(interval_ms),
             keep_connection,
         ),
+        Cmd::Stream {
+            target,
+            interval_ms,
+            duration_ms,
+        } => stream(
+            target,
+            Duration::from_millis(interval_ms.max(1)),
+            Duration::from_millis(duration_ms),
+        )
+        .map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
@@ -500,6 +525,73 @@ fn recv_with_dst(
         cmsg = unsafe { libc::CMSG_NXTHDR(&raw const msg, cmsg) };
     }
     Ok((n, peer, dst))
+}
+
+// ---------------------------------------------------------------------------------------------
+// stream
+
+fn stream(target: SocketAddr, interval: Duration, duration: Duration) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    let mut out = io::stdout().lock();
+    let mut emit = |mut v: serde_json::Value| -> anyhow::Result<()> {
+        v["t_ms"] = serde_json::json!(start.elapsed().as_secs_f64() * 1000.0);
+        writeln!(out, "{v}")?;
+        Ok(out.flush()?)
+    };
+    let connect = || -> anyhow::Result<UdpSocket> {
+        let sock = udp_socket(target, interval)?;
+        sock.connect(target).context("connect")?;
+        Ok(sock)
+    };
+    let mut sock = connect()?;
+    emit(serde_json::json!({"event": "connect", "local": sock.local_addr()?.to_string()}))?;
+    let (mut sent, mut received) = (0u64, 0u64);
+    let mut next_send = start;
+    let mut buf = [0u8; 4096];
+    while start.elapsed() < duration {
+        let now = std::time::Instant::now();
+        let mut failed = None;
+        if now >= next_send {
+            next_send += interval;
+            match sock.send(HELLO) {
+                Ok(_) => sent += 1,
+                Err(e) => failed = Some(("send", e)),
+            }
+        }
+        if failed.is_none() {
+            let wait = next_send
+                .saturating_duration_since(std::time::Instant::now())
+                .max(Duration::from_millis(1));
+            sock.set_read_timeout(Some(wait))?;
+            match sock.recv(&mut buf) {
+                Ok(n) => {
+                    received += 1;
+                    let (backend, _) = parse_reply(&buf[..n])?;
+                    emit(serde_json::json!({"event": "reply", "backend": backend}))?;
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => failed = Some(("recv", e)),
+            }
+        }
+        if let Some((op, e)) = failed {
+            emit(serde_json::json!({
+                "event": "error", "op": op, "errno": e.raw_os_error(), "error": e.to_string(),
+            }))?;
+            // What a resolver does: drop the socket, connect a new one (socket LB balances it).
+            sock = connect()?;
+            emit(serde_json::json!({"event": "connect", "local": sock.local_addr()?.to_string()}))?;
+        }
+    }
+    writeln!(
+        out,
+        "{}",
+        serde_json::json!({"event": "done", "sent": sent, "received": received})
+    )?;
+    Ok(())
 }
 
 /// SO_RCVTIMEO expiry shows up as EAGAIN; call it a timeout.
