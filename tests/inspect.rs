@@ -689,11 +689,11 @@ fn service_views_join_names_and_report_gaps() {
     assert_eq!(
         table,
         "ID  FRONTEND                    SCOPE     TYPE        SERVICE          BACKENDS\n\
-         5   198.19.0.20:443/TCP         external  ExternalIP  web/front:https  2 active, 1 terminating\n\
+         5   198.19.0.20:443/TCP         external  ExternalIP  web/front:https  2 active, 1 draining\n\
          \x20 1 => 198.18.11.2:8443/TCP (active)\n\
          \x20 2 => backend 8 (missing)\n\
          \x20 3 => - (missing)\n\
-         6   [2001:db8:ffff::20]:53/UDP  external  ClusterIP   -                0 active, 0 terminating\n"
+         6   [2001:db8:ffff::20]:53/UDP  external  ClusterIP   -                0 active, 0 draining\n"
     );
 
     let backends = inspect::backend_views(&dump);

@@ -1452,7 +1452,7 @@ endpoints:
     // The terminating one that is not serving keeps its established flows only.
     assert_eq!(draining(&t, f), set(&["198.18.0.2:8080/TCP"]));
     // With a ready endpoint, only ready ones are used; both terminating ones keep their flows
-    // (not-ready, not-terminating endpoints get nothing).
+    // (and the not-ready one too, as quarantined).
     let t = translate(&slice(
         "  - addresses: [198.18.0.4]\n    conditions: {ready: true}\n",
     ));
@@ -1461,6 +1461,64 @@ endpoints:
         draining(&t, f),
         set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
     );
+}
+
+/// Not-ready endpoints take no new flows but keep their established ones (kube-proxy's
+/// conntrack does not forget them on a readiness flap); for UDP only serving endpoints keep
+/// theirs, as kube-proxy's conntrack cleanup deletes UDP flows of endpoints that stopped
+/// serving.
+#[test]
+fn not_ready_endpoints_keep_established_flows_and_udp_keeps_only_serving_ones() {
+    let t = translate(
+        "apiVersion: v1
+kind: Service
+metadata: {name: dns, namespace: ns}
+spec:
+  clusterIP: 198.19.2.9
+  ports:
+    - {name: tcp, protocol: TCP, port: 53}
+    - {name: udp, protocol: UDP, port: 53}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: dns-1
+  namespace: ns
+  labels: {kubernetes.io/service-name: dns}
+addressType: IPv4
+ports:
+  - {name: tcp, protocol: TCP, port: 5353}
+  - {name: udp, protocol: UDP, port: 5353}
+endpoints:
+  - addresses: [198.18.0.1]
+    conditions: {ready: true, serving: true, terminating: false}
+  - addresses: [198.18.0.2]
+    conditions: {ready: false, serving: false, terminating: false}
+  - addresses: [198.18.0.3]
+    conditions: {ready: false, serving: false, terminating: true}
+  - addresses: [198.18.0.4]
+    conditions: {ready: false, serving: true, terminating: true}
+",
+    );
+    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
+    let tcp = fe(v4("198.19.2.9"), 53, Proto::Tcp);
+    let udp = fe(v4("198.19.2.9"), 53, Proto::Udp);
+    assert_eq!(backends(&t, tcp), set(&["198.18.0.1:5353/TCP"]));
+    assert_eq!(
+        backends_in(&t, tcp, BackendState::Quarantined),
+        set(&["198.18.0.2:5353/TCP"])
+    );
+    assert_eq!(
+        draining(&t, tcp),
+        set(&["198.18.0.3:5353/TCP", "198.18.0.4:5353/TCP"])
+    );
+    assert_eq!(backends(&t, udp), set(&["198.18.0.1:5353/UDP"]));
+    assert!(backends_in(&t, udp, BackendState::Quarantined).is_empty());
+    assert_eq!(draining(&t, udp), set(&["198.18.0.4:5353/UDP"]));
+    // Kept ones come after the active ones: the slots new flows pick hold only active ones.
+    let states: Vec<BackendState> = entry(&t, tcp).backends.iter().map(|b| b.state).collect();
+    assert_eq!(states[0], BackendState::Active);
+    assert!(states[1..].iter().all(|s| *s != BackendState::Active));
 }
 
 #[test]

@@ -394,13 +394,13 @@ pub fn render_services(views: &[ServiceView]) -> String {
                 service,
                 match (v.algorithm.as_str(), v.maglev_table) {
                     ("maglev", Some(t)) => format!(
-                        "{} active, {} terminating, maglev table {t}",
+                        "{} active, {} draining, maglev table {t}",
                         v.count, v.qcount
                     ),
                     ("maglev", None) => {
-                        format!("{} active, {} terminating, maglev", v.count, v.qcount)
+                        format!("{} active, {} draining, maglev", v.count, v.qcount)
                     }
-                    _ => format!("{} active, {} terminating", v.count, v.qcount),
+                    _ => format!("{} active, {} draining", v.count, v.qcount),
                 },
             ]
         })

@@ -525,26 +525,39 @@ fn available_for_topology(e: &Endpoint, mode: Topology, node: &NodeInfo) -> bool
 }
 
 /// kube-proxy's `CategorizeEndpoints`: (cluster endpoints, local endpoints), each with the
-/// endpoints new flows may use first (`Active`), then the terminating endpoints they do not use
-/// (`Terminating`): those keep their established flows (graceful termination, KEP-1669) until
-/// they leave the EndpointSlice. Serving terminating endpoints take new flows only when no
-/// ready one is left.
+/// endpoints new flows may use first (`Active`), then those new flows do not use but whose
+/// established flows kube-proxy's conntrack keeps: terminating endpoints (`Terminating`,
+/// graceful termination, KEP-1669) and not-ready ones (`Quarantined`, a readiness flap must not
+/// cut connections), until they leave the EndpointSlice. For UDP only serving ones are kept, as
+/// kube-proxy's conntrack cleanup deletes UDP flows of endpoints that stopped serving.
+/// Serving terminating endpoints take new flows only when no ready one is left.
 fn categorize(
     endpoints: &[&Endpoint],
+    proto: Proto,
     policies: Policies,
     node: &NodeInfo,
 ) -> (Vec<Backend>, Vec<Backend>) {
     let pick = |f: &dyn Fn(&Endpoint) -> bool| -> Vec<L4Addr> {
         endpoints.iter().filter(|e| f(e)).map(|e| e.l4).collect()
     };
-    // The chosen endpoints, then the terminating ones among `candidates` not chosen.
+    // The chosen endpoints, then the unready or terminating ones among `candidates` not chosen
+    // (ready ones that topology or the policy left out keep nothing).
     let with_draining = |chosen: Vec<L4Addr>, candidates: &dyn Fn(&Endpoint) -> bool| {
         let draining = endpoints
             .iter()
-            .filter(|e| e.terminating && candidates(e) && !chosen.contains(&e.l4))
+            .filter(|e| {
+                (e.terminating || !e.ready)
+                    && (proto != Proto::Udp || e.serving)
+                    && candidates(e)
+                    && !chosen.contains(&e.l4)
+            })
             .map(|e| Backend {
                 l4: e.l4,
-                state: BackendState::Terminating,
+                state: if e.terminating {
+                    BackendState::Terminating
+                } else {
+                    BackendState::Quarantined
+                },
             })
             .collect::<Vec<_>>();
         let mut out = backends(&chosen);
@@ -847,7 +860,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     .get(&(port_name.clone(), proto))
                     .map(|m| m.values().collect())
                     .unwrap_or_default();
-                let (cluster, local) = categorize(&eps, policies, node);
+                let (cluster, local) = categorize(&eps, proto, policies, node);
                 let of_family = |ip: &&IpAddr| usize::from(ip.is_ipv6()) == family;
 
                 let (internal, flags) = if internal_local {
