@@ -822,3 +822,60 @@ fn trace_takes_the_conntrack_flags() {
         "{stderr}"
     );
 }
+
+/// A live trace reads the running lb's source ranges: a LoadBalancer IP with
+/// `loadBalancerSourceRanges` forwards a client inside them and drops one outside, as the
+/// datapath does (the trace's private maps would hold no ranges).
+#[test]
+fn live_trace_reads_the_running_lbs_source_ranges() {
+    let mut tb = Testbed::create(1).expect("testbed");
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/11-north-south");
+    let dir = std::env::temp_dir().join(format!("lb-trace-ranges-{}", tb.id));
+    fs::create_dir_all(&dir).unwrap();
+    fs::copy(golden.join("step-1.yaml"), dir.join("objects.yaml")).unwrap();
+    let ifaces = tb.node_ifaces().join(",");
+    let args = [
+        "--manifests",
+        dir.to_str().unwrap(),
+        "--hostname-override",
+        "node-a",
+        "--node-ip",
+        "198.18.0.2,2001:db8::2",
+        "--socket-lb=false",
+        "--metrics-bind-address",
+        "off",
+        "--tc-pod",
+        &ifaces,
+        "--ct-gc-interval",
+        "3600",
+    ];
+    let daemon = LbDaemon::start(&mut tb, Path::new(LB), &args, "info");
+    let _ = fs::remove_dir_all(&dir);
+    let daemon = daemon.unwrap();
+    let (pin, state) = (
+        daemon.pin_dir.to_str().unwrap().to_string(),
+        daemon.state_dir.to_str().unwrap().to_string(),
+    );
+    let live = |src: &str, dst: &str| {
+        trace(&[
+            "--pin-dir",
+            &pin,
+            "--state-dir",
+            &state,
+            "--from",
+            "external",
+            "--src",
+            src,
+            "--dst",
+            dst,
+        ])
+        .remove(0)
+    };
+    let vip = "198.18.250.5:443";
+    let r = live("198.18.99.5", vip);
+    assert_eq!(r["verdict"], "forward", "198.18.99.5 is in the ranges: {r}");
+    let r = live("198.18.10.2", vip);
+    assert_eq!(r["verdict"], "drop", "198.18.10.2 is not: {r}");
+    assert_eq!(r["reason"], "tc_drop_source_range", "{r}");
+    drop(daemon);
+}

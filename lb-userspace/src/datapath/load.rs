@@ -288,7 +288,7 @@ impl LoadOptions {
 }
 
 /// The maps that describe services: what a read-only tool shares with a running lb.
-pub const SERVICE_MAPS: [&str; 12] = [
+pub const SERVICE_MAPS: [&str; 14] = [
     map_names::SERVICES4,
     map_names::BACKENDS4,
     map_names::REVNAT4,
@@ -301,6 +301,8 @@ pub const SERVICE_MAPS: [&str; 12] = [
     map_names::SVC_CIDR6,
     map_names::AFF_MATCH4,
     map_names::AFF_MATCH6,
+    map_names::SRC_RANGE4,
+    map_names::SRC_RANGE6,
 ];
 
 /// Pins `link` at `path` (creating the links directory); the pin keeps it attached after this
