@@ -348,6 +348,9 @@ fn run_suites(out: &Path, bins: &[(String, PathBuf)], slowdown: u32) -> Result<K
         let start = Instant::now();
         let status = Command::new(exe)
             .arg("--test-threads=2")
+            // Passing tests' output too: the measurements they print (the UDP re-steering loss
+            // window) land in the suite's log.
+            .arg("--show-output")
             .env("LB_TEST_SLOWDOWN", slowdown.to_string())
             .current_dir(workspace_root().join("tests"))
             .stdin(Stdio::null())
