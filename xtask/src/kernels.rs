@@ -165,10 +165,10 @@ fn out_dir(kernel: &str) -> Result<PathBuf> {
 }
 
 /// Runs the suites natively (`host`).
-pub fn run_host(bins: &[(String, PathBuf)]) -> Result<KernelResult> {
+pub fn run_host(bins: &[(String, PathBuf)], test_args: &[String]) -> Result<KernelResult> {
     let out = out_dir("host")?;
     let start = Instant::now();
-    let mut r = run_suites(&out, bins, 1)?;
+    let mut r = run_suites(&out, bins, 1, test_args)?;
     r.kernel = "host".into();
     r.secs = start.elapsed().as_secs_f64();
     Ok(r)
@@ -179,6 +179,7 @@ pub fn run_vm(
     tools: &VmTools,
     kernel: &Kernel,
     bins: &[(String, PathBuf)],
+    test_args: &[String],
 ) -> Result<KernelResult> {
     let out = out_dir(kernel.name)?;
     // `cargo build --bins` may have replaced this executable since it started (the kernel then
@@ -206,6 +207,9 @@ pub fn run_vm(
         .arg("vm-guest")
         .arg("--out")
         .arg(&out);
+    for a in test_args {
+        cmd.arg(format!("--test-arg={a}"));
+    }
     for (name, exe) in bins {
         cmd.arg(format!("{name}={}", exe.display()));
     }
@@ -289,7 +293,7 @@ pub fn run_vm(
 }
 
 /// `xtask vm-guest`: runs inside the VM.
-pub fn guest(out: &Path, suites: &[String]) -> Result<()> {
+pub fn guest(out: &Path, suites: &[String], test_args: &[String]) -> Result<()> {
     let bins = suites
         .iter()
         .map(|s| {
@@ -316,14 +320,20 @@ pub fn guest(out: &Path, suites: &[String]) -> Result<()> {
         println!("modprobe -a {} failed ({st})", GUEST_MODULES.join(" "));
     }
     // Emulated: waits for lb to start scale with this (tests/src/daemon.rs `slowdown`).
-    let r = run_suites(out, &bins, 3)?;
+    let r = run_suites(out, &bins, 3, test_args)?;
     fs::write(out.join("result.json"), serde_json::to_string_pretty(&r)?)?;
     Ok(())
 }
 
 /// Runs each suite's executable (from the tests' package directory, as cargo does) with its
-/// output in `out/<suite>.log`; `slowdown` scales the tests' waits for lb to start.
-fn run_suites(out: &Path, bins: &[(String, PathBuf)], slowdown: u32) -> Result<KernelResult> {
+/// output in `out/<suite>.log`; `slowdown` scales the tests' waits for lb to start;
+/// `test_args` go to each executable (test name filters, `--exact`, ...).
+fn run_suites(
+    out: &Path,
+    bins: &[(String, PathBuf)],
+    slowdown: u32,
+    test_args: &[String],
+) -> Result<KernelResult> {
     let release = fs::read_to_string("/proc/sys/kernel/osrelease")
         .unwrap_or_default()
         .trim()
@@ -351,6 +361,7 @@ fn run_suites(out: &Path, bins: &[(String, PathBuf)], slowdown: u32) -> Result<K
             // Passing tests' output too: the measurements they print (the UDP re-steering loss
             // window) land in the suite's log.
             .arg("--show-output")
+            .args(test_args)
             .env("LB_TEST_SLOWDOWN", slowdown.to_string())
             .current_dir(workspace_root().join("tests"))
             .stdin(Stdio::null())

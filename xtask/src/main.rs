@@ -43,7 +43,9 @@ enum Task {
         /// `all`, which also rewrites the README's kernel table. Without a name: list them.
         #[arg(long, num_args = 0..=1, default_missing_value = "")]
         kernel: Option<String>,
-        /// Extra arguments for `cargo test`, e.g. `-- -p lb-tests --test netns -- --nocapture`.
+        /// Extra arguments for `cargo test`, e.g. `-- -p lb-tests --test netns -- --nocapture`;
+        /// with `--kernel`, arguments for the suites' test executables instead, e.g. a test
+        /// name filter: `--kernel 6.1 -- connected_udp`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
@@ -79,6 +81,9 @@ enum Task {
     VmGuest {
         #[arg(long)]
         out: std::path::PathBuf,
+        /// An argument for each suite's test executable (repeatable).
+        #[arg(long = "test-arg", allow_hyphen_values = true)]
+        test_args: Vec<String>,
         /// `NAME=PATH` of each suite's test executable.
         suites: Vec<String>,
     },
@@ -106,7 +111,11 @@ fn run_task(task: Task) -> Result<ExitCode> {
         Task::Lint => lint()?,
         Task::Bench(args) => bench::bench(&args)?,
         Task::Fuzz { packets, seed } => fuzz(packets, seed)?,
-        Task::VmGuest { out, suites } => kernels::guest(&out, &suites)?,
+        Task::VmGuest {
+            out,
+            suites,
+            test_args,
+        } => kernels::guest(&out, &suites, &test_args)?,
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -197,11 +206,19 @@ fn test_phases(
         bins = kernels::suite_binaries()?;
         Ok(())
     })?;
+    // With --kernel, the extra arguments are the suite executables' (filters).
+    let test_args: Vec<String> = if full_host {
+        Vec::new()
+    } else {
+        args.iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    };
     let mut results = Vec::new();
     let mut failures = Vec::new();
     if host_suites {
         phases.time("host", || {
-            let r = kernels::run_host(&bins)?;
+            let r = kernels::run_host(&bins, &test_args)?;
             if !r.ok() {
                 failures.push("host".to_owned());
             }
@@ -218,7 +235,7 @@ fn test_phases(
                 _ => "vm newest",
             };
             let outcome = phases.time(phase, || {
-                let r = kernels::run_vm(tools, k, &bins)?;
+                let r = kernels::run_vm(tools, k, &bins, &test_args)?;
                 let ok = r.ok();
                 results.push(r);
                 ensure!(ok, "suites failed");
@@ -232,7 +249,8 @@ fn test_phases(
     }
     let table = kernels::table(&results);
     println!("\n{table}");
-    if matches!(selection, Some(Selection::All)) {
+    // A filtered run is not the whole matrix.
+    if matches!(selection, Some(Selection::All)) && test_args.is_empty() {
         kernels::write_readme_table(&table)?;
     }
     if !failures.is_empty() {
