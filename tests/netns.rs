@@ -17,6 +17,7 @@ use lb_common::{Svc4Key, SvcValue, map_names, metrics, scope, svc_flags};
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
+    metrics::{HEALTH, METRICS, http_get, sample},
     testbed::Testbed,
 };
 
@@ -259,41 +260,6 @@ fn balance_then_remove_backend(socket_lb: bool) {
     drop(lb);
 }
 
-/// A plain HTTP/1.1 GET from inside netns `ns` (a thread that setns()es), for lb's
-/// metrics and health endpoints, which listen inside the node netns.
-fn http_get(ns: &str, addr: &str, path: &str) -> (u16, String) {
-    let (ns, addr, path) = (ns.to_string(), addr.to_string(), path.to_string());
-    thread::spawn(move || {
-        use std::io::{Read as _, Write as _};
-        let f = fs::File::open(format!("/run/netns/{ns}")).unwrap();
-        nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        let status = resp.split(' ').nth(1).unwrap().parse().unwrap();
-        let body = resp
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap();
-        (status, body)
-    })
-    .join()
-    .unwrap()
-}
-
-/// The value of a Prometheus sample line `name{labels} value` or `name value`.
-fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        let (k, v) = l.rsplit_once(' ')?;
-        (k == series).then(|| v.parse().ok())?
-    })
-}
-
 /// The node name the watched-directory test gives lb (and its Node manifest).
 const NODE_NAME: &str = "lb-test-node";
 
@@ -313,9 +279,9 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     )
     .unwrap();
     let node = tb.node_ns.clone();
-    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    let (status, body) = http_get(&node, HEALTH, "/healthz").unwrap();
     assert_eq!(status, 503, "unhealthy before the first sync: {body}");
-    assert_eq!(http_get(&node, "127.0.0.1:10256", "/livez").0, 200);
+    assert_eq!(http_get(&node, HEALTH, "/livez").unwrap().0, 200);
 
     // Files appear: lb applies them without a signal.
     fs::create_dir_all(&dir).unwrap();
@@ -330,7 +296,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     )
     .unwrap();
     lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
-    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    let (status, body) = http_get(&node, HEALTH, "/healthz").unwrap();
     assert_eq!(status, 200, "healthy after the sync: {body}");
 
     // This node's Node gets the autoscaler's deletion taint: healthz fails (load balancers
@@ -351,7 +317,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
         "node sync",
     )
     .unwrap();
-    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    let (status, body) = http_get(&node, HEALTH, "/healthz").unwrap();
     assert_eq!(status, 503, "tainted for deletion: {body}");
     assert!(body.contains("\"nodeEligible\":false"), "{body}");
     write_node("[]");
@@ -360,7 +326,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
         "node sync",
     )
     .unwrap();
-    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    let (status, body) = http_get(&node, HEALTH, "/healthz").unwrap();
     assert_eq!(status, 200, "taint removed: {body}");
     fs::remove_file(&node_file).unwrap();
     lb.wait_for(
@@ -402,7 +368,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     .unwrap();
 
     // Metrics from the running daemon, parsed.
-    let (status, metrics) = http_get(&node, "127.0.0.1:10249", "/metrics");
+    let (status, metrics) = http_get(&node, METRICS, "/metrics").unwrap();
     assert_eq!(status, 200);
     // kube-proxy's SLIs: the echo Service and its two slices, then the extra Service added,
     // changed and removed (Node changes are neither); the probes answered above.
@@ -418,7 +384,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     assert!(kp("kubeproxy_proxy_healthz_total{code=\"200\"}") >= 2.0);
     assert!(kp("kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1.0);
     assert_eq!(
-        http_get(&node, "127.0.0.1:10249", "/proxyMode"),
+        http_get(&node, METRICS, "/proxyMode").unwrap(),
         (200, "ebpf".to_string())
     );
     assert!(
