@@ -22,12 +22,13 @@ use lb::{
         manifests,
         translate::{self, NodeInfo},
     },
-    datapath::maps::{BpfMaps, Dump, LbMaps as _},
+    datapath::maps::Dump,
     model::{DesiredState, Frontend},
 };
 use lb_tests::{
     bins::{LB, LB_ECHO},
-    daemon::LbDaemon,
+    daemon::{LbDaemon, entries_of},
+    metrics::{sample, scrape},
     testbed::Testbed,
 };
 
@@ -466,63 +467,10 @@ fn loader_survives_nested_loops_and_configmap_layouts() {
 // ---------------------------------------------------------------------------------------------
 // The running daemon.
 
-/// A plain HTTP/1.1 GET from inside netns `ns`, for lb's metrics.
-fn http_get(ns: &str, addr: &str, path: &str) -> String {
-    let (ns, addr, path) = (ns.to_string(), addr.to_string(), path.to_string());
-    thread::spawn(move || {
-        use std::io::{Read as _, Write as _};
-        let f = fs::File::open(format!("/run/netns/{ns}")).unwrap();
-        nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        resp
-    })
-    .join()
-    .unwrap()
-}
-
 /// `lb_objects_skipped_total{kind, reason}`, 0 if absent.
 fn skipped_count(metrics: &str, kind: &str, reason: &str) -> f64 {
     let series = format!("lb_objects_skipped_total{{kind=\"{kind}\",reason=\"{reason}\"}}");
-    metrics
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            (k == series).then(|| v.parse().ok())?
-        })
-        .unwrap_or(0.0)
-}
-
-/// The pinned maps as the reconciler reads them.
-fn dump(lb: &LbDaemon) -> Dump {
-    BpfMaps::open_pinned(&lb.pin_dir)
-        .expect("pinned maps")
-        .dump()
-        .expect("dump")
-}
-
-/// Everything of `frontends` in `d`: masters and slots, and the backends and rev-NAT entries
-/// they name.
-fn entries_of(d: &Dump, frontends: &BTreeSet<Frontend>) -> String {
-    let mut out = String::new();
-    for ((fe, slot), v) in &d.services {
-        if !frontends.contains(fe) {
-            continue;
-        }
-        out.push_str(&format!("{fe} slot {slot}: {v:?}\n"));
-        if *slot == 0 {
-            out.push_str(&format!("  revnat {:?}\n", d.revnat.get(&v.rev_nat_id)));
-        } else {
-            out.push_str(&format!("  backend {:?}\n", d.backends.get(&v.backend_id)));
-        }
-    }
-    out
+    sample(metrics, &series).unwrap_or(0.0)
 }
 
 fn frontends_of(d: &Dump) -> BTreeSet<Frontend> {
@@ -594,8 +542,7 @@ fn running_daemon_refuses_each_case_and_keeps_serving() {
     let dir_arg = dir.0.display().to_string();
     let args = ["--manifests", &dir_arg, "--cgroup-path", &cgroup];
     let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
-    let node = tb.node_ns.clone();
-    let before = dump(&lb);
+    let before = lb.dump().unwrap();
     let baseline = frontends_of(&before);
     assert_eq!(baseline.len(), 4, "the baseline's frontends: {before:?}");
     let baseline_entries = entries_of(&before, &baseline);
@@ -603,11 +550,11 @@ fn running_daemon_refuses_each_case_and_keeps_serving() {
 
     for case in &cases {
         let what = &case.name;
-        let metrics_before = http_get(&node, "127.0.0.1:10249", "/metrics");
+        let metrics_before = scrape(&tb).unwrap();
         let from = lb.log.len();
         case.add_to(&dir.0);
         let log = next_sync(&mut lb, from, what);
-        let metrics = http_get(&node, "127.0.0.1:10249", "/metrics");
+        let metrics = scrape(&tb).unwrap();
 
         // Logged by name and reason.
         for (kind, object, reason) in case.skips() {
@@ -646,7 +593,7 @@ fn running_daemon_refuses_each_case_and_keeps_serving() {
         }
         // The baseline is byte for byte what it was; the case adds only what it documents,
         // each whole.
-        let after = dump(&lb);
+        let after = lb.dump().unwrap();
         assert_eq!(
             entries_of(&after, &baseline),
             baseline_entries,
@@ -671,7 +618,7 @@ fn running_daemon_refuses_each_case_and_keeps_serving() {
         case.remove_from(&dir.0);
         next_sync(&mut lb, from, what);
         assert_eq!(
-            dump(&lb),
+            lb.dump().unwrap(),
             before,
             "{what}: removing the case restores the maps"
         );
@@ -688,7 +635,7 @@ fn running_daemon_refuses_each_case_and_keeps_serving() {
     lb.signal(nix::sys::signal::Signal::SIGHUP).unwrap();
     let log = next_sync(&mut lb, from, "the whole corpus");
     assert!(log.iter().any(|l| l.contains("skipping object")));
-    let after = dump(&lb);
+    let after = lb.dump().unwrap();
     assert_eq!(
         entries_of(&after, &baseline),
         baseline_entries,

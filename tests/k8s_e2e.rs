@@ -16,16 +16,15 @@ mod support;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io::{Read as _, Write as _},
     path::Path,
     process::Command,
     time::{Duration, Instant},
 };
 
 use lb_tests::{
-    bins::{LB, LB_ECHO},
-    daemon::LbDaemon,
-    netns::in_netns,
+    bins::LB_ECHO,
+    daemon::{LbDaemon, Services, frontends},
+    metrics::{HEALTH, METRICS, healthz, metric},
     testbed::Testbed,
 };
 use support::{
@@ -47,18 +46,7 @@ fn start_lb(tb: &mut Testbed, kubeconfig: &Path) -> LbDaemon {
 
 /// [`start_lb`] with `extra` arguments instead of `--metrics-bind-address off`.
 fn start_lb_with(tb: &mut Testbed, kubeconfig: &Path, extra: &[&str]) -> LbDaemon {
-    let ifaces = tb.node_ifaces().join(",");
-    let mut args = vec![
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-        "--hostname-override",
-        NODE,
-        "--socket-lb=false",
-        "--tc-ingress",
-        &ifaces,
-    ];
-    args.extend_from_slice(extra);
-    LbDaemon::start(tb, Path::new(LB), &args, "info,lb=debug").unwrap()
+    LbDaemon::start_kube(tb, kubeconfig, NODE, extra, "info,lb=debug").unwrap()
 }
 
 /// The generation of the newest `synced` line so far.
@@ -214,9 +202,6 @@ fn kubernetes_source_balances_and_follows_slice_changes() {
     drop(api);
 }
 
-/// lb's health and metrics address inside the node netns (private to this testbed).
-const HEALTH: &str = "127.0.0.1:10256";
-const METRICS: &str = "127.0.0.1:10249";
 /// `--watch-timeout` for the outage test: every watch request lasts 1 s.
 const WATCH_TIMEOUT_S: u64 = 1;
 /// How long the API server stays away: many watch timeouts.
@@ -224,87 +209,6 @@ const OUTAGE: Duration = Duration::from_secs(12 * WATCH_TIMEOUT_S);
 /// After the server returns: kube-rs' backoff has grown to up to 30 s by then.
 const CONVERGE: Duration = Duration::from_secs(75);
 const GONE_TARGET: &str = "198.19.0.11:80";
-
-/// `GET path` from inside the node netns: (status, body).
-fn http_get(tb: &Testbed, addr: &str, path: &str) -> (u16, String) {
-    let addr = addr.to_owned();
-    let path = path.to_owned();
-    in_netns(&tb.node_ns, move || {
-        let mut s = std::net::TcpStream::connect(&addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        let status = text
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
-    })
-    .expect("HTTP GET in the node netns")
-}
-
-/// `/healthz`: status code and JSON body.
-fn healthz(tb: &Testbed) -> (u16, serde_json::Value) {
-    let (status, body) = http_get(tb, HEALTH, "/healthz");
-    let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("healthz JSON ({e}): {body}"));
-    (status, v)
-}
-
-/// The value of the series `name` (with its labels, exactly as exposed) in `/metrics`.
-fn metric(tb: &Testbed, series: &str) -> f64 {
-    let (_, body) = http_get(tb, METRICS, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
-}
-
-/// `frontend → backend addresses` of the TCP frontends in lb's pinned maps (`lb services`).
-fn programmed(tb: &Testbed, lb: &LbDaemon) -> BTreeMap<String, BTreeSet<String>> {
-    let mut cmd = Command::new(LB);
-    cmd.args(["services", "--json", "--pin-dir"])
-        .arg(&lb.pin_dir)
-        .arg("--state-dir")
-        .arg(&lb.state_dir);
-    let out = tb.run(&tb.node_ns, None, cmd).expect("lb services");
-    assert!(
-        out.status.success(),
-        "lb services: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("lb services JSON");
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|s| {
-            let backends = s["backends"]
-                .as_array()
-                .expect("backends")
-                .iter()
-                .map(|b| b["address"].as_str().unwrap_or_default().to_owned())
-                .collect();
-            (
-                s["frontend"].as_str().unwrap_or_default().to_owned(),
-                backends,
-            )
-        })
-        .collect()
-}
-
-fn frontends(entries: &[(&str, &[&str])]) -> BTreeMap<String, BTreeSet<String>> {
-    entries
-        .iter()
-        .map(|(fe, bs)| {
-            let bs = bs.iter().map(|b| format!("{b}:{ECHO_PORT}")).collect();
-            ((*fe).to_owned(), bs)
-        })
-        .collect()
-}
 
 /// Takes the API server away for [`OUTAGE`] while `change` rewrites its store; meanwhile the
 /// datapath must keep `before` (checked with real connections and the pinned maps), `/healthz`
@@ -315,12 +219,16 @@ fn outage(
     tb: &Testbed,
     lb: &LbDaemon,
     api: &ApiServer,
-    before: &BTreeMap<String, BTreeSet<String>>,
-    after: &BTreeMap<String, BTreeSet<String>>,
+    before: &Services,
+    after: &Services,
     change: impl FnOnce(&ApiServer),
 ) -> (Duration, Duration) {
-    assert_eq!(&programmed(tb, lb), before, "state before the outage");
-    let errors_before = metric(tb, "lb_watch_errors_total{kind=\"services\"}");
+    assert_eq!(
+        &lb.services(tb, None).unwrap(),
+        before,
+        "state before the outage"
+    );
+    let errors_before = metric(tb, "lb_watch_errors_total{kind=\"services\"}").unwrap();
     let started = Instant::now();
     api.stop();
     assert!(!api.is_serving());
@@ -336,14 +244,18 @@ fn outage(
             ["b1"],
             "gone during the outage"
         );
-        assert_eq!(&programmed(tb, lb), before, "maps during the outage");
-        let (status, h) = healthz(tb);
+        assert_eq!(
+            &lb.services(tb, None).unwrap(),
+            before,
+            "maps during the outage"
+        );
+        let (status, h) = healthz(tb).unwrap();
         assert_eq!(status, 200, "healthz stays 200 during an outage: {h}");
         assert_eq!(h["healthy"], true, "{h}");
         if h["apiServer"]["connected"] == false {
             assert!(h["apiServer"]["lastError"].is_string(), "{h}");
             assert!(h["apiServer"]["lastContact"].is_string(), "{h}");
-            assert_eq!(metric(tb, "lb_apiserver_connected"), 0.0);
+            assert_eq!(metric(tb, "lb_apiserver_connected").unwrap(), 0.0);
             saw_disconnected = true;
         }
         checks += 1;
@@ -356,7 +268,7 @@ fn outage(
     );
     assert!(checks >= 3, "the outage was checked {checks} times");
     assert!(
-        metric(tb, "lb_watch_errors_total{kind=\"services\"}") > errors_before,
+        metric(tb, "lb_watch_errors_total{kind=\"services\"}").unwrap() > errors_before,
         "watch errors counted"
     );
 
@@ -365,8 +277,8 @@ fn outage(
     let back = Instant::now();
     let deadline = back + CONVERGE;
     loop {
-        let now = programmed(tb, lb);
-        let (status, h) = healthz(tb);
+        let now = lb.services(tb, None).unwrap();
+        let (status, h) = healthz(tb).unwrap();
         if &now == after && h["apiServer"]["connected"] == true {
             assert_eq!(status, 200, "{h}");
             break;
@@ -380,7 +292,7 @@ fn outage(
         std::thread::sleep(Duration::from_millis(250));
     }
     let converged = back.elapsed();
-    assert_eq!(metric(tb, "lb_apiserver_connected"), 1.0);
+    assert_eq!(metric(tb, "lb_apiserver_connected").unwrap(), 1.0);
     (lasted, converged)
 }
 
@@ -430,16 +342,21 @@ fn api_server_outage_keeps_the_last_state_and_converges_after() {
         ],
     );
     let all = [b1, b2, b3];
-    let before = frontends(&[("198.19.0.10:80/TCP", &all), ("198.19.0.11:80/TCP", &[b1])]);
-    let after = frontends(&[("198.19.0.10:80/TCP", &[b3])]);
+    let before = frontends(
+        &[("198.19.0.10:80", &all), ("198.19.0.11:80", &[b1])],
+        ECHO_PORT,
+    );
+    let after = frontends(&[("198.19.0.10:80", &[b3])], ECHO_PORT);
     let deadline = Instant::now() + CONVERGE;
-    while programmed(&tb, &lb) != before || healthz(&tb).1["apiServer"]["connected"] != true {
+    while lb.services(&tb, None).unwrap() != before
+        || healthz(&tb).unwrap().1["apiServer"]["connected"] != true
+    {
         assert!(Instant::now() < deadline, "initial state not reached");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (status, h) = healthz(&tb);
+    let (status, h) = healthz(&tb).unwrap();
     assert_eq!(status, 200, "{h}");
-    assert_eq!(metric(&tb, "lb_apiserver_connected"), 1.0);
+    assert_eq!(metric(&tb, "lb_apiserver_connected").unwrap(), 1.0);
 
     // 1. History kept: resumed watches replay what they missed.
     let first = outage(&tb, &lb, &api, &before, &after, |api| {
@@ -450,10 +367,10 @@ fn api_server_outage_keeps_the_last_state_and_converges_after() {
     assert_eq!(backends(&tb), ["b3"], "the changed endpoints serve");
 
     // Back to the first state, through the API.
-    let relists = metric(&tb, "lb_watch_relists_total{kind=\"services\"}");
+    let relists = metric(&tb, "lb_watch_relists_total{kind=\"services\"}").unwrap();
     setup(&api);
     let deadline = Instant::now() + CONVERGE;
-    while programmed(&tb, &lb) != before {
+    while lb.services(&tb, None).unwrap() != before {
         assert!(Instant::now() < deadline, "first state not reached again");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -471,7 +388,7 @@ fn api_server_outage_keeps_the_last_state_and_converges_after() {
         "the resumed watches were answered 410 Gone"
     );
     assert!(
-        metric(&tb, "lb_watch_relists_total{kind=\"services\"}") > relists,
+        metric(&tb, "lb_watch_relists_total{kind=\"services\"}").unwrap() > relists,
         "lb relisted after the 410"
     );
     eprintln!(

@@ -48,7 +48,7 @@ use lb::{
     metrics::Metrics,
 };
 use lb_tests::{
-    bins::{LB, LB_ECHO},
+    bins::LB_ECHO,
     controlplane::{ControlPlane, Options},
     daemon::LbDaemon,
     testbed::Testbed,
@@ -362,13 +362,6 @@ async fn endpointslice_controller_slices_follow_pods() {
     );
 }
 
-/// Objects for kubectl, as JSON documents on stdin.
-fn kubectl_apply(cp: &ControlPlane, objects: &[Value]) {
-    let list = json!({ "apiVersion": "v1", "kind": "List", "items": objects });
-    cp.kubectl_ok(&["apply", "-f", "-"], Some(list.to_string().as_bytes()))
-        .expect("kubectl apply");
-}
-
 fn kubectl_set_ready(cp: &ControlPlane, name: &str, ip: &str, ready: bool) {
     let patch = pod_status(ip, ready).to_string();
     cp.kubectl_ok(
@@ -474,41 +467,27 @@ fn lb_run_with_deploy_rbac_follows_the_api_and_may_not_write() {
         tb.backends[0].ipv4.to_string(),
         tb.backends[1].ipv4.to_string(),
     ];
-    kubectl_apply(
-        &cp,
-        &[
-            json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": NS } }),
-            json!({ "apiVersion": "v1", "kind": "ServiceAccount",
+    cp.apply(&[
+        json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": NS } }),
+        json!({ "apiVersion": "v1", "kind": "ServiceAccount",
                     "metadata": { "name": "default", "namespace": NS } }),
-            json!({ "apiVersion": "v1", "kind": "Node", "metadata": { "name": NODE } }),
-        ],
-    );
-    kubectl_apply(
-        &cp,
-        &[
-            selector_service("echo", VIP),
-            pod("echo-1", "echo"),
-            pod("echo-2", "echo"),
-        ],
-    );
+        json!({ "apiVersion": "v1", "kind": "Node", "metadata": { "name": NODE } }),
+    ])
+    .expect("kubectl apply");
+    cp.apply(&[
+        selector_service("echo", VIP),
+        pod("echo-1", "echo"),
+        pod("echo-2", "echo"),
+    ])
+    .expect("kubectl apply");
     kubectl_set_ready(&cp, "echo-1", &b1, true);
     kubectl_set_ready(&cp, "echo-2", &b2, true);
     wait_ready_endpoints(&cp, 2);
 
     let kubeconfig = cp.lb_kubeconfig().expect("lb kubeconfig");
-    let ifaces = tb.node_ifaces().join(",");
-    let args = [
-        "--kubeconfig",
-        kubeconfig.to_str().expect("UTF-8 path"),
-        "--hostname-override",
-        NODE,
-        "--socket-lb=false",
-        "--tc-ingress",
-        &ifaces,
-        "--metrics-bind-address",
-        "off",
-    ];
-    let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").expect("lb ready");
+    let extra = ["--metrics-bind-address", "off"];
+    let mut lb =
+        LbDaemon::start_kube(&mut tb, &kubeconfig, NODE, &extra, "info").expect("lb ready");
     let synced = |n: u64| {
         move |l: &str| {
             l.contains("synced") && field(l, "backends") == Some(n) && field(l, "errors") == Some(0)
@@ -902,7 +881,8 @@ async fn watch_converges_after_an_apiserver_restart() {
         &[support::Ep::ready(B3)],
     ))
     .expect("slice JSON");
-    kubectl_apply(&cp, &[selector_service("new", "198.19.0.22"), new_slice]);
+    cp.apply(&[selector_service("new", "198.19.0.22"), new_slice])
+        .expect("kubectl apply");
 
     relay.restore();
     let m = h

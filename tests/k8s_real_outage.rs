@@ -12,7 +12,7 @@ mod support;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io::{Read as _, Write as _},
+    io::Write as _,
     net::{TcpListener, TcpStream},
     path::Path,
     process::Command,
@@ -20,9 +20,10 @@ use std::{
 };
 
 use lb_tests::{
-    bins::{LB, LB_ECHO},
+    bins::LB_ECHO,
     controlplane::{ControlPlane, Options},
-    daemon::LbDaemon,
+    daemon::{LbDaemon, frontends},
+    metrics::{HEALTH, METRICS, healthz, metric},
     netns::{in_netns, ns_path},
     testbed::Testbed,
 };
@@ -32,8 +33,6 @@ use support::{Ep, service, slice};
 const NODE: &str = "node-a";
 const NS: &str = "demo";
 const ECHO_PORT: u16 = 8080;
-const HEALTH: &str = "127.0.0.1:10256";
-const METRICS: &str = "127.0.0.1:10249";
 /// `--watch-timeout`: each watch request lasts 2 s.
 const WATCH_TIMEOUT_S: u64 = 2;
 /// How long lb's path stays cut: 15 watch timeouts.
@@ -42,12 +41,6 @@ const CUT: Duration = Duration::from_secs(15 * WATCH_TIMEOUT_S);
 const CONVERGE: Duration = Duration::from_secs(90);
 const ECHO: &str = "198.19.0.10:80";
 const GONE: &str = "198.19.0.11:80";
-
-fn kubectl_apply(cp: &ControlPlane, objects: &[Value]) {
-    let list = json!({ "apiVersion": "v1", "kind": "List", "items": objects });
-    cp.kubectl_ok(&["apply", "-f", "-"], Some(list.to_string().as_bytes()))
-        .expect("kubectl apply");
-}
 
 fn to_json(v: &impl serde::Serialize) -> Value {
     serde_json::to_value(v).expect("JSON")
@@ -141,39 +134,6 @@ fn nft(tb: &Testbed, args: &[&str], stdin: Option<&str>) {
     );
 }
 
-/// `GET path` from inside the node netns: (status, body).
-fn http_get(tb: &Testbed, addr: &str, path: &str) -> (u16, String) {
-    let (addr, path) = (addr.to_owned(), path.to_owned());
-    in_netns(&tb.node_ns, move || {
-        let mut s = TcpStream::connect(&addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: lb\r\n\r\n")?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        let status = text
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned());
-        Ok((status, body.unwrap_or_default()))
-    })
-    .expect("HTTP GET in the node netns")
-}
-
-fn healthz(tb: &Testbed) -> (u16, Value) {
-    let (status, body) = http_get(tb, HEALTH, "/healthz");
-    let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("healthz JSON ({e}): {body}"));
-    (status, v)
-}
-
-fn metric(tb: &Testbed, series: &str) -> f64 {
-    let (_, body) = http_get(tb, METRICS, "/metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
-}
-
 /// The backend names that answer 20 TCP connections from the client netns to `target`.
 fn reached(tb: &Testbed, target: &str) -> BTreeSet<String> {
     let mut cmd = Command::new(LB_ECHO);
@@ -197,48 +157,6 @@ fn reached(tb: &Testbed, target: &str) -> BTreeSet<String> {
     per_backend.into_keys().collect()
 }
 
-/// `frontend → backend addresses` of the TCP frontends in lb's pinned maps, without the
-/// apiserver's own `default/kubernetes`.
-fn programmed(tb: &Testbed, lb: &LbDaemon) -> BTreeMap<String, BTreeSet<String>> {
-    let mut cmd = Command::new(LB);
-    cmd.args(["services", "--json", "--pin-dir"])
-        .arg(&lb.pin_dir)
-        .arg("--state-dir")
-        .arg(&lb.state_dir);
-    let out = tb.run(&tb.node_ns, None, cmd).expect("lb services");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("lb services JSON");
-    v.as_array()
-        .expect("array")
-        .iter()
-        .filter(|s| s["service"]["namespace"] == NS)
-        .map(|s| {
-            let backends = s["backends"].as_array().expect("backends").iter();
-            let backends = backends
-                .map(|b| b["address"].as_str().unwrap_or_default().to_owned())
-                .collect();
-            (
-                s["frontend"].as_str().unwrap_or_default().to_owned(),
-                backends,
-            )
-        })
-        .collect()
-}
-
-fn frontends(entries: &[(&str, &[&str])]) -> BTreeMap<String, BTreeSet<String>> {
-    entries
-        .iter()
-        .map(|(fe, bs)| {
-            let bs = bs.iter().map(|b| format!("{b}:{ECHO_PORT}")).collect();
-            (format!("{fe}/TCP"), bs)
-        })
-        .collect()
-}
-
 /// lb's path to the real apiserver is cut (its packets dropped) for 15 watch timeouts while
 /// the test deletes a Service with its slice and changes another's endpoints through the API.
 /// Real connections to both VIPs keep reaching the old backends, `/healthz` stays 200 and
@@ -257,22 +175,18 @@ fn lb_keeps_serving_through_a_cut_path_and_converges_when_it_returns() {
     .expect("control plane in the node netns");
     let [b1, b2, b3] = ["198.18.11.2", "198.18.12.2", "198.18.13.2"];
     let echo_slice = |eps: &[Ep]| to_json(&slice(NS, "echo-1", "echo", 8080, eps));
-    kubectl_apply(
-        &cp,
-        &[
-            json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": NS } }),
-            json!({ "apiVersion": "v1", "kind": "Node", "metadata": { "name": NODE } }),
-        ],
-    );
-    kubectl_apply(
-        &cp,
-        &[
-            to_json(&service(NS, "echo", "198.19.0.10", 80, 8080)),
-            echo_slice(&[Ep::ready(b1), Ep::ready(b2), Ep::ready(b3)]),
-            to_json(&service(NS, "gone", "198.19.0.11", 80, 8080)),
-            to_json(&slice(NS, "gone-1", "gone", 8080, &[Ep::ready(b1)])),
-        ],
-    );
+    cp.apply(&[
+        json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": NS } }),
+        json!({ "apiVersion": "v1", "kind": "Node", "metadata": { "name": NODE } }),
+    ])
+    .expect("kubectl apply");
+    cp.apply(&[
+        to_json(&service(NS, "echo", "198.19.0.10", 80, 8080)),
+        echo_slice(&[Ep::ready(b1), Ep::ready(b2), Ep::ready(b3)]),
+        to_json(&service(NS, "gone", "198.19.0.11", 80, 8080)),
+        to_json(&slice(NS, "gone-1", "gone", 8080, &[Ep::ready(b1)])),
+    ])
+    .expect("kubectl apply");
 
     let upstream = cp.server.trim_start_matches("https://").to_owned();
     let port = forward(&tb.node_ns, upstream);
@@ -280,16 +194,8 @@ fn lb_keeps_serving_through_a_cut_path_and_converges_when_it_returns() {
     let kubeconfig = cp
         .kubeconfig_at("lb-cut", &format!("https://127.0.0.1:{port}"), &token)
         .expect("kubeconfig");
-    let ifaces = tb.node_ifaces().join(",");
     let timeout = WATCH_TIMEOUT_S.to_string();
-    let args = [
-        "--kubeconfig",
-        kubeconfig.to_str().expect("UTF-8 path"),
-        "--hostname-override",
-        NODE,
-        "--socket-lb=false",
-        "--tc-ingress",
-        &ifaces,
+    let extra = [
         "--metrics-bind-address",
         METRICS,
         "--healthz-bind-address",
@@ -297,16 +203,16 @@ fn lb_keeps_serving_through_a_cut_path_and_converges_when_it_returns() {
         "--watch-timeout",
         &timeout,
     ];
-    let lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").expect("lb ready");
+    let lb = LbDaemon::start_kube(&mut tb, &kubeconfig, NODE, &extra, "info").expect("lb ready");
     let all = [b1, b2, b3];
-    let before = frontends(&[(ECHO, &all), (GONE, &[b1])]);
-    let after = frontends(&[(ECHO, &[b3])]);
+    let before = frontends(&[(ECHO, &all), (GONE, &[b1])], ECHO_PORT);
+    let after = frontends(&[(ECHO, &[b3])], ECHO_PORT);
     let deadline = Instant::now() + CONVERGE;
-    while programmed(&tb, &lb) != before {
+    while lb.services(&tb, Some(NS)).unwrap() != before {
         assert!(Instant::now() < deadline, "initial state not programmed");
         std::thread::sleep(Duration::from_millis(200));
     }
-    assert_eq!(healthz(&tb).1["apiServer"]["connected"], true);
+    assert_eq!(healthz(&tb).unwrap().1["apiServer"]["connected"], true);
 
     let cut = Cut::new(&tb, port);
     let started = Instant::now();
@@ -321,7 +227,8 @@ fn lb_keeps_serving_through_a_cut_path_and_converges_when_it_returns() {
         None,
     )
     .expect("delete through the apiserver's own port");
-    kubectl_apply(&cp, &[echo_slice(&[Ep::ready(b3)])]);
+    cp.apply(&[echo_slice(&[Ep::ready(b3)])])
+        .expect("kubectl apply");
     let mut saw_disconnected = false;
     while started.elapsed() < CUT {
         assert_eq!(
@@ -330,14 +237,14 @@ fn lb_keeps_serving_through_a_cut_path_and_converges_when_it_returns() {
         );
         assert_eq!(reached(&tb, GONE), BTreeSet::from(["b1".to_owned()]));
         assert_eq!(
-            programmed(&tb, &lb),
+            lb.services(&tb, Some(NS)).unwrap(),
             before,
             "the last state stays programmed"
         );
-        let (status, h) = healthz(&tb);
+        let (status, h) = healthz(&tb).unwrap();
         assert_eq!(status, 200, "a cut path alone keeps healthz 200: {h}");
         if h["apiServer"]["connected"] == false {
-            assert_eq!(metric(&tb, "lb_apiserver_connected"), 0.0);
+            assert_eq!(metric(&tb, "lb_apiserver_connected").unwrap(), 0.0);
             saw_disconnected = true;
         }
         std::thread::sleep(Duration::from_secs(1));
@@ -345,15 +252,15 @@ fn lb_keeps_serving_through_a_cut_path_and_converges_when_it_returns() {
     assert!(
         saw_disconnected,
         "healthz reported the cut: {}",
-        healthz(&tb).1
+        healthz(&tb).unwrap().1
     );
     drop(cut);
     let cut_for = started.elapsed();
 
     let back = Instant::now();
     loop {
-        let now = programmed(&tb, &lb);
-        let (status, h) = healthz(&tb);
+        let now = lb.services(&tb, Some(NS)).unwrap();
+        let (status, h) = healthz(&tb).unwrap();
         if now == after && h["apiServer"]["connected"] == true {
             assert_eq!(status, 200, "{h}");
             break;

@@ -10,16 +10,13 @@ use std::{
     fs,
     path::{Path, PathBuf},
     process::Command,
-    thread,
 };
 
-use lb::{
-    datapath::maps::{BpfMaps, Dump, LbMaps as _},
-    model::Frontend,
-};
+use lb::{datapath::maps::Dump, model::Frontend};
 use lb_tests::{
     bins::{LB, LB_ECHO},
-    daemon::LbDaemon,
+    daemon::{LbDaemon, entries_of},
+    metrics::{sample, scrape},
     testbed::Testbed,
 };
 
@@ -60,56 +57,9 @@ impl Drop for Dir {
     }
 }
 
-fn http_get(ns: &str, addr: &str, path: &str) -> String {
-    let (ns, addr, path) = (ns.to_string(), addr.to_string(), path.to_string());
-    thread::spawn(move || {
-        use std::io::{Read as _, Write as _};
-        let f = fs::File::open(format!("/run/netns/{ns}")).unwrap();
-        nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        resp
-    })
-    .join()
-    .unwrap()
-}
-
-fn sample(metrics: &str, series: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            (k == series).then(|| v.parse().ok())?
-        })
-        .unwrap_or(0.0)
-}
-
-fn dump(lb: &LbDaemon) -> Dump {
-    BpfMaps::open_pinned(&lb.pin_dir)
-        .expect("pinned maps")
-        .dump()
-        .expect("dump")
-}
-
-fn entries_of(d: &Dump, frontends: &BTreeSet<Frontend>) -> String {
-    let mut out = String::new();
-    for ((fe, slot), v) in &d.services {
-        if frontends.contains(fe) {
-            out.push_str(&format!("{fe} slot {slot}: {v:?}\n"));
-            if *slot == 0 {
-                out.push_str(&format!("  revnat {:?}\n", d.revnat.get(&v.rev_nat_id)));
-            } else {
-                out.push_str(&format!("  backend {:?}\n", d.backends.get(&v.backend_id)));
-            }
-        }
-    }
-    out
+/// The value of `series` in the metrics text `m`, 0 if absent.
+fn value(m: &str, series: &str) -> f64 {
+    sample(m, series).unwrap_or(0.0)
 }
 
 /// The programmed services other than the `baseline`, by VIP, with their backend count, after
@@ -227,20 +177,21 @@ fn full_maps_name_the_refused_service_and_keep_the_rest() {
         "lb4_backends=10",
     ];
     let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
-    let node = tb.node_ns.clone();
-    let metrics = || http_get(&node, "127.0.0.1:10249", "/metrics");
-    let before = dump(&lb);
+    let before = lb.dump().unwrap();
     let baseline: BTreeSet<Frontend> = before.services.keys().map(|(fe, _)| *fe).collect();
     let baseline_entries = entries_of(&before, &baseline);
-    let full = |m: &str, map: &str| sample(m, &format!("lb_map_full_total{{map=\"{map}\"}}"));
-    assert_eq!(sample(&metrics(), "lb_services_unprogrammed"), 0.0);
+    let full = |m: &str, map: &str| value(m, &format!("lb_map_full_total{{map=\"{map}\"}}"));
+    assert_eq!(
+        value(&scrape(&tb).unwrap(), "lb_services_unprogrammed"),
+        0.0
+    );
 
     // a and b fit exactly: services 8 + 3 + 3 = 14 of 16, backends 6 + 2 + 2 = 10 of 10.
     dir.add("a.yaml", &service("a", "198.19.10.1", &[1, 2]));
     assert!(refused(&next_sync(&mut lb, "a")).is_empty());
     dir.add("b.yaml", &service("b", "198.19.10.2", &[3, 4]));
     assert!(refused(&next_sync(&mut lb, "b")).is_empty());
-    let d = dump(&lb);
+    let d = lb.dump().unwrap();
     assert_eq!(
         programmed(&d, &baseline, "a, b"),
         pairs(&[("198.19.10.1", 2), ("198.19.10.2", 2)])
@@ -261,22 +212,22 @@ fn full_maps_name_the_refused_service_and_keep_the_rest() {
         "{}",
         log.join("\n")
     );
-    let d = dump(&lb);
+    let d = lb.dump().unwrap();
     assert_eq!(entries_of(&d, &baseline), baseline_entries, "baseline kept");
     assert_eq!(
         programmed(&d, &baseline, "full"),
         pairs(&[("198.19.10.1", 2), ("198.19.10.2", 2)]),
         "nothing of c or d is written"
     );
-    let m = metrics();
-    assert_eq!(sample(&m, "lb_services_unprogrammed"), 2.0, "{m}");
+    let m = scrape(&tb).unwrap();
+    assert_eq!(value(&m, "lb_services_unprogrammed"), 2.0, "{m}");
     assert!(
         full(&m, "lb4_services") >= 2.0,
         "c refused in two syncs: {m}"
     );
     assert!(full(&m, "lb4_backends") >= 1.0, "{m}");
     assert_eq!(
-        sample(&m, "lb_map_entries{map=\"lb4_services\"}"),
+        value(&m, "lb_map_entries{map=\"lb4_services\"}"),
         14.0,
         "{m}"
     );
@@ -291,24 +242,30 @@ fn full_maps_name_the_refused_service_and_keep_the_rest() {
         "{}",
         log.join("\n")
     );
-    let d = dump(&lb);
+    let d = lb.dump().unwrap();
     assert_eq!(
         programmed(&d, &baseline, "a removed"),
         pairs(&[("198.19.0.5", 2), ("198.19.10.2", 2)])
     );
-    assert_eq!(sample(&metrics(), "lb_services_unprogrammed"), 1.0);
+    assert_eq!(
+        value(&scrape(&tb).unwrap(), "lb_services_unprogrammed"),
+        1.0
+    );
 
     // Removing b frees its two backends: d gets programmed.
     dir.remove("b.yaml");
     let log = next_sync(&mut lb, "b removed");
     assert!(refused(&log).is_empty(), "{}", log.join("\n"));
-    let d = dump(&lb);
+    let d = lb.dump().unwrap();
     assert_eq!(
         programmed(&d, &baseline, "b removed"),
         pairs(&[("198.19.0.5", 2), ("198.19.10.4", 1)])
     );
     assert_eq!(entries_of(&d, &baseline), baseline_entries, "baseline kept");
-    assert_eq!(sample(&metrics(), "lb_services_unprogrammed"), 0.0);
+    assert_eq!(
+        value(&scrape(&tb).unwrap(), "lb_services_unprogrammed"),
+        0.0
+    );
     request_baseline(&mut tb);
     let status = lb.stop().unwrap();
     assert!(status.success(), "{status}");
@@ -345,9 +302,7 @@ fn full_maglev_tables_fall_back_to_random_and_are_reported() {
         "4",
     ];
     let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
-    let node = tb.node_ns.clone();
-    let metrics = || http_get(&node, "127.0.0.1:10249", "/metrics");
-    let full = |m: &str| sample(m, "lb_map_full_total{map=\"lb_maglev\"}");
+    let full = |m: &str| value(m, "lb_map_full_total{map=\"lb_maglev\"}");
     let tables = |d: &Dump| {
         d.services
             .iter()
@@ -355,8 +310,8 @@ fn full_maglev_tables_fall_back_to_random_and_are_reported() {
             .map(|(_, v)| v.backend_id)
             .collect::<BTreeSet<u32>>()
     };
-    assert_eq!(tables(&dump(&lb)), BTreeSet::from([0, 1, 2, 3]));
-    assert_eq!(full(&metrics()), 0.0);
+    assert_eq!(tables(&lb.dump().unwrap()), BTreeSet::from([0, 1, 2, 3]));
+    assert_eq!(full(&scrape(&tb).unwrap()), 0.0);
     request_baseline(&mut tb);
 
     dir.add("m.yaml", &service("m", "198.19.10.9", &[1, 2]));
@@ -370,7 +325,7 @@ fn full_maglev_tables_fall_back_to_random_and_are_reported() {
         "{line}"
     );
     assert!(refused(&log).is_empty(), "{}", log.join("\n"));
-    let d = dump(&lb);
+    let d = lb.dump().unwrap();
     let m = d
         .services
         .iter()
@@ -378,14 +333,14 @@ fn full_maglev_tables_fall_back_to_random_and_are_reported() {
         .map(|(_, v)| *v)
         .expect("m is programmed");
     assert_eq!((m.lb_alg, m.count), (lb_common::lb_alg::RANDOM, 2));
-    let text = metrics();
+    let text = scrape(&tb).unwrap();
     assert!(full(&text) >= 1.0, "{text}");
     assert_eq!(
-        sample(&text, "lb_map_entries{map=\"lb_maglev\"}"),
+        value(&text, "lb_map_entries{map=\"lb_maglev\"}"),
         4.0,
         "{text}"
     );
-    assert_eq!(sample(&text, "lb_services_unprogrammed"), 0.0, "{text}");
+    assert_eq!(value(&text, "lb_services_unprogrammed"), 0.0, "{text}");
 
     // The demo service goes: its tables are freed, and m gets one.
     for entry in fs::read_dir(&dir.0).unwrap() {
@@ -399,7 +354,7 @@ fn full_maglev_tables_fall_back_to_random_and_are_reported() {
         "echo removed",
     )
     .unwrap();
-    let d = dump(&lb);
+    let d = lb.dump().unwrap();
     assert_eq!(tables(&d).len(), 1, "m has a table now");
     let status = lb.stop().unwrap();
     assert!(status.success(), "{status}");

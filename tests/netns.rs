@@ -20,6 +20,7 @@ use lb_common::{
 use lb_tests::{
     bins::{LB, LB_ECHO},
     daemon::LbDaemon,
+    metrics::{HEALTH, METRICS, http_get, sample},
     testbed::Testbed,
 };
 
@@ -262,41 +263,6 @@ fn balance_then_remove_backend(socket_lb: bool) {
     drop(lb);
 }
 
-/// A plain HTTP/1.1 GET from inside netns `ns` (a thread that setns()es), for lb's
-/// metrics and health endpoints, which listen inside the node netns.
-fn http_get(ns: &str, addr: &str, path: &str) -> (u16, String) {
-    let (ns, addr, path) = (ns.to_string(), addr.to_string(), path.to_string());
-    thread::spawn(move || {
-        use std::io::{Read as _, Write as _};
-        let f = fs::File::open(format!("/run/netns/{ns}")).unwrap();
-        nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-        let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        let status = resp.split(' ').nth(1).unwrap().parse().unwrap();
-        let body = resp
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap();
-        (status, body)
-    })
-    .join()
-    .unwrap()
-}
-
-/// The value of a Prometheus sample line `name{labels} value` or `name value`.
-fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        let (k, v) = l.rsplit_once(' ')?;
-        (k == series).then(|| v.parse().ok())?
-    })
-}
-
 /// The generation a "synced" log line reports.
 fn generation_of(line: &str) -> Option<u64> {
     let rest = &line[line.find("generation=")? + "generation=".len()..];
@@ -312,7 +278,7 @@ fn syncs_until_healthz(lb: &mut LbDaemon, node: &str, want: u16, what: &str) -> 
         let line = lb
             .wait_for(|l| l.contains("synced"), what)
             .unwrap_or_else(|e| panic!("{what}: healthz never answered {want}: {e:#}"));
-        let (status, body) = http_get(node, "127.0.0.1:10256", "/healthz");
+        let (status, body) = http_get(node, HEALTH, "/healthz").unwrap();
         if status == want {
             return (
                 generation_of(&line).expect("generation in the sync line"),
@@ -341,9 +307,9 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     )
     .unwrap();
     let node = tb.node_ns.clone();
-    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    let (status, body) = http_get(&node, HEALTH, "/healthz").unwrap();
     assert_eq!(status, 503, "unhealthy before the first sync: {body}");
-    assert_eq!(http_get(&node, "127.0.0.1:10256", "/livez").0, 200);
+    assert_eq!(http_get(&node, HEALTH, "/livez").unwrap().0, 200);
 
     // Files appear: lb applies them without a signal.
     fs::create_dir_all(&dir).unwrap();
@@ -361,7 +327,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     )
     .unwrap();
     lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
-    let (status, body) = http_get(&node, "127.0.0.1:10256", "/healthz");
+    let (status, body) = http_get(&node, HEALTH, "/healthz").unwrap();
     assert_eq!(status, 200, "healthy after the sync: {body}");
 
     // This node's Node gets the autoscaler's deletion taint: healthz fails (load balancers
@@ -421,7 +387,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     .unwrap();
 
     // Metrics from the running daemon, parsed.
-    let (status, metrics) = http_get(&node, "127.0.0.1:10249", "/metrics");
+    let (status, metrics) = http_get(&node, METRICS, "/metrics").unwrap();
     assert_eq!(status, 200);
     // kube-proxy's SLIs: the echo Service and its two slices, then the extra Service added,
     // changed and removed (Node changes are neither); the probes answered above.
@@ -437,7 +403,7 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     assert!(kp("kubeproxy_proxy_healthz_total{code=\"200\"}") >= 2.0);
     assert!(kp("kubeproxy_proxy_healthz_total{code=\"503\"}") >= 1.0);
     assert_eq!(
-        http_get(&node, "127.0.0.1:10249", "/proxyMode"),
+        http_get(&node, METRICS, "/proxyMode").unwrap(),
         (200, "ebpf".to_string())
     );
     assert!(
@@ -1326,7 +1292,7 @@ fn conntrack_gc_removes_a_deleted_backends_entries() {
             "backend {id}'s entries are all kept: before {before:?}, after {after:?}"
         );
     }
-    let (_, metrics) = http_get(&tb.node_ns, "127.0.0.1:10249", "/metrics");
+    let (_, metrics) = http_get(&tb.node_ns, METRICS, "/metrics").unwrap();
     let deleted = sample(
         &metrics,
         "lb_conntrack_gc_deleted_total{reason=\"backend_gone\"}",
@@ -1398,7 +1364,7 @@ fn conntrack_gc_removes_expired_entries() {
     let expired_gone = eventually(Duration::from_secs(10), || ct.get(&key(50_000), 0).is_err());
     assert!(expired_gone, "the expired entry is still there");
     assert!(ct.get(&key(50_001), 0).is_ok(), "the live entry stays");
-    let (_, metrics) = http_get(&tb.node_ns, "127.0.0.1:10249", "/metrics");
+    let (_, metrics) = http_get(&tb.node_ns, METRICS, "/metrics").unwrap();
     assert!(
         sample(
             &metrics,
@@ -1615,7 +1581,7 @@ fn resteer_rounds(no_destroy: bool) {
             .unwrap();
     }
     let node = tb.node_ns.clone();
-    let (_, text) = http_get(&node, "127.0.0.1:10249", "/metrics");
+    let (_, text) = http_get(&node, METRICS, "/metrics").unwrap();
     let destroyed = sample(&text, "lb_udp_sockets_destroyed_total");
     let dropped = lb.counter(metrics::SOCK_UDP_GONE_DROP).unwrap();
     if destroy {

@@ -136,20 +136,28 @@ fn balance<A: Af>(
         // SAFETY: the helper accepts any sock_addr context.
         netns_cookie: unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) },
     };
-    // The cookie is fetched only for a frontend's socket: it is allocated on first use, and
-    // most connect() calls are not to a frontend.
+    // The socket cookie, fetched at most once (the hash and the sk_revnat key share it) and
+    // only for a frontend's socket: it is allocated on first use, and most connect() calls
+    // are not to a frontend.
+    // 0 for not fetched yet (the kernel's cookies start at 1), not an `Option`: its
+    // uninitialised payload would be spilled, a register read the verifier refuses.
+    let mut cookie = 0u64;
+    let mut socket_cookie = || {
+        if cookie == 0 {
+            // SAFETY: the helper accepts any sock_addr context.
+            cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
+        }
+        cookie
+    };
     let selected = select::<A>(frontend, proto, Origin::Cluster, client, |alg| match pick {
         // SAFETY: helper without arguments.
         Pick::Random if alg == lb_alg::RANDOM => unsafe { bpf_get_prandom_u32() },
         // Unconnected sendmsg() keeps a socket on one backend, and Maglev hashes the socket's
         // flow at connect() too: the cookie is the flow.
-        // SAFETY: the helper accepts any sock_addr context.
-        _ => mix64(unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) }),
+        _ => mix64(socket_cookie()),
     });
     if let Selected::Backend(c) = &selected {
-        // SAFETY: as above.
-        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) };
-        if A::sk_revnat_put(cookie, c.backend, frontend, c.rev_nat_id).is_err() {
+        if A::sk_revnat_put(socket_cookie(), c.backend, frontend, c.rev_nat_id).is_err() {
             count(metrics::SOCK_REVNAT_INSERT_FAILED, 0);
         }
     }

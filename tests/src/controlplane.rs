@@ -453,6 +453,13 @@ impl ControlPlane {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// `kubectl apply` of `objects` (JSON documents, sent on stdin as one `v1/List`).
+    pub fn apply(&self, objects: &[serde_json::Value]) -> anyhow::Result<()> {
+        let list = json!({ "apiVersion": "v1", "kind": "List", "items": objects });
+        self.kubectl_ok(&["apply", "-f", "-"], Some(list.to_string().as_bytes()))
+            .map(drop)
+    }
+
     /// A token for lb: `deploy/rbac.yaml` applied as is, and a one-hour token of its
     /// ServiceAccount `kube-system/lb` from the TokenRequest API.
     pub fn lb_token(&self) -> anyhow::Result<String> {

@@ -1,6 +1,7 @@
 //! [`LbDaemon`]: `lb run` inside a testbed's node netns, the one harness the integration tests
 //! and lb-demo start lb with.
 use std::{
+    collections::{BTreeMap, BTreeSet},
     fs::{self, File},
     io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
@@ -14,6 +15,10 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
+use lb::{
+    datapath::maps::{BpfMaps, Dump, LbMaps as _},
+    model::Frontend,
+};
 
 use crate::testbed::Testbed;
 
@@ -191,7 +196,63 @@ impl LbDaemon {
         Ok(daemon)
     }
 
-    /// Waits until lb reports `ready` (programmed and attached).
+    /// [`LbDaemon::start`] with the Kubernetes API source on the tc path: `lb run --kubeconfig
+    /// KUBECONFIG --hostname-override NODE --socket-lb=false --tc-ingress <tb's node
+    /// interfaces> EXTRA…`.
+    pub fn start_kube(
+        tb: &mut Testbed,
+        kubeconfig: &Path,
+        node: &str,
+        extra: &[&str],
+        rust_log: &str,
+    ) -> anyhow::Result<Self> {
+        let ifaces = tb.node_ifaces().join(",");
+        let kubeconfig = kubeconfig.to_str().context("kubeconfig path not UTF-8")?;
+        let mut args = vec![
+            "--kubeconfig",
+            kubeconfig,
+            "--hostname-override",
+            node,
+            "--socket-lb=false",
+            "--tc-ingress",
+            &ifaces,
+        ];
+        args.extend_from_slice(extra);
+        Self::start(tb, Path::new(crate::bins::LB), &args, rust_log)
+    }
+
+    /// lb's pinned maps as the reconciler reads them.
+    pub fn dump(&self) -> anyhow::Result<Dump> {
+        BpfMaps::open_pinned(&self.pin_dir)?.dump()
+    }
+
+    /// `frontend → backend addresses` as `lb services --json` shows lb's pinned maps (run in
+    /// `tb`'s node netns); only the Services of `namespace` if given.
+    pub fn services(&self, tb: &Testbed, namespace: Option<&str>) -> anyhow::Result<Services> {
+        let mut cmd = Command::new(crate::bins::LB);
+        cmd.args(["services", "--json", "--pin-dir"])
+            .arg(&self.pin_dir)
+            .arg("--state-dir")
+            .arg(&self.state_dir);
+        let out = tb.run(&tb.node_ns, None, cmd).context("lb services")?;
+        if !out.status.success() {
+            bail!("lb services: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("lb services JSON")?;
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+        let mut services = Services::new();
+        for s in v.as_array().context("lb services: not an array")? {
+            if namespace.is_some_and(|ns| s["service"]["namespace"] != ns) {
+                continue;
+            }
+            let backends = s["backends"].as_array().context("lb services: backends")?;
+            let backends = backends.iter().map(|b| text(&b["address"])).collect();
+            services.insert(text(&s["frontend"]), backends);
+        }
+        Ok(services)
+    }
+
     /// Packets (or calls) lb's datapath counted under `index` (a `lb_common::metrics` index),
     /// summed over CPUs, from its pinned `lb_metrics`.
     pub fn counter(&self, index: u32) -> anyhow::Result<u64> {
@@ -203,6 +264,7 @@ impl LbDaemon {
             .with_context(|| format!("no datapath counter {index}"))
     }
 
+    /// Waits until lb reports `ready` (programmed and attached).
     pub fn wait_ready(&mut self) -> anyhow::Result<()> {
         self.wait_for(|l| l.contains(" ready"), "ready").map(drop)
     }
@@ -309,6 +371,38 @@ impl LbDaemon {
     pub fn keep_dirs(&mut self) {
         self.keep_dirs = true;
     }
+}
+
+/// `frontend → backend addresses`, as [`LbDaemon::services`] reads them.
+pub type Services = BTreeMap<String, BTreeSet<String>>;
+
+/// [`Services`] of TCP frontends `ip:port` with backends `ip` on `backend_port`.
+pub fn frontends(entries: &[(&str, &[&str])], backend_port: u16) -> Services {
+    entries
+        .iter()
+        .map(|(fe, bs)| {
+            let bs = bs.iter().map(|b| format!("{b}:{backend_port}")).collect();
+            (format!("{fe}/TCP"), bs)
+        })
+        .collect()
+}
+
+/// Everything of `frontends` in `d`, one line each: masters and slots, and the rev-NAT entries
+/// and backends they name (to compare a part of the maps before and after).
+pub fn entries_of(d: &Dump, frontends: &BTreeSet<Frontend>) -> String {
+    let mut out = String::new();
+    for ((fe, slot), v) in &d.services {
+        if !frontends.contains(fe) {
+            continue;
+        }
+        out.push_str(&format!("{fe} slot {slot}: {v:?}\n"));
+        if *slot == 0 {
+            out.push_str(&format!("  revnat {:?}\n", d.revnat.get(&v.rev_nat_id)));
+        } else {
+            out.push_str(&format!("  backend {:?}\n", d.backends.get(&v.backend_id)));
+        }
+    }
+    out
 }
 
 impl Drop for LbDaemon {

@@ -3,6 +3,7 @@
 //!
 //! * [`testbed`]: a throw-away network-namespace topology (node, client, backends, cgroup);
 //! * [`daemon`]: [`daemon::LbDaemon`], `lb run` in a testbed's node netns;
+//! * [`metrics`]: lb's `/metrics` and `/healthz` read from inside the node netns;
 //! * [`netns`]: the `ip` runner and entering a netns from a child or a thread;
 //! * [`bins`]: where the workspace's binaries (and the tools setup builds) are;
 //! * [`controlplane`]: a real etcd + kube-apiserver + EndpointSlice controller;
@@ -10,6 +11,7 @@
 pub mod bins;
 pub mod controlplane;
 pub mod daemon;
+pub mod metrics;
 pub mod netns;
 pub mod relay;
 pub mod testbed;

@@ -62,16 +62,39 @@ pub struct Settings {
     pub reps: usize,
     /// Packets per size and repetition for the one-packet-per-run method.
     pub single_shot: usize,
+    /// Only these cases of the repeat method (`Case` names), all if empty.
+    pub cases: Vec<String>,
 }
 
 impl Settings {
     pub fn new(quick: bool) -> Self {
+        let mut s = Self::defaults(quick);
+        // For investigating one cell: `LB_BENCH_DATAPATH=sizes=4+100000,reps=5,single=0`.
+        if let Ok(v) = std::env::var("LB_BENCH_DATAPATH") {
+            for kv in v.split(',') {
+                match kv.split_once('=') {
+                    Some(("sizes", n)) => {
+                        s.sizes = n.split('+').filter_map(|x| x.parse().ok()).collect();
+                    }
+                    Some(("reps", n)) => s.reps = n.parse().unwrap_or(s.reps),
+                    Some(("repeat", n)) => s.repeat = n.parse().unwrap_or(s.repeat),
+                    Some(("single", n)) => s.single_shot = n.parse().unwrap_or(s.single_shot),
+                    Some(("cases", n)) => s.cases = n.split('+').map(str::to_owned).collect(),
+                    _ => {}
+                }
+            }
+        }
+        s
+    }
+
+    fn defaults(quick: bool) -> Self {
         if quick {
             Self {
                 sizes: vec![4, 1_000],
                 repeat: 100_000,
                 reps: 3,
                 single_shot: 200,
+                cases: Vec::new(),
             }
         } else {
             Self {
@@ -79,6 +102,7 @@ impl Settings {
                 repeat: 1_000_000,
                 reps: 7,
                 single_shot: 3_000,
+                cases: Vec::new(),
             }
         }
     }
@@ -286,6 +310,10 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     for rep in 0..settings.reps {
         let mut order: Vec<(usize, usize)> = (0..fixtures.len())
             .flat_map(|f| (0..Case::ALL.len()).map(move |c| (f, c)))
+            .filter(|(_, c)| {
+                settings.cases.is_empty()
+                    || settings.cases.contains(&format!("{:?}", Case::ALL[*c]))
+            })
             .collect();
         rng.shuffle(&mut order);
         workload::check_interrupted()?;
@@ -309,7 +337,14 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     for (f, fixture) in fixtures.iter().enumerate() {
         for (c, case) in Case::ALL.iter().enumerate() {
             let (name, impl_) = case.names();
+            if samples[f][c].is_empty() {
+                continue;
+            }
             let median = workload::median(&mut samples[f][c]);
+            println!(
+                "datapath: {} services, {case:?}: median {median} ns of {:?}",
+                fixture.services, samples[f][c]
+            );
             results.push(
                 SUITE,
                 name,
