@@ -1428,10 +1428,13 @@ fn connected_udp_is_resteered_within_1s_when_its_backend_is_removed() {
 
 fn resteer_rounds(no_destroy: bool) {
     let destroy = has_sock_destroy() && !no_destroy;
-    // The window is lb's reaction time (manifest watch, sync, pass): in the emulated kernel
-    // VMs (LB_TEST_SLOWDOWN) lb runs several times slower, and the bound and the run with it.
+    // The window is lb's reaction time (manifest watch, sync, pass), CPU-bound: the 1 s
+    // holds on a real kernel. The emulated kernel VMs (LB_TEST_SLOWDOWN > 1) run CPU work about
+    // 12x slower (shared/notes/vm-kernels.md; 6.1 took 4.1 s with other builds on the cores),
+    // so there the bound is 1 s x 12 and the test checks that lb's mechanism moved the client.
     let slowdown = lb_tests::daemon::slowdown();
-    let bound_ms = 1000.0 * f64::from(slowdown);
+    let emulation = if slowdown > 1 { 4 * slowdown } else { 1 };
+    let bound_ms = 1000.0 * f64::from(emulation);
     let mechanism = if destroy {
         "socket destroy"
     } else {
