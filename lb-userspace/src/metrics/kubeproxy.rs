@@ -354,7 +354,7 @@ fn changed<'a, T: PartialEq + Metadata<Ty = ObjectMeta>>(
 
 /// Whether two versions of an object are the same: one `Arc` (an unchanged reflector entry), the
 /// same non-empty resourceVersion, or equal contents (manifests carry no resourceVersion).
-fn same<T: PartialEq + Metadata<Ty = ObjectMeta>>(a: &Arc<T>, b: &Arc<T>) -> bool {
+pub(crate) fn same<T: PartialEq + Metadata<Ty = ObjectMeta>>(a: &Arc<T>, b: &Arc<T>) -> bool {
     if Arc::ptr_eq(a, b) {
         return true;
     }
