@@ -25,9 +25,10 @@ use lb::{
         reconcile::Reconciler,
         translate::{NodeInfo, desired_state},
     },
-    datapath::maps::{LbMaps, MemMaps, render},
-    model::LbAlgorithm,
+    datapath::maps::{AffMatch, Dump, LbMaps, MaglevGeometry, MapOpError, MemMaps, Table, render},
+    model::{Backend, Cidr, Family, Frontend, LbAlgorithm},
 };
+use lb_common::SvcValue;
 use serde_json::{Value, json};
 
 /// xorshift64*: small, seeded, reproducible.
@@ -494,4 +495,132 @@ fn a_snapshot_with_two_objects_of_one_name_is_translated_whole_and_the_next_rebu
         matches!(t.update(&services, &[], &node), Update::Changed(c) if c.is_empty()),
         "the same snapshot again changes nothing"
     );
+}
+
+/// `MemMaps` whose writes and deletes fail now and then while `flaky` is set.
+struct Flaky {
+    inner: MemMaps,
+    flaky: std::rc::Rc<std::cell::Cell<bool>>,
+    rng: Rng,
+}
+
+impl Flaky {
+    fn fail(&mut self, map: &'static str) -> Result<(), MapOpError> {
+        if self.flaky.get() && self.rng.chance(3) {
+            return Err(MapOpError::Full { map });
+        }
+        Ok(())
+    }
+}
+
+impl LbMaps for Flaky {
+    fn dump(&self) -> anyhow::Result<Dump> {
+        self.inner.dump()
+    }
+    fn capacity(&self, t: Table, f: Family) -> u32 {
+        self.inner.capacity(t, f)
+    }
+    fn put_backend(&mut self, id: u32, b: &Backend) -> Result<(), MapOpError> {
+        self.fail("backends")?;
+        self.inner.put_backend(id, b)
+    }
+    fn del_backend(&mut self, id: u32, f: Family) -> Result<(), MapOpError> {
+        self.fail("backends")?;
+        self.inner.del_backend(id, f)
+    }
+    fn put_revnat(&mut self, id: u32, a: IpAddr, p: u16) -> Result<(), MapOpError> {
+        self.fail("revnat")?;
+        self.inner.put_revnat(id, a, p)
+    }
+    fn del_revnat(&mut self, id: u32, f: Family) -> Result<(), MapOpError> {
+        self.fail("revnat")?;
+        self.inner.del_revnat(id, f)
+    }
+    fn put_service(&mut self, fe: &Frontend, s: u16, v: &SvcValue) -> Result<(), MapOpError> {
+        self.fail("services")?;
+        self.inner.put_service(fe, s, v)
+    }
+    fn del_service(&mut self, fe: &Frontend, s: u16) -> Result<(), MapOpError> {
+        self.fail("services")?;
+        self.inner.del_service(fe, s)
+    }
+    fn put_cluster_ip(&mut self, a: IpAddr, n: u32) -> Result<(), MapOpError> {
+        self.fail("cluster_ips")?;
+        self.inner.put_cluster_ip(a, n)
+    }
+    fn del_cluster_ip(&mut self, a: IpAddr) -> Result<(), MapOpError> {
+        self.fail("cluster_ips")?;
+        self.inner.del_cluster_ip(a)
+    }
+    fn put_src_range(&mut self, id: u32, c: &Cidr) -> Result<(), MapOpError> {
+        self.fail("src_ranges")?;
+        self.inner.put_src_range(id, c)
+    }
+    fn del_src_range(&mut self, id: u32, c: &Cidr) -> Result<(), MapOpError> {
+        self.fail("src_ranges")?;
+        self.inner.del_src_range(id, c)
+    }
+    fn put_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+        self.fail("aff_match")?;
+        self.inner.put_aff_match(m)
+    }
+    fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+        self.fail("aff_match")?;
+        self.inner.del_aff_match(m)
+    }
+    fn maglev_geometry(&self) -> MaglevGeometry {
+        self.inner.maglev_geometry()
+    }
+    fn put_maglev(&mut self, t: u32, c: u32, id: u32) -> Result<(), MapOpError> {
+        self.fail("maglev")?;
+        self.inner.put_maglev(t, c, id)
+    }
+}
+
+#[test]
+fn failed_writes_of_incremental_syncs_are_repaired_by_the_next_sync() {
+    let seed = seed().wrapping_add(2);
+    println!(
+        "seed {seed}: replay with LB_INCREMENTAL_SEED={}",
+        seed.wrapping_sub(2)
+    );
+    let mut rng = Rng(seed.max(1));
+    let mut world = World {
+        services: vec![None; NAMESPACES.len() * SERVICES],
+        slices: vec![None; NAMESPACES.len() * SERVICES * 2],
+        node: node(&mut rng),
+    };
+    let flaky = std::rc::Rc::new(std::cell::Cell::new(false));
+    let maps = Flaky {
+        inner: MemMaps::with_capacity(4096),
+        flaky: flaky.clone(),
+        rng: Rng(seed.wrapping_mul(3) | 1),
+    };
+    let mut translator = IncrementalTranslator::new();
+    let mut reconciler = Reconciler::new(maps).unwrap();
+    let (mut failed, mut repaired) = (0, 0);
+    for step in 0..steps(1500) {
+        world.step(&mut rng);
+        let (services, slices) = world.snapshot(&mut rng);
+        let update = translator.update(&services, &slices, &world.node);
+        // Every other step fails some writes; the one after has none.
+        let storm = step % 2 == 0;
+        flaky.set(storm);
+        let report = reconciler.apply_update(translator.state(), &update);
+        if storm {
+            failed += usize::from(!report.errors.is_empty());
+            continue;
+        }
+        // The maps hold the desired state: a fresh reconciler over them writes nothing.
+        let mut check = Reconciler::new(reconciler.maps().inner.clone()).unwrap();
+        let r = check.apply(translator.state());
+        assert_eq!(
+            (r.writes, r.deletes, r.errors.len()),
+            (0, 0, 0),
+            "seed {seed} step {step}: the maps were not repaired"
+        );
+        repaired += 1;
+    }
+    assert!(failed > 10, "few storms failed anything ({failed})");
+    assert!(repaired > 10);
 }

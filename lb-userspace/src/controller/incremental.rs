@@ -79,8 +79,8 @@ fn group_of(slice: &EndpointSlice) -> Option<Key> {
 }
 
 /// Hashes object addresses (a multiply and a fold: they are aligned and distinct).
-#[derive(Default, Clone, Copy)]
-struct PtrHasher(u64);
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct PtrHasher(u64);
 
 impl Hasher for PtrHasher {
     fn finish(&self) -> u64 {

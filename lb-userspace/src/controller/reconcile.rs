@@ -808,7 +808,8 @@ impl<M: LbMaps> Reconciler<M> {
                 };
                 let total: u32 = self.wanted.get(&b.l4).map_or(0, |n| n.iter().sum());
                 let elsewhere = total > changed_want.get(&b.l4).copied().unwrap_or(0);
-                !(keep_wanted && total > 0) && !by_changed.contains(id) && !elsewhere
+                let kept = (keep_wanted && total > 0) || elsewhere;
+                !(kept || by_changed.contains(id))
             })
             .collect();
         for id in unused {
