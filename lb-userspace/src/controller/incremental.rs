@@ -7,8 +7,9 @@
 //! - the services that claimed a frontend a recomputed service gave up or won: a contested
 //!   frontend belongs to the oldest claimant (`insert` in translate.rs), so when its owner lets
 //!   it go every other claimant is recomputed and claims again;
-//! - everything when the node's facts change (zone, name, NodePort and local addresses, the
-//!   default algorithm): most services depend on some of them.
+//! - everything when the node's name, zone or default algorithm changes; when only its NodePort
+//!   or local addresses change (a pod's veth gets an address), the services with a nodePort,
+//!   external IPs or LoadBalancer IPs.
 //!
 //! An object is unchanged when it is the same `Arc` as before (the reflector stores hand out
 //! the same one until the object changes), has the same resourceVersion, or has equal contents
@@ -115,6 +116,28 @@ struct Svc {
     frontends: Vec<(Frontend, usize)>,
     skipped: Vec<Skipped>,
     no_local: NoLocalEndpoints,
+    /// Whether the node's NodePort addresses, and its local addresses, matter to it.
+    uses_nodeport_ips: bool,
+    uses_local_ips: bool,
+}
+
+/// (has a nodePort, has external or LoadBalancer IPs): what of the node's addresses a Service
+/// depends on.
+fn address_deps(svc: &Service) -> (bool, bool) {
+    let spec = svc.spec.as_ref();
+    let nodeport = spec
+        .and_then(|s| s.ports.as_ref())
+        .is_some_and(|p| p.iter().any(|p| p.node_port.is_some()));
+    let external = spec
+        .and_then(|s| s.external_ips.as_ref())
+        .is_some_and(|e| !e.is_empty())
+        || svc
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref())
+            .is_some_and(|i| !i.is_empty());
+    (nodeport, external)
 }
 
 struct Slice {
@@ -249,18 +272,34 @@ impl IncrementalTranslator {
         slices: &[Arc<EndpointSlice>],
         node: &NodeInfo,
     ) -> Update {
-        let full = self.node.as_ref() != Some(node) || self.whole_skipped.is_some();
+        let same_node = |a: &NodeInfo, b: &NodeInfo| {
+            a.name == b.name && a.zone == b.zone && a.lb_algorithm == b.lb_algorithm
+        };
+        let full = self.whole_skipped.is_some()
+            || self.node.as_ref().is_none_or(|old| !same_node(old, node));
+        let mut dirty: HashSet<u32> = HashSet::new();
         if full {
             *self = Self {
                 node: Some(node.clone()),
                 ..Self::default()
             };
+        } else if let Some(old) = self.node.as_ref().filter(|old| *old != node) {
+            // Only addresses changed: the services that have frontends on them.
+            let nodeport = old.nodeport_ips != node.nodeport_ips;
+            let local = old.local_ips != node.local_ips;
+            for (id, s) in self.svcs.iter().enumerate() {
+                if let Some(s) = s
+                    && ((nodeport && s.uses_nodeport_ips) || (local && s.uses_local_ips))
+                {
+                    dirty.insert(id as u32);
+                }
+            }
+            self.node = Some(node.clone());
         }
         self.generation += 1;
         let g = self.generation;
 
         // Which services to recompute, and which are gone.
-        let mut dirty: HashSet<u32> = HashSet::new();
         let mut gone: HashSet<u32> = HashSet::new();
         let mut seen = 0usize;
         for arc in services {
@@ -293,6 +332,8 @@ impl IncrementalTranslator {
                                 frontends: Vec::new(),
                                 skipped: Vec::new(),
                                 no_local: NoLocalEndpoints::default(),
+                                uses_nodeport_ips: false,
+                                uses_local_ips: false,
                             };
                             let id = match self.free_svcs.pop() {
                                 Some(id) => {
@@ -482,8 +523,12 @@ impl IncrementalTranslator {
             let ports = translate::slice_port_names(&group);
             let out = translate::translate_service(&s.obj, &index, &ports, node);
             let order = translate::service_order(&s.obj);
+            let (nodeport, local) = address_deps(&s.obj);
             outs.push((id, out));
-            self.svc_mut(id).order = order;
+            let s = self.svc_mut(id);
+            s.order = order;
+            s.uses_nodeport_ips = nodeport;
+            s.uses_local_ips = local;
         }
         for (id, out) in outs {
             let mut frontends = Vec::with_capacity(out.frontends.len());
