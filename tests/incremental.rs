@@ -13,19 +13,24 @@
 //! The seed is printed; `LB_INCREMENTAL_SEED=<seed>` replays a run, `LB_INCREMENTAL_STEPS`
 //! changes its length.
 use std::{
+    cell::{Cell, RefCell},
     net::IpAddr,
+    rc::Rc,
     sync::Arc,
-    time::{SystemTime, UNIX_EPOCH},
+    time::{Instant, SystemTime, UNIX_EPOCH},
 };
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use lb::{
     controller::{
+        daemon::{self, SyncKind},
         incremental::{IncrementalTranslator, Update},
         reconcile::Reconciler,
+        source::Snapshot,
         translate::{NodeInfo, desired_state},
     },
     datapath::maps::{AffMatch, Dump, LbMaps, MaglevGeometry, MapOpError, MemMaps, Table, render},
+    metrics::Metrics,
     model::{Backend, Cidr, Family, Frontend, LbAlgorithm},
 };
 use lb_common::SvcValue;
@@ -499,8 +504,8 @@ fn a_snapshot_with_two_objects_of_one_name_is_translated_whole_and_the_next_rebu
 
 /// `MemMaps` whose writes and deletes fail now and then while `flaky` is set.
 struct Flaky {
-    inner: MemMaps,
-    flaky: std::rc::Rc<std::cell::Cell<bool>>,
+    inner: Rc<RefCell<MemMaps>>,
+    flaky: Rc<Cell<bool>>,
     rng: Rng,
 }
 
@@ -515,65 +520,65 @@ impl Flaky {
 
 impl LbMaps for Flaky {
     fn dump(&self) -> anyhow::Result<Dump> {
-        self.inner.dump()
+        self.inner.borrow().dump()
     }
     fn capacity(&self, t: Table, f: Family) -> u32 {
-        self.inner.capacity(t, f)
+        self.inner.borrow().capacity(t, f)
     }
     fn put_backend(&mut self, id: u32, b: &Backend) -> Result<(), MapOpError> {
         self.fail("backends")?;
-        self.inner.put_backend(id, b)
+        self.inner.borrow_mut().put_backend(id, b)
     }
     fn del_backend(&mut self, id: u32, f: Family) -> Result<(), MapOpError> {
         self.fail("backends")?;
-        self.inner.del_backend(id, f)
+        self.inner.borrow_mut().del_backend(id, f)
     }
     fn put_revnat(&mut self, id: u32, a: IpAddr, p: u16) -> Result<(), MapOpError> {
         self.fail("revnat")?;
-        self.inner.put_revnat(id, a, p)
+        self.inner.borrow_mut().put_revnat(id, a, p)
     }
     fn del_revnat(&mut self, id: u32, f: Family) -> Result<(), MapOpError> {
         self.fail("revnat")?;
-        self.inner.del_revnat(id, f)
+        self.inner.borrow_mut().del_revnat(id, f)
     }
     fn put_service(&mut self, fe: &Frontend, s: u16, v: &SvcValue) -> Result<(), MapOpError> {
         self.fail("services")?;
-        self.inner.put_service(fe, s, v)
+        self.inner.borrow_mut().put_service(fe, s, v)
     }
     fn del_service(&mut self, fe: &Frontend, s: u16) -> Result<(), MapOpError> {
         self.fail("services")?;
-        self.inner.del_service(fe, s)
+        self.inner.borrow_mut().del_service(fe, s)
     }
     fn put_cluster_ip(&mut self, a: IpAddr, n: u32) -> Result<(), MapOpError> {
         self.fail("cluster_ips")?;
-        self.inner.put_cluster_ip(a, n)
+        self.inner.borrow_mut().put_cluster_ip(a, n)
     }
     fn del_cluster_ip(&mut self, a: IpAddr) -> Result<(), MapOpError> {
         self.fail("cluster_ips")?;
-        self.inner.del_cluster_ip(a)
+        self.inner.borrow_mut().del_cluster_ip(a)
     }
     fn put_src_range(&mut self, id: u32, c: &Cidr) -> Result<(), MapOpError> {
         self.fail("src_ranges")?;
-        self.inner.put_src_range(id, c)
+        self.inner.borrow_mut().put_src_range(id, c)
     }
     fn del_src_range(&mut self, id: u32, c: &Cidr) -> Result<(), MapOpError> {
         self.fail("src_ranges")?;
-        self.inner.del_src_range(id, c)
+        self.inner.borrow_mut().del_src_range(id, c)
     }
     fn put_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
         self.fail("aff_match")?;
-        self.inner.put_aff_match(m)
+        self.inner.borrow_mut().put_aff_match(m)
     }
     fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
         self.fail("aff_match")?;
-        self.inner.del_aff_match(m)
+        self.inner.borrow_mut().del_aff_match(m)
     }
     fn maglev_geometry(&self) -> MaglevGeometry {
-        self.inner.maglev_geometry()
+        self.inner.borrow().maglev_geometry()
     }
     fn put_maglev(&mut self, t: u32, c: u32, id: u32) -> Result<(), MapOpError> {
         self.fail("maglev")?;
-        self.inner.put_maglev(t, c, id)
+        self.inner.borrow_mut().put_maglev(t, c, id)
     }
 }
 
@@ -590,9 +595,9 @@ fn failed_writes_of_incremental_syncs_are_repaired_by_the_next_sync() {
         slices: vec![None; NAMESPACES.len() * SERVICES * 2],
         node: node(&mut rng),
     };
-    let flaky = std::rc::Rc::new(std::cell::Cell::new(false));
+    let flaky = Rc::new(Cell::new(false));
     let maps = Flaky {
-        inner: MemMaps::with_capacity(4096),
+        inner: Rc::new(RefCell::new(MemMaps::with_capacity(4096))),
         flaky: flaky.clone(),
         rng: Rng(seed.wrapping_mul(3) | 1),
     };
@@ -612,7 +617,7 @@ fn failed_writes_of_incremental_syncs_are_repaired_by_the_next_sync() {
             continue;
         }
         // The maps hold the desired state: a fresh reconciler over them writes nothing.
-        let mut check = Reconciler::new(reconciler.maps().inner.clone()).unwrap();
+        let mut check = Reconciler::new(reconciler.maps().inner.borrow().clone()).unwrap();
         let r = check.apply(translator.state());
         assert_eq!(
             (r.writes, r.deletes, r.errors.len()),
@@ -623,4 +628,86 @@ fn failed_writes_of_incremental_syncs_are_repaired_by_the_next_sync() {
     }
     assert!(failed > 10, "few storms failed anything ({failed})");
     assert!(repaired > 10);
+}
+
+#[test]
+fn the_daemons_full_sync_repairs_entries_changed_behind_its_back() {
+    let mut rng = Rng(11);
+    let mut world = World {
+        services: vec![None; NAMESPACES.len() * SERVICES],
+        slices: vec![None; NAMESPACES.len() * SERVICES * 2],
+        node: NodeInfo::default(),
+    };
+    for _ in 0..40 {
+        world.step(&mut rng);
+    }
+    world.node = NodeInfo::default();
+    let (services, slices) = world.snapshot(&mut rng);
+    let shared = Rc::new(RefCell::new(MemMaps::with_capacity(4096)));
+    let maps = Flaky {
+        inner: shared.clone(),
+        flaky: Rc::new(Cell::new(false)),
+        rng: Rng(1),
+    };
+    let mut reconciler = Reconciler::new(maps).unwrap();
+    let mut translator = IncrementalTranslator::new();
+    let metrics = Metrics::new();
+    let snapshot = Snapshot {
+        services,
+        slices,
+        node: None,
+        problems: Vec::new(),
+        changed_at: Instant::now(),
+    };
+    let sync = |reconciler: &mut Reconciler<Flaky>, translator: &mut _, generation, full| {
+        let kind = SyncKind { generation, full };
+        daemon::sync_node(
+            reconciler,
+            translator,
+            &snapshot,
+            &NodeInfo::default(),
+            kind,
+            &metrics,
+            &Default::default(),
+        )
+    };
+    sync(&mut reconciler, &mut translator, 1, false);
+    let good = shared.borrow().dump.clone();
+    assert!(!good.backends.is_empty(), "the world has backends");
+    // Someone deletes a backend and a master; an incremental sync does not look.
+    {
+        let mut m = shared.borrow_mut();
+        let id = *m.dump.backends.keys().next().unwrap();
+        m.dump.backends.remove(&id);
+        let master = *m.dump.services.keys().find(|(_, slot)| *slot == 0).unwrap();
+        m.dump.services.remove(&master);
+    }
+    let synced = sync(&mut reconciler, &mut translator, 2, false);
+    assert_eq!(synced.changed, Some(0));
+    assert_ne!(shared.borrow().dump, good);
+    let synced = sync(&mut reconciler, &mut translator, 3, true);
+    assert_eq!(synced.changed, None, "a full sync translates everything");
+    // Repaired: a fresh reconciler over the maps finds nothing to write (ids may be new ones).
+    let mut check = Reconciler::new(shared.borrow().clone()).unwrap();
+    let r = check.apply(translator.state());
+    assert_eq!(
+        (r.writes, r.deletes),
+        (0, 0),
+        "the full sync repaired the maps"
+    );
+    assert_eq!(shared.borrow().dump.services.len(), good.services.len());
+    let text = metrics.render();
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+            .to_string()
+    };
+    assert_eq!(
+        line("lb_full_syncs_total{result=\"ok\"}"),
+        "lb_full_syncs_total{result=\"ok\"} 1"
+    );
+    let repaired = line("lb_full_sync_repaired_total");
+    let n: u64 = repaired.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(n >= 2, "{repaired}");
 }

@@ -197,7 +197,11 @@ impl<M: LbMaps> Reconciler<M> {
     /// from the desired state, whoever changed it.
     pub fn refresh(&mut self) -> anyhow::Result<()> {
         let dump = self.maps.dump()?;
+        // Ids go on from where they were: a conntrack entry may still name a deleted one.
+        let (b, r) = (self.next_backend_id, self.next_revnat_id);
         self.load_dump(dump);
+        self.next_backend_id = self.next_backend_id.max(b);
+        self.next_revnat_id = self.next_revnat_id.max(r);
         Ok(())
     }
 
