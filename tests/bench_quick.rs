@@ -146,9 +146,21 @@ fn quick_run_writes_every_result() {
     for imp in ["lb", "iptables", "iptables_nft", "nftables"] {
         want("controlplane", "cold_10_endpoints", imp, "program_time");
     }
-    for metric in ["change_to_map_write", "change_translate", "change_apply"] {
+    for metric in ["change_to_map_write", "change_full_sync"] {
         want("controlplane", "change_10_endpoints", "lb", metric);
     }
+    want(
+        "controlplane",
+        "change_100_endpoints",
+        "lb",
+        "change_to_map_write",
+    );
+    want(
+        "controlplane",
+        "burst_10_endpoints",
+        "lb",
+        "burst_to_map_write",
+    );
     for imp in ["iptables", "iptables_nft"] {
         want(
             "controlplane",
@@ -202,6 +214,7 @@ fn quick_run_writes_every_result() {
         "northsouth_method",
         "northsouth_frontends",
         "controlplane_change_method",
+        "controlplane_burst_method",
     ] {
         assert!(notes[key].is_string(), "notes.json lacks {key}");
     }

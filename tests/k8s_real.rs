@@ -180,6 +180,7 @@ async fn set_ready(admin: &Client, name: &str, ip: &str, ready: bool) {
 struct Harness {
     rx: SnapshotReceiver,
     reconciler: Reconciler<MemMaps>,
+    translator: lb::controller::incremental::IncrementalTranslator,
     metrics: Arc<Metrics>,
     maps: Maps,
     snapshots: usize,
@@ -208,6 +209,7 @@ impl Harness {
         Harness {
             rx,
             reconciler: Reconciler::new(MemMaps::with_capacity(1024)).expect("reconciler"),
+            translator: Default::default(),
             metrics: Metrics::new(),
             maps: Maps::default(),
             snapshots: 0,
@@ -219,6 +221,7 @@ impl Harness {
         self.snapshots += 1;
         let synced = daemon::sync(
             &mut self.reconciler,
+            &mut self.translator,
             snapshot,
             NODE,
             self.snapshots as u64,

@@ -47,6 +47,7 @@ struct Harness {
     _kubeconfig: KubeconfigFile,
     rx: SnapshotReceiver,
     reconciler: Reconciler<MemMaps>,
+    translator: lb::controller::incremental::IncrementalTranslator,
     metrics: Arc<Metrics>,
     maps: Maps,
     snapshots: usize,
@@ -114,6 +115,7 @@ impl Harness {
             _kubeconfig: kubeconfig,
             rx,
             reconciler: Reconciler::new(MemMaps::with_capacity(1024)).expect("reconciler"),
+            translator: Default::default(),
             metrics,
             maps: Maps::default(),
             snapshots: 0,
@@ -135,6 +137,7 @@ impl Harness {
             .extend(snapshot.node.iter().map(|n| name_of(&n.metadata)));
         let synced = daemon::sync(
             &mut self.reconciler,
+            &mut self.translator,
             snapshot,
             NODE,
             self.snapshots as u64,

@@ -7,6 +7,8 @@
 //! |---|---|---|
 //! | `lb_sync_duration_seconds` | histogram | |
 //! | `lb_syncs_total` | counter | `result` = `ok` \| `error` |
+//! | `lb_full_syncs_total` | counter | `result` = `ok` \| `error` (periodic full reconciles, `--full-sync-interval`) |
+//! | `lb_full_sync_repaired_total` | counter | |
 //! | `lb_last_sync_timestamp_seconds` | gauge | |
 //! | `lb_event_to_map_write_seconds` | histogram | |
 //! | `lb_objects_skipped_total` | counter | `kind`, `reason` |
@@ -159,6 +161,8 @@ pub struct Metrics {
     registry: Registry,
     sync_duration: Histogram,
     syncs: Family<ResultLabels, Counter>,
+    full_syncs: Family<ResultLabels, Counter>,
+    full_sync_repaired: Counter,
     last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
     event_to_write: Histogram,
     skipped: Family<SkippedLabels, Counter>,
@@ -234,6 +238,24 @@ impl Metrics {
         for result in ["ok", "error"] {
             syncs.get_or_create(&ResultLabels { result }).inc_by(0);
         }
+        let full_syncs = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "lb_full_syncs",
+            "Periodic full reconciles (maps re-read, every object translated and every frontend \
+             compared), by result (error: the maps could not be read or some service was not \
+             programmed)",
+            full_syncs.clone(),
+        );
+        for result in ["ok", "error"] {
+            full_syncs.get_or_create(&ResultLabels { result }).inc_by(0);
+        }
+        let full_sync_repaired = Counter::default();
+        registry.register(
+            "lb_full_sync_repaired",
+            "Map writes and deletes periodic full reconciles made: drift the incremental syncs \
+             had not seen (0 while nothing but lb writes the maps)",
+            full_sync_repaired.clone(),
+        );
         let last_sync = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
         registry.register(
             "lb_last_sync_timestamp_seconds",
@@ -370,6 +392,8 @@ impl Metrics {
             registry,
             sync_duration,
             syncs,
+            full_syncs,
+            full_sync_repaired,
             last_sync,
             event_to_write,
             skipped,
@@ -396,6 +420,16 @@ impl Metrics {
             health: Mutex::new(Health::default()),
             udp,
         })
+    }
+
+    /// A periodic full reconcile ended (`ok`: maps read, every service programmed) after
+    /// `repaired` writes and deletes.
+    pub fn observe_full_sync(&self, ok: bool, repaired: usize) {
+        let result = if ok { "ok" } else { "error" };
+        self.full_syncs
+            .get_or_create(&ResultLabels { result })
+            .inc();
+        self.full_sync_repaired.inc_by(repaired as u64);
     }
 
     /// One reconcile of the maps took `d`; `ok` = no service errors.

@@ -130,6 +130,30 @@ struct RunArgs {
     /// it is resumed; a silent connection counts as dead 5-10 s after that.
     #[arg(long, default_value_t = 290, value_parser = clap::value_parser!(u64).range(1..=3600))]
     watch_timeout: u64,
+    /// How often a sync is a full one (the maps re-read, every object translated, every
+    /// frontend compared), repairing what the incremental syncs in between cannot see (a map
+    /// written by someone else), like kube-proxy's `--iptables-sync-period`: `300s`, `5m`,
+    /// `1h`; `0` never.
+    #[arg(long, default_value = "5m", value_parser = parse_interval)]
+    full_sync_interval: std::time::Duration,
+}
+
+/// A duration as `N`, `Ns`, `Nm` or `Nh` (seconds, minutes, hours).
+fn parse_interval(s: &str) -> Result<std::time::Duration, String> {
+    let (n, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?}: not a number of s, m or h"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n.saturating_mul(60),
+        "h" => n.saturating_mul(3600),
+        _ => return Err(format!("{s:?}: the unit is s, m or h")),
+    };
+    Ok(std::time::Duration::from_secs(secs))
 }
 
 /// The external devices and how XDP runs on them; `lb run` attaches there, `lb trace` runs
@@ -264,6 +288,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 node_facts: args.node_facts,
                 algorithm: args.algorithm,
                 watch_timeout: std::time::Duration::from_secs(args.watch_timeout),
+                full_sync_interval: args.full_sync_interval,
             })
             .await
         }

@@ -8,6 +8,7 @@ use tokio::{
 };
 
 use super::{
+    incremental::{IncrementalTranslator, Update},
     k8s,
     reconcile::{ApplyReport, Reconciler},
     source::{self, Snapshot},
@@ -73,6 +74,9 @@ pub struct RunOptions {
     pub ct_timeouts: crate::conntrack::CtTimeouts,
     /// Between conntrack GC passes (`--ct-gc-interval`).
     pub ct_gc_interval: std::time::Duration,
+    /// `--full-sync-interval`: how often a sync re-reads the maps and compares everything
+    /// (zero: never).
+    pub full_sync_interval: std::time::Duration,
 }
 
 /// Runs until SIGINT or SIGTERM.
@@ -141,7 +145,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
         (None, _) => None,
     };
-    let mut last_state: Option<crate::model::DesiredState> = None;
+    let mut udp_pairs = super::resteer::PairTracker::default();
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
         services = reconciler.service_count(),
@@ -184,12 +188,24 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut facts: Option<NodeFacts> = None;
     let mut health_checks = HealthServers::new(metrics.clone());
     let mut changes_tracker = ChangeTracker::new(std::time::SystemTime::now());
+    let mut translator = IncrementalTranslator::new();
+    let mut last_full = Instant::now();
+    let mut full_timer = tokio::time::interval(if opts.full_sync_interval.is_zero() {
+        std::time::Duration::from_secs(u64::from(u32::MAX))
+    } else {
+        opts.full_sync_interval
+    });
+    full_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    full_timer.reset();
     loop {
         tokio::select! {
             changed = rx.changed() => {
                 if changed.is_err() {
                     anyhow::bail!("the source stopped");
                 }
+                // Due at the next sync anyway (also without changes: see the timer arm).
+                let full = !opts.full_sync_interval.is_zero()
+                    && last_full.elapsed() >= opts.full_sync_interval;
                 let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
                 metrics.mark_change_pending(snapshot.changed_at);
                 let changes = changes_tracker.observe(&snapshot);
@@ -203,20 +219,29 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     facts = Some(now);
                 }
                 let base = node_base(&opts, facts.as_ref());
-                let synced =
-                    sync_node(&mut reconciler, &snapshot, &base, generation, &metrics, &changes);
+                let synced = sync_node(
+                    &mut reconciler,
+                    &mut translator,
+                    &snapshot,
+                    &base,
+                    SyncKind { generation, full },
+                    &metrics,
+                    &changes,
+                );
+                if full {
+                    last_full = Instant::now();
+                }
                 if synced.report.backends_deleted > 0 {
                     // Their flows' entries go now, not at the next interval.
                     ct_gc.notify_one();
                 }
-                if let (Some(r), Some(old)) = (&resteer, &last_state) {
-                    r.apply(super::resteer::changes(old, &synced.state, &synced.report));
+                if let Some(r) = &resteer {
+                    r.apply(udp_pairs.observe(&synced.update, translator.state(), &synced.report));
                 }
-                if let Err(e) = state_dir::write_names(&opts.state_dir, &synced.state) {
+                if synced.names_changed
+                    && let Err(e) = state_dir::write_names(&opts.state_dir, translator.state())
+                {
                     tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
-                }
-                if resteer.is_some() {
-                    last_state = Some(synced.state);
                 }
                 if generation == 1 {
                     // Attach only once the maps hold the full state, so no packet sees less.
@@ -226,6 +251,32 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 // After the attach: load balancers send traffic once a port answers 200.
                 let want = healthcheck::desired(&snapshot.services, &snapshot.slices, &opts.node_name);
                 health_checks.update(&want).await;
+            }
+            // A full sync without a change: the newest snapshot again.
+            _ = full_timer.tick(), if generation > 0 && !opts.full_sync_interval.is_zero() => {
+                if last_full.elapsed() < opts.full_sync_interval {
+                    continue;
+                }
+                let Some(snapshot) = rx.borrow().clone() else { continue };
+                generation += 1;
+                let base = node_base(&opts, facts.as_ref());
+                let synced = sync_node(
+                    &mut reconciler,
+                    &mut translator,
+                    &snapshot,
+                    &base,
+                    SyncKind { generation, full: true },
+                    &metrics,
+                    &Changes::default(),
+                );
+                last_full = Instant::now();
+                // A repair may have deleted backends too.
+                if synced.report.backends_deleted > 0 {
+                    ct_gc.notify_one();
+                }
+                if let Some(r) = &resteer {
+                    r.apply(udp_pairs.observe(&synced.update, translator.state(), &synced.report));
+                }
             }
             _ = hup.recv() => reload.notify_one(),
             _ = term.recv() => break,
@@ -313,12 +364,25 @@ fn attach(
 
 /// What one sync did.
 pub struct Synced {
-    /// The desired state it applied.
-    pub state: crate::model::DesiredState,
     /// Service ports whose Local policy finds no endpoint on this node.
     pub no_local_endpoints: translate::NoLocalEndpoints,
     /// What the reconciler wrote, and the services it could not program (logged already).
     pub report: ApplyReport,
+    /// Frontends whose desired entry changed (`None`: a full translation).
+    pub changed: Option<usize>,
+    /// Whether a frontend came, went or changed its name or kind (`frontends.json`).
+    pub names_changed: bool,
+    /// What the translation changed (the frontends and their entries before).
+    pub update: Update,
+}
+
+/// Which sync this is.
+#[derive(Clone, Copy, Debug)]
+pub struct SyncKind {
+    pub generation: u64,
+    /// A periodic full sync: translate everything anew, re-read the maps and compare every
+    /// frontend (`--full-sync-interval`).
+    pub full: bool,
 }
 
 fn log_node_facts(f: &NodeFacts) {
@@ -342,9 +406,11 @@ fn log_node_facts(f: &NodeFacts) {
 }
 
 /// Translates a snapshot and applies it, logging and counting what it skipped or failed, for
-/// a node without NodePort addresses (see `sync_node`).
+/// a node without NodePort addresses (see `sync_node`). `translator` carries the translation
+/// from one sync to the next.
 pub fn sync<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
+    translator: &mut IncrementalTranslator,
     snapshot: &Snapshot,
     node_name: &str,
     generation: u64,
@@ -354,26 +420,34 @@ pub fn sync<M: LbMaps>(
         name: node_name.to_string(),
         ..NodeInfo::default()
     };
+    let kind = SyncKind {
+        generation,
+        full: false,
+    };
     sync_node(
         reconciler,
+        translator,
         snapshot,
         &base,
-        generation,
+        kind,
         metrics,
         &Changes::default(),
     )
 }
 
 /// `sync` for the node `base` describes (its zone comes from the snapshot's Node object);
-/// `changes` are what the snapshot changed, for kube-proxy's SLIs.
+/// `changes` are what the snapshot changed, for kube-proxy's SLIs. Only what changed since the
+/// last sync is translated and written, unless `kind.full`.
 pub fn sync_node<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
+    translator: &mut IncrementalTranslator,
     snapshot: &Snapshot,
     base: &NodeInfo,
-    generation: u64,
+    kind: SyncKind,
     metrics: &Metrics,
     changes: &Changes,
 ) -> Synced {
+    let generation = kind.generation;
     let start = Instant::now();
     for p in &snapshot.problems {
         let (kind, reason) = p.kind.labels();
@@ -385,12 +459,38 @@ pub fn sync_node<M: LbMaps>(
         zone: NodeInfo::from_node(&base.name, snapshot.node.as_deref()).zone,
         ..base.clone()
     };
-    let translation = translate::desired_state(&snapshot.services, &snapshot.slices, &node);
-    for s in &translation.skipped {
+    if kind.full {
+        // Anew, as if lb had just started: nothing carried over can hide a difference.
+        *translator = IncrementalTranslator::new();
+    }
+    let update = translator.update(&snapshot.services, &snapshot.slices, &node);
+    let skipped = translator.skipped();
+    for s in &skipped {
         tracing::warn!(skipped = %s, "skipping object");
         metrics.inc_skipped(s.kind, s.reason.as_str());
     }
-    let report = reconciler.apply(&translation.state);
+    let report = if kind.full {
+        let refreshed = reconciler.refresh();
+        if let Err(e) = &refreshed {
+            tracing::error!(
+                error = format!("{e:#}"),
+                "full sync: cannot re-read the maps"
+            );
+        }
+        let report = reconciler.apply(translator.state());
+        let repaired = report.writes + report.deletes;
+        metrics.observe_full_sync(refreshed.is_ok() && report.errors.is_empty(), repaired);
+        if repaired > 0 {
+            tracing::warn!(
+                writes = report.writes,
+                deletes = report.deletes,
+                "full sync repaired map entries the incremental syncs had not seen"
+            );
+        }
+        report
+    } else {
+        reconciler.apply_update(translator.state(), &update)
+    };
     let written = Instant::now();
     for e in &report.errors {
         tracing::error!(
@@ -416,7 +516,8 @@ pub fn sync_node<M: LbMaps>(
     }
     metrics.set_unprogrammed(report.errors.len() as u64);
     let ok = report.errors.is_empty();
-    let applied_services = translation.state.services.len();
+    let state = translator.state();
+    let applied_services = state.services.len();
     let event_to_write = written.saturating_duration_since(snapshot.changed_at);
     metrics.observe_sync(written - start, ok);
     metrics.observe_event_to_write(event_to_write);
@@ -431,13 +532,19 @@ pub fn sync_node<M: LbMaps>(
         tables as u64,
         u64::from(capacity),
     );
+    let no_local = translator.no_local_endpoints();
     // Before the log line: whoever sees "synced" finds the sync counted.
-    metrics.kube_proxy().programmed(
-        changes,
-        std::time::SystemTime::now(),
-        &translation.no_local_endpoints,
-    );
+    metrics
+        .kube_proxy()
+        .programmed(changes, std::time::SystemTime::now(), &no_local);
     metrics.mark_synced();
+    let names_changed = match &update {
+        Update::Full => true,
+        Update::Changed(c) => c.iter().any(|(fe, old)| {
+            let new = state.services.get(fe);
+            old.as_ref().map(|o| (&o.name, o.kind())) != new.map(|n| (&n.name, n.kind()))
+        }),
+    };
     tracing::debug!(
         generation,
         event_to_write_us = event_to_write.as_micros() as u64,
@@ -445,18 +552,22 @@ pub fn sync_node<M: LbMaps>(
     );
     tracing::info!(
         generation,
+        full = kind.full,
+        changed_frontends = update.changed(),
         services = applied_services,
-        backends = translation.state.backend_count(),
+        backends = reconciler.backend_count(),
         writes = report.writes,
         deletes = report.deletes,
         errors = report.errors.len(),
-        skipped = translation.skipped.len() + snapshot.problems.len(),
+        skipped = skipped.len() + snapshot.problems.len(),
         elapsed_us = (written - start).as_micros() as u64,
         "synced"
     );
     Synced {
-        state: translation.state,
-        no_local_endpoints: translation.no_local_endpoints,
+        no_local_endpoints: no_local,
         report,
+        changed: update.changed(),
+        names_changed,
+        update,
     }
 }

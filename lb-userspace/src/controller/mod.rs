@@ -3,10 +3,13 @@
 //!
 //! `source`/`manifests`/`k8s` produce snapshots of Services, EndpointSlices and this node's
 //! Node; `translate` turns a snapshot into a `model::DesiredState` (pure, kube-proxy's rules);
-//! `maglev` builds Maglev lookup tables (pure); `reconcile` writes the difference into the maps
-//! in an order no packet can see half-done; `resteer` destroys connected UDP sockets pinned to
-//! backends a sync removed; `daemon` is `lb run`, which wires them together.
+//! `incremental` keeps a translation up to date by recomputing only the services a snapshot
+//! changed (the same result as `translate`); `maglev` builds Maglev lookup tables (pure);
+//! `reconcile` writes the difference into the maps in an order no packet can see half-done;
+//! `resteer` destroys connected UDP sockets pinned to backends a sync removed; `daemon` is
+//! `lb run`, which wires them together.
 pub mod daemon;
+pub mod incremental;
 pub mod k8s;
 pub mod maglev;
 pub mod manifests;

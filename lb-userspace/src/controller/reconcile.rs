@@ -25,6 +25,14 @@
 //! Before writing a service it checks the maps have room for it; a service that does not fit, or
 //! whose write fails, is reported and keeps its previous state. The reconciler starts from a
 //! dump of the (pinned) maps, so a restart converges without flushing anything.
+//!
+//! `apply` works on the whole state; `apply_update` on the frontends an
+//! `incremental::Update` names (plus those the last apply could not program), with the same
+//! order per frontend and the clean-up passes restricted to what those frontends touched, for
+//! the same map contents. It relies on the mirror holding the last desired state: until a full
+//! `apply` has run, and after any write or delete failed other than for lack of room, it does a
+//! full `apply` instead. `refresh` re-reads the maps, so the next full `apply` repairs what
+//! someone else changed in them.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
@@ -32,15 +40,15 @@ use std::{
 
 use lb_common::{SvcValue, lb_alg, map_names, svc_flags};
 
-use super::maglev;
+use super::{incremental::Update, maglev};
 use crate::{
     datapath::maps::{
         AffMatch, Dump, LbMaps, MapOpError, NO_MAGLEV_TABLE, Table, aff_match_of, backends_of,
         maglev_table_of, revnat_of, src_ranges_of,
     },
     model::{
-        Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm,
-        ServiceEntry,
+        Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm, Proto,
+        Scope, ServiceEntry,
     },
 };
 
@@ -112,6 +120,45 @@ pub struct Reconciler<M> {
     /// The canonical active backends each Maglev frontend's table was built from this run
     /// (unknown after a restart: the table is then rebuilt and only differing cells written).
     maglev_built: HashMap<Frontend, Vec<L4Addr>>,
+    /// Per backend address: how many entries of the last desired state name it, per state
+    /// (index: the state's byte). The backends map holds the most usable one.
+    wanted: HashMap<L4Addr, [u32; 4]>,
+    /// Whether the mirror holds the last desired state but for `retry`, so `apply_update`
+    /// may work on changes alone.
+    incremental: bool,
+    /// Frontends the last apply left short of their desired state without writing anything
+    /// (no room, or a Maglev fallback): changed for the next one.
+    retry: BTreeSet<Frontend>,
+    /// A write or delete failed in this apply other than for room: the next one is full.
+    degraded: bool,
+    /// Entries per map family (index: `fam`), kept as the mirror changes (`used`).
+    counts: Counts,
+    /// Maglev tables claimed in this apply (`apply_update`'s clean-up looks at them).
+    claimed_tables: Vec<u32>,
+}
+
+/// Entries of each map, per family (0: IPv4); services counts masters and filled slots.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counts {
+    services: [usize; 2],
+    backends: [usize; 2],
+    revnat: [usize; 2],
+    cluster_ips: [usize; 2],
+    src_ranges: [usize; 2],
+    aff_match: [usize; 2],
+}
+
+fn fam(f: Family) -> usize {
+    usize::from(f == Family::V6)
+}
+
+fn fam_of(a: &IpAddr) -> usize {
+    usize::from(a.is_ipv6())
+}
+
+/// The master and filled slots of an installed frontend.
+fn entries_of(i: Option<&Installed>) -> usize {
+    i.map_or(0, |i| 1 + i.slots.iter().filter(|id| **id != 0).count())
 }
 
 impl<M: LbMaps> Reconciler<M> {
@@ -122,6 +169,46 @@ impl<M: LbMaps> Reconciler<M> {
     }
 
     fn from_dump(maps: M, dump: Dump) -> Self {
+        let mut r = Self {
+            maps,
+            backends: BTreeMap::new(),
+            backend_ids: HashMap::new(),
+            revnat: BTreeMap::new(),
+            revnat_ids: HashMap::new(),
+            services: BTreeMap::new(),
+            stray_slots: BTreeSet::new(),
+            cluster_ips: BTreeMap::new(),
+            src_ranges: BTreeSet::new(),
+            aff_match: BTreeSet::new(),
+            next_backend_id: 1,
+            next_revnat_id: 1,
+            maglev_tables: BTreeMap::new(),
+            maglev_built: HashMap::new(),
+            wanted: HashMap::new(),
+            incremental: false,
+            retry: BTreeSet::new(),
+            degraded: false,
+            counts: Counts::default(),
+            claimed_tables: Vec::new(),
+        };
+        r.load_dump(dump);
+        r
+    }
+
+    /// Re-reads the maps into the mirror: the next `apply` (full) repairs whatever differs
+    /// from the desired state, whoever changed it.
+    pub fn refresh(&mut self) -> anyhow::Result<()> {
+        let dump = self.maps.dump()?;
+        // Ids go on from where they were: a conntrack entry may still name a deleted one.
+        let (b, r) = (self.next_backend_id, self.next_revnat_id);
+        self.load_dump(dump);
+        self.next_backend_id = self.next_backend_id.max(b);
+        self.next_revnat_id = self.next_revnat_id.max(r);
+        Ok(())
+    }
+
+    /// Sets the mirror to what `dump` holds; `apply_update` is full until an `apply` ran.
+    fn load_dump(&mut self, dump: Dump) {
         let mut backend_ids = HashMap::new();
         for (id, b) in &dump.backends {
             backend_ids.entry(b.l4).or_insert(*id);
@@ -129,7 +216,7 @@ impl<M: LbMaps> Reconciler<M> {
         let mut services = BTreeMap::new();
         let mut revnat_ids = HashMap::new();
         let mut stray_slots = BTreeSet::new();
-        let geometry = maps.maglev_geometry();
+        let geometry = self.maps.maglev_geometry();
         let mut maglev_tables = BTreeMap::new();
         for ((fe, slot), v) in &dump.services {
             if *slot != 0 {
@@ -171,22 +258,43 @@ impl<M: LbMaps> Reconciler<M> {
         }
         let next_backend_id = dump.backends.keys().max().map_or(1, |m| m.wrapping_add(1));
         let next_revnat_id = dump.revnat.keys().max().map_or(1, |m| m.wrapping_add(1));
-        Self {
-            maps,
-            backends: dump.backends,
-            backend_ids,
-            revnat: dump.revnat,
-            revnat_ids,
-            services,
-            stray_slots,
-            cluster_ips: dump.cluster_ips,
-            src_ranges: dump.src_ranges,
-            aff_match: dump.aff_match,
-            next_backend_id,
-            next_revnat_id,
-            maglev_tables,
-            maglev_built: HashMap::new(),
+        self.backends = dump.backends;
+        self.backend_ids = backend_ids;
+        self.revnat = dump.revnat;
+        self.revnat_ids = revnat_ids;
+        self.services = services;
+        self.stray_slots = stray_slots;
+        self.cluster_ips = dump.cluster_ips;
+        self.src_ranges = dump.src_ranges;
+        self.aff_match = dump.aff_match;
+        self.next_backend_id = next_backend_id;
+        self.next_revnat_id = next_revnat_id;
+        self.maglev_tables = maglev_tables;
+        self.maglev_built = HashMap::new();
+        self.incremental = false;
+        self.retry = BTreeSet::new();
+        self.counts = self.recount();
+    }
+
+    /// `counts` from the mirror.
+    fn recount(&self) -> Counts {
+        let mut c = Counts::default();
+        for (fe, i) in &self.services {
+            c.services[fam_of(&fe.l4.addr)] += entries_of(Some(i));
         }
+        for f in [Family::V4, Family::V6] {
+            let i = fam(f);
+            c.backends[i] = backends_of(&self.backends, f);
+            c.revnat[i] = revnat_of(&self.revnat, f);
+            c.src_ranges[i] = src_ranges_of(&self.src_ranges, f);
+            c.aff_match[i] = aff_match_of(&self.aff_match, f);
+            c.cluster_ips[i] = self
+                .cluster_ips
+                .keys()
+                .filter(|a| Family::of(a) == f)
+                .count();
+        }
+        c
     }
 
     pub fn maps(&self) -> &M {
@@ -214,28 +322,21 @@ impl<M: LbMaps> Reconciler<M> {
 
     /// Entries the mirror says `table` holds for `family`.
     fn used(&self, table: Table, family: Family) -> usize {
+        let f = fam(family);
         match table {
             Table::Services => {
-                self.services
-                    .iter()
-                    .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
-                    .map(|(_, i)| 1 + i.slots.iter().filter(|id| **id != 0).count())
-                    .sum::<usize>()
+                self.counts.services[f]
                     + self
                         .stray_slots
                         .iter()
                         .filter(|(fe, _)| Family::of(&fe.l4.addr) == family)
                         .count()
             }
-            Table::Backends => backends_of(&self.backends, family),
-            Table::RevNat => revnat_of(&self.revnat, family),
-            Table::ClusterIps => self
-                .cluster_ips
-                .keys()
-                .filter(|a| Family::of(a) == family)
-                .count(),
-            Table::SourceRanges => src_ranges_of(&self.src_ranges, family),
-            Table::AffinityMatch => aff_match_of(&self.aff_match, family),
+            Table::Backends => self.counts.backends[f],
+            Table::RevNat => self.counts.revnat[f],
+            Table::ClusterIps => self.counts.cluster_ips[f],
+            Table::SourceRanges => self.counts.src_ranges[f],
+            Table::AffinityMatch => self.counts.aff_match[f],
         }
     }
 
@@ -244,9 +345,12 @@ impl<M: LbMaps> Reconciler<M> {
         (self.maglev_tables.len(), self.maps.maglev_geometry().tables)
     }
 
-    /// Makes the maps hold `desired`.
+    /// Makes the maps hold `desired`, looking at every frontend.
     pub fn apply(&mut self, desired: &DesiredState) -> ApplyReport {
         let mut report = ApplyReport::default();
+        self.degraded = false;
+        self.claimed_tables.clear();
+        self.counts = self.recount();
 
         // First what goes away, so the room it frees is usable by what comes (replacing a
         // service at full capacity works in one apply). Removed frontends were already out of
@@ -258,16 +362,13 @@ impl<M: LbMaps> Reconciler<M> {
             .copied()
             .collect();
         for fe in gone {
-            if let Err(e) = self.remove_service(&fe, &mut report) {
-                report.errors.push(ServiceError {
-                    frontend: fe,
-                    service: String::new(),
-                    error: e.to_string(),
-                    full_map: None,
-                });
-            }
+            self.remove_counted(&fe, &mut report);
         }
         self.delete_stray_slots(&mut report);
+        self.wanted = HashMap::new();
+        for e in desired.services.values() {
+            self.want(&e.backends, true);
+        }
         let wanted: BTreeSet<L4Addr> = desired
             .services
             .values()
@@ -301,15 +402,7 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
         for (fe, entry) in &desired.services {
-            let ips = &wanted_ips;
-            if let Err(f) = self.apply_service(fe, entry, &states, ips, &mut room, &mut report) {
-                report.errors.push(ServiceError {
-                    frontend: *fe,
-                    service: entry.name.to_string(),
-                    error: f.error,
-                    full_map: f.full_map,
-                });
-            }
+            self.apply_counted(fe, entry, &states, &wanted_ips, &mut room, &mut report);
         }
 
         // Tables claimed by writes that failed before their master named them are free again.
@@ -325,7 +418,454 @@ impl<M: LbMaps> Reconciler<M> {
         self.sync_cluster_ips(&mut report);
         self.prune_src_ranges(desired, &mut report);
         self.prune_aff_match(&mut report);
+        self.finish(&report);
         report
+    }
+
+    /// Makes the maps hold `desired`, of which `update` says what changed since the last
+    /// apply (see the module docs).
+    pub fn apply_update(&mut self, desired: &DesiredState, update: &Update) -> ApplyReport {
+        let changes = match update {
+            Update::Changed(c) if self.incremental => c,
+            _ => return self.apply(desired),
+        };
+        let mut report = ApplyReport::default();
+        self.degraded = false;
+        self.claimed_tables.clear();
+        for (fe, old) in changes {
+            if let Some(o) = old {
+                self.want(&o.backends, false);
+            }
+            if let Some(n) = desired.services.get(fe) {
+                self.want(&n.backends, true);
+            }
+        }
+        let mut changed: BTreeSet<Frontend> = changes.keys().copied().collect();
+        changed.extend(std::mem::take(&mut self.retry));
+        // What the changed frontends had, for the clean-up passes.
+        let old: BTreeMap<Frontend, Installed> = changed
+            .iter()
+            .filter_map(|fe| Some((*fe, self.services.get(fe)?.clone())))
+            .collect();
+        let old_ids: BTreeSet<u32> = old
+            .values()
+            .flat_map(|i| i.slots.iter().copied())
+            .filter(|id| *id != 0)
+            .collect();
+        let old_tables: Vec<u32> = old
+            .values()
+            .filter_map(|i| maglev_table_of(&i.master))
+            .collect();
+        let old_revnat: BTreeSet<u32> = old.values().map(|i| i.master.rev_nat_id).collect();
+        // How many entries of the changed frontends name each backend address.
+        let mut changed_want: HashMap<L4Addr, u32> = HashMap::new();
+        for b in changed
+            .iter()
+            .filter_map(|fe| desired.services.get(fe))
+            .flat_map(|e| &e.backends)
+        {
+            *changed_want.entry(b.l4).or_default() += 1;
+        }
+
+        // 1. What goes away (as in `apply`).
+        for fe in &changed {
+            if !desired.services.contains_key(fe) && self.services.contains_key(fe) {
+                self.remove_counted(fe, &mut report);
+            }
+        }
+        self.delete_stray_slots(&mut report);
+        let cw = &changed_want;
+        self.collect_garbage_of(&old_ids, &old_revnat, &changed, cw, true, &mut report);
+
+        // 2. The changed frontends, in `apply`'s order, with the backend states and ClusterIP
+        // counts of the whole desired state.
+        let mut states: HashMap<L4Addr, BackendState> = HashMap::new();
+        let mut ips: BTreeMap<IpAddr, u32> = BTreeMap::new();
+        for fe in &changed {
+            let Some(entry) = desired.services.get(fe) else {
+                continue;
+            };
+            for b in &entry.backends {
+                if let Some(s) = self.wanted_state(&b.l4) {
+                    states.insert(b.l4, s);
+                }
+            }
+            if entry.flags & svc_flags::CLUSTER_IP != 0 && !ips.contains_key(&fe.l4.addr) {
+                let n = at_addr(&desired.services, fe.l4.addr)
+                    .filter(|(_, e)| e.flags & svc_flags::CLUSTER_IP != 0)
+                    .count();
+                ips.insert(fe.l4.addr, n as u32);
+            }
+        }
+        let mut room = self.room();
+        for fe in &changed {
+            if let Some(entry) = desired.services.get(fe) {
+                self.apply_counted(fe, entry, &states, &ips, &mut room, &mut report);
+            }
+        }
+        // A backend's state is the most usable any frontend gives it: a change may move it for
+        // frontends that did not change (which `apply` would write it for).
+        let touched: BTreeSet<L4Addr> = changes
+            .values()
+            .flatten()
+            .chain(changed.iter().filter_map(|fe| desired.services.get(fe)))
+            .flat_map(|e| e.backends.iter().map(|b| b.l4))
+            .collect();
+        for l4 in touched {
+            let (Some(&id), Some(state)) = (self.backend_ids.get(&l4), self.wanted_state(&l4))
+            else {
+                continue;
+            };
+            let total: u32 = self.wanted.get(&l4).map_or(0, |n| n.iter().sum());
+            if total <= changed_want.get(&l4).copied().unwrap_or(0) {
+                continue;
+            }
+            let b = Backend { l4, state };
+            if self.backends.get(&id).is_some_and(|have| *have != b) {
+                match self.maps.put_backend(id, &b) {
+                    Ok(()) => {
+                        report.writes += 1;
+                        self.backends.insert(id, b);
+                    }
+                    Err(e) => {
+                        self.degraded = true;
+                        tracing::warn!(id, error = %e, "cannot write backend state");
+                    }
+                }
+            }
+        }
+
+        // 3. Clean-up, as `apply`'s, of what the changed frontends touched: tables claimed by
+        // failed writes, then backends, rev-NAT entries, ClusterIPs, source ranges and
+        // affinity matches nothing refers to any more.
+        let tables: BTreeSet<u32> = old_tables
+            .into_iter()
+            .chain(std::mem::take(&mut self.claimed_tables))
+            .collect();
+        for t in tables {
+            let named = changed.iter().any(|fe| {
+                self.services
+                    .get(fe)
+                    .is_some_and(|i| maglev_table_of(&i.master) == Some(t))
+            });
+            if !named {
+                self.maglev_tables.remove(&t);
+            }
+        }
+        self.delete_stray_slots(&mut report);
+        let mut ids = old_ids;
+        ids.extend(
+            changed
+                .iter()
+                .filter_map(|fe| desired.services.get(fe))
+                .flat_map(|e| e.backends.iter())
+                .filter_map(|b| self.backend_ids.get(&b.l4).copied()),
+        );
+        let mut revnat = old_revnat;
+        revnat.extend(
+            changed
+                .iter()
+                .filter_map(|fe| self.services.get(fe))
+                .map(|i| i.master.rev_nat_id),
+        );
+        self.collect_garbage_of(&ids, &revnat, &changed, cw, false, &mut report);
+        let addrs: BTreeSet<IpAddr> = changed.iter().map(|fe| fe.l4.addr).collect();
+        for addr in addrs {
+            let n = at_addr(&self.services, addr)
+                .filter(|(_, i)| i.master.flags & svc_flags::CLUSTER_IP != 0)
+                .count() as u32;
+            if n == 0 && self.cluster_ips.contains_key(&addr) {
+                match self.maps.del_cluster_ip(addr) {
+                    Ok(()) => {
+                        report.deletes += 1;
+                        self.cluster_ips.remove(&addr);
+                        self.counts.cluster_ips[fam_of(&addr)] -= 1;
+                    }
+                    Err(e) => {
+                        self.degraded = true;
+                        tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry")
+                    }
+                }
+            } else if n > 0 && self.cluster_ips.get(&addr) != Some(&n) {
+                self.put_cluster_ip(addr, n, &mut report);
+            }
+        }
+        // Both scopes of a frontend's address share its rev-NAT id.
+        let scoped: BTreeSet<Frontend> = changed
+            .iter()
+            .flat_map(|fe| {
+                [Scope::External, Scope::Internal].map(|scope| Frontend { scope, ..*fe })
+            })
+            .collect();
+        let wanted_ranges: BTreeSet<(u32, Cidr)> = scoped
+            .iter()
+            .filter_map(|fe| Some((self.services.get(fe)?, desired.services.get(fe)?)))
+            .filter(|(i, _)| i.master.flags & svc_flags::SOURCE_RANGES != 0)
+            .flat_map(|(i, e)| {
+                let id = i.master.rev_nat_id;
+                e.source_ranges.iter().map(move |c| (id, *c))
+            })
+            .collect();
+        let stale: Vec<(u32, Cidr)> = self
+            .src_ranges
+            .iter()
+            .filter(|(id, _)| revnat.contains(id))
+            .filter(|r| !wanted_ranges.contains(r))
+            .copied()
+            .collect();
+        for (id, cidr) in stale {
+            match self.maps.del_src_range(id, &cidr) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.src_ranges.remove(&(id, cidr));
+                    self.counts.src_ranges[fam_of(&cidr.addr)] -= 1;
+                }
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(id, %cidr, error = %e, "cannot delete source range")
+                }
+            }
+        }
+        let mut stale = Vec::new();
+        for fe in &changed {
+            let family = Family::of(&fe.l4.addr);
+            let ids: BTreeSet<u32> = old
+                .get(fe)
+                .into_iter()
+                .chain(self.services.get(fe))
+                .map(|i| i.master.rev_nat_id)
+                .collect();
+            let keep: BTreeSet<AffMatch> = match self.services.get(fe) {
+                Some(i) => {
+                    let active = &i.slots[..(i.master.count as usize).min(i.slots.len())];
+                    let affine = i.master.flags & svc_flags::AFFINITY != 0;
+                    aff_matches(fe, affine, i.master.rev_nat_id, active).collect()
+                }
+                None => BTreeSet::new(),
+            };
+            for id in &ids {
+                stale.extend(
+                    self.aff_matches_of(family, *id, fe.scope)
+                        .filter(|m| !keep.contains(m)),
+                );
+            }
+        }
+        for m in stale {
+            match self.maps.del_aff_match(&m) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    if self.aff_match.remove(&m) {
+                        self.counts.aff_match[fam(m.family)] -= 1;
+                    }
+                }
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(?m, error = %e, "cannot delete affinity match")
+                }
+            }
+        }
+        self.finish(&report);
+        debug_assert_eq!(self.counts, self.recount(), "entry counts drifted");
+        report
+    }
+
+    /// After an apply: whether the next may be incremental, and what it must retry.
+    fn finish(&mut self, report: &ApplyReport) {
+        let clean = report.errors.iter().all(|e| e.full_map.is_some());
+        self.incremental = clean && !self.degraded;
+        self.retry = report
+            .errors
+            .iter()
+            .chain(&report.fallbacks)
+            .map(|e| e.frontend)
+            .collect();
+    }
+
+    /// Counts `entry`'s backends into (`add`) or out of the desired state's.
+    fn want(&mut self, backends: &[Backend], add: bool) {
+        for b in backends {
+            let n = self.wanted.entry(b.l4).or_default();
+            let s = &mut n[b.state as usize];
+            if add {
+                *s += 1;
+            } else {
+                *s = s.saturating_sub(1);
+                if n.iter().all(|c| *c == 0) {
+                    self.wanted.remove(&b.l4);
+                }
+            }
+        }
+    }
+
+    /// The most usable state the desired state gives `l4`, if it names it.
+    fn wanted_state(&self, l4: &L4Addr) -> Option<BackendState> {
+        let n = self.wanted.get(l4)?;
+        let i = n.iter().position(|c| *c > 0)?;
+        BackendState::try_from(i as u8).ok()
+    }
+
+    /// The affinity matches written for (family, rev-NAT id, scope).
+    fn aff_matches_of(
+        &self,
+        family: Family,
+        rev_nat_id: u32,
+        scope: Scope,
+    ) -> impl Iterator<Item = AffMatch> + '_ {
+        let lo = AffMatch {
+            family,
+            rev_nat_id,
+            scope,
+            backend_id: 0,
+        };
+        let hi = AffMatch {
+            backend_id: u32::MAX,
+            ..lo
+        };
+        self.aff_match.range(lo..=hi).copied()
+    }
+
+    /// Free entries per map for the services still to be written.
+    fn room(&self) -> BTreeMap<(Table, Family), i64> {
+        let mut room = BTreeMap::new();
+        for t in [
+            Table::Services,
+            Table::Backends,
+            Table::RevNat,
+            Table::SourceRanges,
+            Table::AffinityMatch,
+        ] {
+            for f in [Family::V4, Family::V6] {
+                let free = self.maps.capacity(t, f) as i64 - self.used(t, f) as i64;
+                room.insert((t, f), free);
+            }
+        }
+        room
+    }
+
+    /// `remove_service`, counted and reported.
+    fn remove_counted(&mut self, fe: &Frontend, report: &mut ApplyReport) {
+        let before = entries_of(self.services.get(fe));
+        let result = self.remove_service(fe, report);
+        let after = entries_of(self.services.get(fe));
+        let f = fam_of(&fe.l4.addr);
+        self.counts.services[f] = self.counts.services[f] + after - before;
+        if let Err(e) = result {
+            report.errors.push(ServiceError {
+                frontend: *fe,
+                service: String::new(),
+                error: e.to_string(),
+                full_map: None,
+            });
+        }
+    }
+
+    /// `apply_service`, counted and reported.
+    fn apply_counted(
+        &mut self,
+        fe: &Frontend,
+        entry: &ServiceEntry,
+        states: &HashMap<L4Addr, BackendState>,
+        ips: &BTreeMap<IpAddr, u32>,
+        room: &mut BTreeMap<(Table, Family), i64>,
+        report: &mut ApplyReport,
+    ) {
+        let before = entries_of(self.services.get(fe));
+        let result = self.apply_service(fe, entry, states, ips, room, report);
+        let after = entries_of(self.services.get(fe));
+        let f = fam_of(&fe.l4.addr);
+        self.counts.services[f] = self.counts.services[f] + after - before;
+        if let Err(f) = result {
+            report.errors.push(ServiceError {
+                frontend: *fe,
+                service: entry.name.to_string(),
+                error: f.error,
+                full_map: f.full_map,
+            });
+        }
+    }
+
+    /// `collect_garbage` for the backends `ids` and rev-NAT entries `revnat` a change of
+    /// `changed` may have left unreferenced. A backend a frontend outside `changed` names is
+    /// in its slots (the mirror holds their desired state), so only `changed`'s slots and
+    /// tables need looking at; with `keep_wanted`, backends the desired state names stay.
+    fn collect_garbage_of(
+        &mut self,
+        ids: &BTreeSet<u32>,
+        revnat: &BTreeSet<u32>,
+        changed: &BTreeSet<Frontend>,
+        changed_want: &HashMap<L4Addr, u32>,
+        keep_wanted: bool,
+        report: &mut ApplyReport,
+    ) {
+        let mut by_changed: BTreeSet<u32> = BTreeSet::new();
+        for fe in changed {
+            if let Some(i) = self.services.get(fe) {
+                by_changed.extend(i.slots.iter().copied());
+                let table = maglev_table_of(&i.master).and_then(|t| self.maglev_tables.get(&t));
+                by_changed.extend(table.into_iter().flatten().copied());
+            }
+        }
+        let unused: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|id| {
+                let Some(b) = self.backends.get(id) else {
+                    return false;
+                };
+                let total: u32 = self.wanted.get(&b.l4).map_or(0, |n| n.iter().sum());
+                let elsewhere = total > changed_want.get(&b.l4).copied().unwrap_or(0);
+                let kept = (keep_wanted && total > 0) || elsewhere;
+                !(kept || by_changed.contains(id))
+            })
+            .collect();
+        for id in unused {
+            let Some(b) = self.backends.get(&id).copied() else {
+                continue;
+            };
+            match self.maps.del_backend(id, Family::of(&b.l4.addr)) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    report.backends_deleted += 1;
+                    self.backends.remove(&id);
+                    self.counts.backends[fam_of(&b.l4.addr)] -= 1;
+                    if self.backend_ids.get(&b.l4) == Some(&id) {
+                        self.backend_ids.remove(&b.l4);
+                    }
+                }
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(id, error = %e, "cannot delete backend")
+                }
+            }
+        }
+        for id in revnat {
+            let Some((addr, port)) = self.revnat.get(id).copied() else {
+                continue;
+            };
+            // Its users: the frontends at its address and port (both scopes, any protocol).
+            let used = at_addr(&self.services, addr)
+                .any(|(fe, i)| fe.l4.port == port && i.master.rev_nat_id == *id);
+            if used {
+                continue;
+            }
+            match self.maps.del_revnat(*id, Family::of(&addr)) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.revnat.remove(id);
+                    self.counts.revnat[fam_of(&addr)] -= 1;
+                    for proto in [Proto::Tcp, Proto::Udp, Proto::Sctp] {
+                        let l4 = L4Addr { addr, port, proto };
+                        if self.revnat_ids.get(&l4) == Some(id) {
+                            self.revnat_ids.remove(&l4);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(id, error = %e, "cannot delete rev-NAT entry")
+                }
+            }
+        }
     }
 
     /// Deletes the affinity matches no installed frontend with session affinity wants: after
@@ -347,8 +887,12 @@ impl<M: LbMaps> Reconciler<M> {
                 Ok(()) => {
                     report.deletes += 1;
                     self.aff_match.remove(&m);
+                    self.counts.aff_match[fam(m.family)] -= 1;
                 }
-                Err(e) => tracing::warn!(?m, error = %e, "cannot delete affinity match"),
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(?m, error = %e, "cannot delete affinity match")
+                }
             }
         }
     }
@@ -369,8 +913,12 @@ impl<M: LbMaps> Reconciler<M> {
                 Ok(()) => {
                     report.deletes += 1;
                     self.src_ranges.remove(&(id, cidr));
+                    self.counts.src_ranges[fam_of(&cidr.addr)] -= 1;
                 }
-                Err(e) => tracing::warn!(id, %cidr, error = %e, "cannot delete source range"),
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(id, %cidr, error = %e, "cannot delete source range")
+                }
             }
         }
     }
@@ -381,9 +929,14 @@ impl<M: LbMaps> Reconciler<M> {
         match self.maps.put_cluster_ip(addr, frontends) {
             Ok(()) => {
                 report.writes += 1;
-                self.cluster_ips.insert(addr, frontends);
+                if self.cluster_ips.insert(addr, frontends).is_none() {
+                    self.counts.cluster_ips[fam_of(&addr)] += 1;
+                }
             }
-            Err(e) => tracing::warn!(%addr, error = %e, "cannot write ClusterIP entry"),
+            Err(e) => {
+                self.degraded = true;
+                tracing::warn!(%addr, error = %e, "cannot write ClusterIP entry")
+            }
         }
     }
 
@@ -402,8 +955,12 @@ impl<M: LbMaps> Reconciler<M> {
                 Ok(()) => {
                     report.deletes += 1;
                     self.cluster_ips.remove(&addr);
+                    self.counts.cluster_ips[fam_of(&addr)] -= 1;
                 }
-                Err(e) => tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry"),
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry")
+                }
             }
         }
         for (addr, n) in installed {
@@ -419,6 +976,7 @@ impl<M: LbMaps> Reconciler<M> {
                 Ok(()) => report.deletes += 1,
                 Err(e) => {
                     self.stray_slots.insert((fe, slot));
+                    self.degraded = true;
                     tracing::warn!(%fe, slot, error = %e, "cannot delete stray slot");
                 }
             }
@@ -609,7 +1167,9 @@ impl<M: LbMaps> Reconciler<M> {
             if self.backends.get(id) != Some(&b) {
                 self.maps.put_backend(*id, &b).map_err(|e| e.to_string())?;
                 report.writes += 1;
-                self.backends.insert(*id, b);
+                if self.backends.insert(*id, b).is_none() {
+                    self.counts.backends[fam_of(&b.l4.addr)] += 1;
+                }
                 self.backend_ids.insert(b.l4, *id);
             }
         }
@@ -619,7 +1179,13 @@ impl<M: LbMaps> Reconciler<M> {
                 .put_revnat(rev_nat_id, fe.l4.addr, fe.l4.port)
                 .map_err(|e| e.to_string())?;
             report.writes += 1;
-            self.revnat.insert(rev_nat_id, (fe.l4.addr, fe.l4.port));
+            if self
+                .revnat
+                .insert(rev_nat_id, (fe.l4.addr, fe.l4.port))
+                .is_none()
+            {
+                self.counts.revnat[fam_of(&fe.l4.addr)] += 1;
+            }
             self.revnat_ids.insert(fe.l4, rev_nat_id);
         }
         // 2b. Source ranges, before a master with SOURCE_RANGES can drop what they allow.
@@ -628,7 +1194,9 @@ impl<M: LbMaps> Reconciler<M> {
                 .put_src_range(rev_nat_id, cidr)
                 .map_err(|e| e.to_string())?;
             report.writes += 1;
-            self.src_ranges.insert((rev_nat_id, *cidr));
+            if self.src_ranges.insert((rev_nat_id, *cidr)) {
+                self.counts.src_ranges[fam_of(&cidr.addr)] += 1;
+            }
         }
         // 2c. Affinity matches: the new active backends' before the master offers them (an
         // affinity entry naming one is honoured from the first packet that can pick it), and
@@ -637,21 +1205,21 @@ impl<M: LbMaps> Reconciler<M> {
         for m in &matches {
             self.maps.put_aff_match(m).map_err(|e| e.to_string())?;
             report.writes += 1;
-            self.aff_match.insert(*m);
+            if self.aff_match.insert(*m) {
+                self.counts.aff_match[fam(m.family)] += 1;
+            }
         }
         let keep: BTreeSet<AffMatch> =
             aff_matches(fe, affine, rev_nat_id, &planned_ids[..active]).collect();
         let stale: Vec<AffMatch> = self
-            .aff_match
-            .iter()
-            .filter(|m| m.family == family && m.rev_nat_id == rev_nat_id && m.scope == fe.scope)
+            .aff_matches_of(family, rev_nat_id, fe.scope)
             .filter(|m| !keep.contains(m))
-            .copied()
             .collect();
         for m in stale {
             self.maps.del_aff_match(&m).map_err(|e| e.to_string())?;
             report.deletes += 1;
             self.aff_match.remove(&m);
+            self.counts.aff_match[fam(m.family)] -= 1;
         }
         // 3. Slots and the Maglev table, then 4. the master entry that makes them visible.
         let old = existing;
@@ -680,6 +1248,7 @@ impl<M: LbMaps> Reconciler<M> {
             match self.maps.del_service(fe, slot) {
                 Ok(()) => report.deletes += 1,
                 Err(e) => {
+                    self.degraded = true;
                     tracing::warn!(%fe, slot, error = %e, "cannot delete surplus slot");
                     self.stray_slots.insert((*fe, slot));
                 }
@@ -809,7 +1378,11 @@ impl<M: LbMaps> Reconciler<M> {
                 self.maps.put_maglev(t, *cell, *id)?;
                 report.writes += 1;
                 // Claimed from the first cell on: collect_garbage keeps what cells name.
-                self.maglev_tables.entry(t).or_insert_with(|| vec![0; m])[*cell as usize] = *id;
+                let claimed = &mut self.claimed_tables;
+                self.maglev_tables.entry(t).or_insert_with(|| {
+                    claimed.push(t);
+                    vec![0; m]
+                })[*cell as usize] = *id;
             }
         }
         let installed = self.services.entry(*fe).or_insert_with(|| Installed {
@@ -892,6 +1465,7 @@ impl<M: LbMaps> Reconciler<M> {
             match self.maps.del_service(fe, slot as u16) {
                 Ok(()) => report.deletes += 1,
                 Err(e) => {
+                    self.degraded = true;
                     tracing::warn!(%fe, slot, error = %e, "cannot delete slot");
                     self.stray_slots.insert((*fe, slot as u16));
                 }
@@ -926,11 +1500,15 @@ impl<M: LbMaps> Reconciler<M> {
                     report.deletes += 1;
                     report.backends_deleted += 1;
                     self.backends.remove(&id);
+                    self.counts.backends[fam_of(&b.l4.addr)] -= 1;
                     if self.backend_ids.get(&b.l4) == Some(&id) {
                         self.backend_ids.remove(&b.l4);
                     }
                 }
-                Err(e) => tracing::warn!(id, error = %e, "cannot delete backend"),
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(id, error = %e, "cannot delete backend")
+                }
             }
         }
         let used_revnat: BTreeSet<u32> = self
@@ -952,9 +1530,13 @@ impl<M: LbMaps> Reconciler<M> {
                 Ok(()) => {
                     report.deletes += 1;
                     self.revnat.remove(&id);
+                    self.counts.revnat[fam_of(&addr)] -= 1;
                     self.revnat_ids.retain(|_, v| *v != id);
                 }
-                Err(e) => tracing::warn!(id, error = %e, "cannot delete rev-NAT entry"),
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(id, error = %e, "cannot delete rev-NAT entry")
+                }
             }
         }
     }
@@ -991,6 +1573,20 @@ struct MaglevPlan {
     built: Option<Vec<L4Addr>>,
     /// Maglev was asked for, but `lb_maglev` has no free table: random instead.
     fallback: bool,
+}
+
+/// The entries of `map` whose frontend is at `addr` (frontends sort by address first).
+fn at_addr<V>(map: &BTreeMap<Frontend, V>, addr: IpAddr) -> impl Iterator<Item = (&Frontend, &V)> {
+    let lo = Frontend {
+        l4: L4Addr {
+            addr,
+            port: 0,
+            proto: Proto::Tcp,
+        },
+        scope: Scope::External,
+    };
+    map.range(lo..)
+        .take_while(move |(fe, _)| fe.l4.addr == addr)
 }
 
 /// Frontends per ClusterIP address among `frontends` (frontend, `svc_flags`).

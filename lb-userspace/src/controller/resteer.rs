@@ -18,7 +18,7 @@
 //! The pair, not the backend address alone: the same address may still serve another
 //! frontend, whose sockets stay.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fs::File,
     net::IpAddr,
     os::unix::fs::MetadataExt as _,
@@ -28,7 +28,7 @@ use std::{
 };
 
 use crate::{
-    controller::reconcile::ApplyReport,
+    controller::{incremental::Update, reconcile::ApplyReport},
     datapath::sockterm::{DestroyKey, Destroyer, GoneMap, netns_in_cgroup},
     metrics::Metrics,
     model::{DesiredState, L4Addr, Proto},
@@ -75,6 +75,105 @@ pub fn changes(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> 
                 .collect(),
         ),
         back: keys(after.difference(&before).collect()),
+    }
+}
+
+/// The UDP (frontend address, backend) pairs programmed, counted over the frontends of every
+/// scope, kept up to date from each sync's `Update`, so a sync that changed a few frontends
+/// compares only those (`changes` is the whole-state reference).
+#[derive(Debug, Default)]
+pub struct PairTracker {
+    counts: BTreeMap<(L4Addr, L4Addr), u32>,
+}
+
+impl PairTracker {
+    /// The pairs the sync described by `update` (its result `new`, its `report`) removed and
+    /// brought back. A frontend whose write failed kept its previous state in the maps, so its
+    /// pairs stay as they were.
+    pub fn observe(
+        &mut self,
+        update: &Update,
+        new: &DesiredState,
+        report: &ApplyReport,
+    ) -> Changes {
+        let failed: BTreeSet<L4Addr> = report.errors.iter().map(|e| e.frontend.l4).collect();
+        let udp_pairs = |fe: &crate::model::Frontend, e: &crate::model::ServiceEntry| {
+            let f = fe.l4;
+            e.backends
+                .iter()
+                .map(move |b| (f, b.l4))
+                .collect::<Vec<_>>()
+        };
+        let before: BTreeSet<(L4Addr, L4Addr)>;
+        let mut touched: BTreeSet<(L4Addr, L4Addr)> = BTreeSet::new();
+        match update {
+            Update::Full => {
+                before = self.counts.keys().copied().collect();
+                let mut counts: BTreeMap<(L4Addr, L4Addr), u32> = self
+                    .counts
+                    .iter()
+                    .filter(|((f, _), _)| failed.contains(f))
+                    .map(|(k, n)| (*k, *n))
+                    .collect();
+                for (fe, e) in new
+                    .services
+                    .iter()
+                    .filter(|(fe, _)| fe.l4.proto == Proto::Udp && !failed.contains(&fe.l4))
+                {
+                    for p in udp_pairs(fe, e) {
+                        *counts.entry(p).or_default() += 1;
+                    }
+                }
+                touched.extend(before.iter().copied());
+                touched.extend(counts.keys().copied());
+                self.counts = counts;
+            }
+            Update::Changed(changed) => {
+                let mut was = BTreeSet::new();
+                for (fe, old) in changed
+                    .iter()
+                    .filter(|(fe, _)| fe.l4.proto == Proto::Udp && !failed.contains(&fe.l4))
+                {
+                    if let Some(o) = old {
+                        for p in udp_pairs(fe, o) {
+                            if touched.insert(p) && self.counts.contains_key(&p) {
+                                was.insert(p);
+                            }
+                            if let Some(n) = self.counts.get_mut(&p) {
+                                *n -= 1;
+                                if *n == 0 {
+                                    self.counts.remove(&p);
+                                }
+                            }
+                        }
+                    }
+                    if let Some(e) = new.services.get(fe) {
+                        for p in udp_pairs(fe, e) {
+                            if touched.insert(p) && self.counts.contains_key(&p) {
+                                was.insert(p);
+                            }
+                            *self.counts.entry(p).or_default() += 1;
+                        }
+                    }
+                }
+                before = was;
+            }
+        }
+        let keys = |it: &mut dyn Iterator<Item = &(L4Addr, L4Addr)>| -> Vec<DestroyKey> {
+            it.filter_map(|(f, b)| key(*f, *b)).collect()
+        };
+        Changes {
+            gone: keys(
+                &mut touched
+                    .iter()
+                    .filter(|p| before.contains(p) && !self.counts.contains_key(p)),
+            ),
+            back: keys(
+                &mut touched
+                    .iter()
+                    .filter(|p| !before.contains(p) && self.counts.contains_key(p)),
+            ),
+        }
     }
 }
 

@@ -209,7 +209,9 @@ pub struct NoLocalEndpoints {
     pub external: [usize; 2],
 }
 
-fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+pub(crate) fn object_name(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> String {
     format!(
         "{}/{}",
         meta.namespace.as_deref().unwrap_or("default"),
@@ -240,7 +242,7 @@ pub fn ignored(svc: &Service) -> Option<Ignored> {
 
 /// One endpoint of a service port, as kube-proxy's `BaseEndpointInfo` sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Endpoint {
+pub(crate) struct Endpoint {
     l4: L4Addr,
     ready: bool,
     serving: bool,
@@ -251,10 +253,10 @@ struct Endpoint {
 }
 
 /// Endpoints per (namespace, service) → family (0 = IPv4) → (port name, protocol) → `ip:port`.
-type SliceIndex =
+pub(crate) type SliceIndex =
     BTreeMap<(String, String), [BTreeMap<(String, Proto), BTreeMap<L4Addr, Endpoint>>; 2]>;
 
-fn index_slices<E: Borrow<EndpointSlice>>(
+pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
     slices: &[E],
     node: &NodeInfo,
     skipped: &mut Vec<Skipped>,
@@ -441,9 +443,9 @@ fn parse_ip(s: &str) -> Result<IpAddr, &'static str> {
 }
 
 /// The port names each service's EndpointSlices list, for `unmatched_port`.
-type SlicePortNames = BTreeMap<(String, String), BTreeSet<String>>;
+pub(crate) type SlicePortNames = BTreeMap<(String, String), BTreeSet<String>>;
 
-fn slice_port_names<E: Borrow<EndpointSlice>>(slices: &[E]) -> SlicePortNames {
+pub(crate) fn slice_port_names<E: Borrow<EndpointSlice>>(slices: &[E]) -> SlicePortNames {
     let mut out = SlicePortNames::new();
     for slice in slices.iter().map(Borrow::borrow) {
         let Some(service) = slice
@@ -625,13 +627,79 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     // The older service keeps a contested frontend: creation time first (none, as in most
     // manifests, sorts first, like Go's zero time), then namespace/name.
     let mut services: Vec<&Service> = services.iter().map(Borrow::borrow).collect();
-    services.sort_by_cached_key(|s| {
-        (
-            s.metadata.creation_timestamp.clone(),
-            object_name(&s.metadata),
-        )
-    });
+    services.sort_by_cached_key(|s| service_order(s));
     for svc in services {
+        let out = translate_service(svc, &index, &slice_ports, node);
+        no_local.add(&out.no_local);
+        let mut skips = out.skipped.into_iter();
+        let mut emitted = 0;
+        for (fe, entry, before) in out.frontends {
+            skipped.extend(skips.by_ref().take(before - emitted));
+            emitted = before;
+            insert(&mut state, &mut skipped, fe, entry);
+        }
+        skipped.extend(skips);
+    }
+    Translation {
+        state,
+        skipped,
+        no_local_endpoints: no_local,
+    }
+}
+
+/// The order in which services claim frontends: creation time, then namespace/name.
+pub(crate) type ServiceOrder = (
+    Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    String,
+);
+
+pub(crate) fn service_order(s: &Service) -> ServiceOrder {
+    (
+        s.metadata.creation_timestamp.clone(),
+        object_name(&s.metadata),
+    )
+}
+
+/// What one Service translates to, before frontends are shared out among services.
+#[derive(Debug, Default)]
+pub(crate) struct ServiceOut {
+    /// Its skipped objects or parts, in order.
+    pub skipped: Vec<Skipped>,
+    /// Its frontends in the order they were claimed, each with the number of `skipped` entries
+    /// reported before it (a lost claim is reported in that place).
+    pub frontends: Vec<(Frontend, ServiceEntry, usize)>,
+    pub no_local: NoLocalEndpoints,
+}
+
+impl NoLocalEndpoints {
+    pub(crate) fn add(&mut self, o: &NoLocalEndpoints) {
+        for i in 0..2 {
+            self.internal[i] += o.internal[i];
+            self.external[i] += o.external[i];
+        }
+    }
+
+    pub(crate) fn sub(&mut self, o: &NoLocalEndpoints) {
+        for i in 0..2 {
+            self.internal[i] -= o.internal[i];
+            self.external[i] -= o.external[i];
+        }
+    }
+}
+
+/// One Service's frontends, from its EndpointSlices' `index` and `slice_ports` (which may hold
+/// other services' too).
+pub(crate) fn translate_service(
+    svc: &Service,
+    index: &SliceIndex,
+    slice_ports: &SlicePortNames,
+    node: &NodeInfo,
+) -> ServiceOut {
+    let mut out = ServiceOut::default();
+    let skipped = &mut out.skipped;
+    let no_local = &mut out.no_local;
+    let frontends = &mut out.frontends;
+    {
         let object = object_name(&svc.metadata);
         let skip = |reason, detail: String| Skipped {
             kind: "Service",
@@ -644,13 +712,13 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 SkipReason::MissingName,
                 "metadata.name is empty".into(),
             ));
-            continue;
+            return out;
         };
         if ignored(svc).is_some() {
-            continue;
+            return out;
         }
         let Some(spec) = svc.spec.as_ref() else {
-            continue;
+            return out;
         };
         let namespace = svc
             .metadata
@@ -695,7 +763,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
                 _ => spec.cluster_ip.as_deref().into_iter().collect(),
             },
-            &mut skipped,
+            skipped,
         );
         let external_ips = parse_ips(
             "externalIP",
@@ -704,7 +772,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                 .flatten()
                 .map(String::as_str)
                 .collect(),
-            &mut skipped,
+            skipped,
         );
         let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
         // LoadBalancer ingress IPs in "Proxy" mode are reached through the load balancer's
@@ -721,7 +789,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     .filter(|i| i.ip_mode.as_deref().is_none_or(|m| m == "VIP"))
                     .filter_map(|i| i.ip.as_deref())
                     .collect(),
-                &mut skipped,
+                skipped,
             )
         } else {
             Vec::new()
@@ -869,9 +937,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                     (&cluster, 0)
                 };
                 for ip in cluster_ips.iter().filter(of_family) {
-                    insert(
-                        &mut state,
-                        &mut skipped,
+                    frontends.push((
                         Frontend::new(*ip, port.port as u16, proto),
                         ServiceEntry {
                             name: svc_name.clone(),
@@ -881,7 +947,8 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                             algorithm,
                             ..ServiceEntry::default()
                         },
-                    );
+                        skipped.len(),
+                    ));
                 }
 
                 // External frontends: external IPs, LoadBalancer IPs and NodePorts on this
@@ -940,9 +1007,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                         if !ranges.is_empty() {
                             fe_flags |= svc_flags::SOURCE_RANGES;
                         }
-                        insert(
-                            &mut state,
-                            &mut skipped,
+                        frontends.push((
                             fe,
                             ServiceEntry {
                                 name: svc_name.clone(),
@@ -952,13 +1017,12 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                 affinity_timeout,
                                 algorithm,
                             },
-                        );
+                            skipped.len(),
+                        ));
                         if two_scopes {
                             // Pod and host traffic to an eTP=Local external frontend is not
                             // restricted to local endpoints (kube-proxy's short-circuit).
-                            insert(
-                                &mut state,
-                                &mut skipped,
+                            frontends.push((
                                 Frontend {
                                     scope: Scope::Internal,
                                     ..fe
@@ -971,16 +1035,13 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
                                     affinity_timeout,
                                     algorithm,
                                 },
-                            );
+                                skipped.len(),
+                            ));
                         }
                     }
                 }
             }
         }
     }
-    Translation {
-        state,
-        skipped,
-        no_local_endpoints: no_local,
-    }
+    out
 }

@@ -23,7 +23,8 @@
 //! EndpointSlice with an `endpoints.kubernetes.io/last-change-trigger-time` later than lb's
 //! start, from that time to the map write, labelled with the slice's address family.
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
+    hash::BuildHasherDefault,
     sync::{Arc, atomic::AtomicU64},
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -44,7 +45,7 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::controller::{source::Snapshot, translate::NoLocalEndpoints};
+use crate::controller::{incremental::PtrHasher, source::Snapshot, translate::NoLocalEndpoints};
 
 /// The EndpointSlice controller's annotation: when the change that caused the slice's last
 /// update happened (a Pod or Service change).
@@ -284,17 +285,80 @@ type Key = (String, String);
 /// Counts the objects each snapshot changes, as kube-proxy's change trackers do.
 #[derive(Debug)]
 pub struct ChangeTracker {
-    services: HashMap<Key, Arc<Service>>,
-    slices: HashMap<Key, Arc<EndpointSlice>>,
+    services: Tracked<Service>,
+    slices: Tracked<EndpointSlice>,
     /// Trigger times before this are of changes made before lb ran (kube-proxy ignores them).
     started: SystemTime,
+}
+
+/// The objects of the previous snapshot, by name and by address (an unchanged reflector
+/// entry is the same `Arc`, so most objects are matched without looking at them).
+#[derive(Debug)]
+struct Tracked<T> {
+    by_key: HashMap<Key, Arc<T>>,
+    by_ptr: HashSet<usize, BuildHasherDefault<PtrHasher>>,
+}
+
+impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
+    fn new() -> Self {
+        Self {
+            by_key: HashMap::new(),
+            by_ptr: HashSet::default(),
+        }
+    }
+
+    /// The objects of `new` added or changed against the previous snapshot, and how many of
+    /// its objects are gone; `new` becomes the previous snapshot.
+    fn observe<'a>(&mut self, new: &'a [Arc<T>]) -> (Vec<&'a Arc<T>>, usize) {
+        let mut matched = 0;
+        let mut fresh = Vec::new();
+        for o in new {
+            if self.by_ptr.contains(&(Arc::as_ptr(o) as usize)) {
+                matched += 1;
+            } else {
+                fresh.push((key(o), o));
+            }
+        }
+        let known = fresh
+            .iter()
+            .filter(|(k, _)| self.by_key.contains_key(k))
+            .count();
+        let distinct = fresh.iter().map(|(k, _)| k).collect::<HashSet<_>>().len();
+        if matched + known != self.by_key.len() || distinct != fresh.len() {
+            // Something went (or a name repeats): compare whole.
+            let index = index(new);
+            let (updated, removed) = changed(&self.by_key, &index);
+            let updated: HashSet<usize> = updated
+                .into_iter()
+                .map(|(_, v)| Arc::as_ptr(&v) as usize)
+                .collect();
+            let updated = new
+                .iter()
+                .filter(|o| updated.contains(&(Arc::as_ptr(o) as usize)))
+                .collect();
+            self.by_ptr = index.values().map(|o| Arc::as_ptr(o) as usize).collect();
+            self.by_key = index;
+            return (updated, removed);
+        }
+        let mut updated = Vec::new();
+        for (k, o) in fresh {
+            if self.by_key.get(&k).is_none_or(|old| !same(old, o)) {
+                updated.push(o);
+            }
+            if let Some(old) = self.by_key.insert(k, Arc::clone(o)) {
+                self.by_ptr.remove(&(Arc::as_ptr(&old) as usize));
+            }
+            self.by_ptr.insert(Arc::as_ptr(o) as usize);
+        }
+        (updated, 0)
+    }
 }
 
 impl ChangeTracker {
     pub fn new(started: SystemTime) -> Self {
         Self {
-            services: HashMap::new(),
-            slices: HashMap::new(),
+            services: Tracked::new(),
+            slices: Tracked::new(),
             started,
         }
     }
@@ -302,11 +366,9 @@ impl ChangeTracker {
     /// The changes `snapshot` makes against the previous one; it becomes the previous one.
     pub fn observe(&mut self, snapshot: &Snapshot) -> Changes {
         let mut changes = Changes::default();
-        let services = index(&snapshot.services);
-        let (updated, removed) = changed(&self.services, &services);
+        let (updated, removed) = self.services.observe(&snapshot.services);
         changes.services = updated.len() + removed;
-        let slices = index(&snapshot.slices);
-        let (updated, removed) = changed(&self.slices, &slices);
+        let (updated, removed) = self.slices.observe(&snapshot.slices);
         changes.endpoint_slices = updated.len() + removed;
         // A deleted slice's trigger time is of its last update, not of the deletion: only
         // added and updated slices count.
@@ -318,35 +380,31 @@ impl ChangeTracker {
                 changes.triggers.push((family, t));
             }
         }
-        self.services = services;
-        self.slices = slices;
         changes
     }
 }
 
+fn key<T: Metadata<Ty = ObjectMeta>>(o: &Arc<T>) -> Key {
+    let m = o.metadata();
+    (
+        m.namespace.clone().unwrap_or_default(),
+        m.name.clone().unwrap_or_default(),
+    )
+}
+
 fn index<T: Metadata<Ty = ObjectMeta>>(objects: &[Arc<T>]) -> HashMap<Key, Arc<T>> {
-    objects
-        .iter()
-        .map(|o| {
-            let m = o.metadata();
-            let key = (
-                m.namespace.clone().unwrap_or_default(),
-                m.name.clone().unwrap_or_default(),
-            );
-            (key, Arc::clone(o))
-        })
-        .collect()
+    objects.iter().map(|o| (key(o), Arc::clone(o))).collect()
 }
 
 /// The objects of `new` that are added or differ from `old`, and how many of `old` are gone.
 fn changed<'a, T: PartialEq + Metadata<Ty = ObjectMeta>>(
     old: &HashMap<Key, Arc<T>>,
     new: &'a HashMap<Key, Arc<T>>,
-) -> (Vec<&'a Arc<T>>, usize) {
+) -> (Vec<(&'a Key, Arc<T>)>, usize) {
     let updated = new
         .iter()
         .filter(|(k, v)| old.get(*k).is_none_or(|o| !same(o, v)))
-        .map(|(_, v)| v)
+        .map(|(k, v)| (k, Arc::clone(v)))
         .collect();
     let removed = old.keys().filter(|k| !new.contains_key(*k)).count();
     (updated, removed)
@@ -354,7 +412,7 @@ fn changed<'a, T: PartialEq + Metadata<Ty = ObjectMeta>>(
 
 /// Whether two versions of an object are the same: one `Arc` (an unchanged reflector entry), the
 /// same non-empty resourceVersion, or equal contents (manifests carry no resourceVersion).
-fn same<T: PartialEq + Metadata<Ty = ObjectMeta>>(a: &Arc<T>, b: &Arc<T>) -> bool {
+pub(crate) fn same<T: PartialEq + Metadata<Ty = ObjectMeta>>(a: &Arc<T>, b: &Arc<T>) -> bool {
     if Arc::ptr_eq(a, b) {
         return true;
     }

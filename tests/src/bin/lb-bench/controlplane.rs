@@ -4,12 +4,16 @@
 //!   next to `iptables-restore --noflush --counters` (legacy and nf_tables backends) of
 //!   kube-proxy's full ruleset and `nft -f` of kube-proxy's full table, each into a fresh
 //!   scratch netns;
-//! - change: one EndpointSlice change (an endpoint replaced) to map write, as the daemon syncs
-//!   (translate of every object + apply of the full state), over many changes; next to
-//!   kube-proxy's reaction to the same kind of change: a full `iptables-restore` (kube-proxy
-//!   rewrites the whole table on full syncs), the partial restore of kube-proxy ≥ 1.28
-//!   (`KUBE-SERVICES` plus the changed chains), and nftables mode's partial sync
+//! - change: one EndpointSlice change (an endpoint replaced) to map write, through the
+//!   daemon's own sync (`ChangeTracker::observe` + `daemon::sync_node`: the incremental
+//!   translation and `Reconciler::apply_update`), over many changes, at 10,000 services × 10
+//!   endpoints and 1,000 × 100; beside it the full sync (translate of every object + apply of
+//!   the full state: what every sync did before, and what `--full-sync-interval` still does),
+//!   and kube-proxy's reaction to the same kind of change: a full `iptables-restore`
+//!   (kube-proxy rewrites the whole table on full syncs), the partial restore of kube-proxy ≥
+//!   1.28 (`KUBE-SERVICES` plus the changed chains), and nftables mode's partial sync
 //!   (`nft --json list chains ip` + the `nft -f` transaction);
+//! - burst: 1,000 EndpointSlice changes published in one snapshot, through the daemon's sync;
 //! - peak RSS (VmHWM) of a child process holding the objects, the desired state and the
 //!   programmed maps, and the kernel memory of its maps (memlock).
 use std::{
@@ -22,10 +26,14 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
+    controller::daemon::{SyncKind, sync_node},
+    controller::incremental::IncrementalTranslator,
     controller::reconcile::{ApplyReport, Reconciler},
+    controller::source::Snapshot,
     controller::translate::{NodeInfo, desired_state},
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
+    metrics::{Metrics, kubeproxy::ChangeTracker},
 };
 use lb_common::{map_names, map_sizes};
 
@@ -46,6 +54,10 @@ pub struct Settings {
     pub reps: usize,
     /// The change case: services, endpoints per service, changes.
     pub change: (usize, usize, usize),
+    /// More change cases, lb only: services, endpoints per service, changes.
+    pub more_changes: Vec<(usize, usize, usize)>,
+    /// The burst case: services, endpoints per service, changes per snapshot, snapshots.
+    pub burst: (usize, usize, usize, usize),
     /// The peak-RSS case: services, endpoints per service.
     pub rss: (usize, usize),
     /// A case tried once with lb's default map sizes, to report whether it fits.
@@ -64,6 +76,8 @@ impl Settings {
                 ],
                 reps: 3,
                 change: (300, 10, 20),
+                more_changes: vec![(30, 100, 20)],
+                burst: (300, 10, 50, 3),
                 rss: (1_000, 10),
                 attempt: None,
             }
@@ -77,6 +91,8 @@ impl Settings {
                 ],
                 reps: 5,
                 change: (10_000, 10, 1_000),
+                more_changes: vec![(1_000, 100, 1_000)],
+                burst: (10_000, 10, 1_000, 20),
                 rss: (10_000, 10),
                 attempt: Some((50_000, 10)),
             }
@@ -105,6 +121,10 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     }
     cold(settings, &tmp, results)?;
     change(settings, &tmp, results)?;
+    for &(n, e, changes) in &settings.more_changes {
+        lb_changes(n, e, changes, results)?;
+    }
+    burst(settings, results)?;
     rss(settings, results)?;
     Ok(())
 }
@@ -165,6 +185,71 @@ fn program_cold(objects: &Objects, opts: &LoadOptions) -> anyhow::Result<(Durati
     let translation = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
     let report = reconciler.apply(&translation.state);
     Ok((start.elapsed(), report))
+}
+
+/// lb as `lb run` syncs, on private maps: each snapshot through `ChangeTracker::observe` and
+/// `daemon::sync_node` (incremental translation, `Reconciler::apply_update`).
+struct Daemon {
+    reconciler: Reconciler<BpfMaps>,
+    translator: IncrementalTranslator,
+    tracker: ChangeTracker,
+    metrics: Arc<Metrics>,
+    generation: u64,
+    _datapath: Datapath,
+}
+
+impl Daemon {
+    /// Loads private maps sized for `n` × `e` and syncs `objects` (the first, full sync).
+    fn new(objects: &Objects, n: usize, e: usize) -> anyhow::Result<Self> {
+        let (opts, _) = load_options(n, e);
+        let mut datapath = Datapath::load(&opts)?;
+        let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
+        let mut d = Self {
+            reconciler,
+            translator: IncrementalTranslator::new(),
+            tracker: ChangeTracker::new(std::time::SystemTime::now()),
+            metrics: Metrics::new(),
+            generation: 0,
+            _datapath: datapath,
+        };
+        let (_, report) = d.sync(objects);
+        ensure!(
+            report.errors.is_empty(),
+            "initial programming failed: {:?}",
+            report.errors.first()
+        );
+        Ok(d)
+    }
+
+    /// One sync of `objects`, as the daemon's loop does it once the source has published
+    /// them: the time from the snapshot to the map write, and what was written.
+    fn sync(&mut self, objects: &Objects) -> (Duration, ApplyReport) {
+        let snapshot = Snapshot {
+            services: objects.services.clone(),
+            slices: objects.slices.clone(),
+            node: None,
+            problems: Vec::new(),
+            changed_at: Instant::now(),
+        };
+        let start = Instant::now();
+        let changes = self.tracker.observe(&snapshot);
+        self.generation += 1;
+        let kind = SyncKind {
+            generation: self.generation,
+            full: false,
+        };
+        let node = NodeInfo::default();
+        let synced = sync_node(
+            &mut self.reconciler,
+            &mut self.translator,
+            &snapshot,
+            &node,
+            kind,
+            &self.metrics,
+            &changes,
+        );
+        (start.elapsed(), synced.report)
+    }
 }
 
 /// A kube-proxy mode and the command that loads its rules.
@@ -400,7 +485,9 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
     let mut objects = workload::objects(&defs);
     let mut rng = Rng::new(0xc4a6);
 
-    let mut datapath = Datapath::load(&LoadOptions::default())?;
+    let mut daemon = Daemon::new(&objects, n, e)?;
+    // The full sync (every sync before issue 16; `--full-sync-interval` now), on its own maps.
+    let mut datapath = Datapath::load(&load_options(n, e).0)?;
     let mut reconciler: Reconciler<BpfMaps> = Reconciler::new(datapath.take_lb_maps()?)?;
     let initial = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
     let report = reconciler.apply(&initial.state);
@@ -444,7 +531,7 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
 
     let rounds = settings.reps.max(1) * 2;
     let per_round = changes.div_ceil(rounds);
-    let (mut total, mut translate_t, mut apply_t) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut total, mut full_t) = (Vec::new(), Vec::new());
     let mut kp: Vec<Vec<f64>> = vec![Vec::new(); Reaction::ALL.len()];
     let mut c = 0;
     for round in 0..rounds {
@@ -456,22 +543,28 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
             let i = rng.below(n);
             replace_endpoint(&mut defs, &mut objects, i, c);
             c += 1;
-            // The daemon's sync: translate everything, apply the full desired state.
-            let t0 = Instant::now();
-            let translation =
-                desired_state(&objects.services, &objects.slices, &NodeInfo::default());
-            let t1 = Instant::now();
-            let report = reconciler.apply(&translation.state);
-            let t2 = Instant::now();
+            // The daemon's sync.
+            let (took, report) = daemon.sync(&objects);
             ensure!(
                 report.errors.is_empty() && report.writes > 0,
                 "change {c}: {} writes, errors {:?}",
                 report.writes,
                 report.errors.first()
             );
-            total.push((t2 - t0).as_secs_f64() * 1e3);
-            translate_t.push((t1 - t0).as_secs_f64() * 1e3);
-            apply_t.push((t2 - t1).as_secs_f64() * 1e3);
+            total.push(took.as_secs_f64() * 1e3);
+            // The full sync, for every 10th change (it is ~100× slower).
+            if c % 10 == 1 {
+                let t0 = Instant::now();
+                let translation =
+                    desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+                let report = reconciler.apply(&translation.state);
+                full_t.push(t0.elapsed().as_secs_f64() * 1e3);
+                ensure!(
+                    report.errors.is_empty(),
+                    "full sync {c}: {:?}",
+                    report.errors
+                );
+            }
             if k > 0 || reactions.is_empty() {
                 continue;
             }
@@ -529,8 +622,7 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
         results.push(SUITE, &case, imp, n, metric, median, p, "ms");
     };
     push("lb", "change_to_map_write", &mut total, true);
-    push("lb", "change_translate", &mut translate_t, true);
-    push("lb", "change_apply", &mut apply_t, true);
+    push("lb", "change_full_sync", &mut full_t, true);
     for (slot, reaction) in Reaction::ALL.iter().enumerate() {
         if !kp[slot].is_empty() {
             push(
@@ -545,11 +637,101 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
         "controlplane_change_method",
         format!(
             "{c} changes at {n} services × {e} endpoints, each replacing one endpoint of a \
-             random service's EndpointSlice; lb: translate of all objects + Reconciler::apply \
-             of the full desired state (what the daemon's sync does), median and p99 over all \
-             changes; kube-proxy: the same kind of change once per round ({rounds} rounds, \
+             random service's EndpointSlice; lb: the daemon's sync (ChangeTracker::observe + \
+             daemon::sync_node: incremental translation, Reconciler::apply_update of the \
+             changed frontends) from the published snapshot to the last map write, median and \
+             p99 over all changes; lb full sync: translate of all objects + Reconciler::apply of \
+             the full desired state (every sync before; the periodic full sync now), every 10th \
+             change, on maps of its own; kube-proxy: the same kind of change once per round ({rounds} rounds, \
              interleaved with lb's), wall time of the iptables-restore / nft commands only \
              (kube-proxy's own rule rendering is not included), median"
+        ),
+    );
+    Ok(())
+}
+
+/// One EndpointSlice change at a time through the daemon's sync, lb only.
+fn lb_changes(n: usize, e: usize, changes: usize, results: &mut Results) -> anyhow::Result<()> {
+    let mut defs = workload::fillers(n, e);
+    let mut objects = workload::objects(&defs);
+    let mut rng = Rng::new(0xc4a7);
+    let mut daemon = Daemon::new(&objects, n, e)?;
+    let mut took = Vec::with_capacity(changes);
+    for c in 0..changes {
+        workload::check_interrupted()?;
+        replace_endpoint(&mut defs, &mut objects, rng.below(n), c);
+        let (t, report) = daemon.sync(&objects);
+        ensure!(
+            report.errors.is_empty() && report.writes > 0,
+            "change {c}: {} writes, errors {:?}",
+            report.writes,
+            report.errors.first()
+        );
+        took.push(t.as_secs_f64() * 1e3);
+    }
+    let median = workload::median(&mut took);
+    let p99 = workload::percentile(&mut took, 99.0);
+    let case = format!("change_{e}_endpoints");
+    results.push(
+        SUITE,
+        &case,
+        "lb",
+        n,
+        "change_to_map_write",
+        median,
+        Some(p99),
+        "ms",
+    );
+    println!("controlplane: {changes} changes at {n} × {e} done");
+    Ok(())
+}
+
+/// Bursts of EndpointSlice changes, each published in one snapshot, through the daemon's
+/// sync.
+fn burst(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
+    let (n, e, per, bursts) = settings.burst;
+    let mut defs = workload::fillers(n, e);
+    let mut objects = workload::objects(&defs);
+    let mut rng = Rng::new(0xb025);
+    let mut daemon = Daemon::new(&objects, n, e)?;
+    let mut took = Vec::with_capacity(bursts);
+    let mut c = 0;
+    for b in 0..bursts {
+        workload::check_interrupted()?;
+        let mut order: Vec<usize> = (0..n).collect();
+        rng.shuffle(&mut order);
+        for &i in order.iter().take(per) {
+            replace_endpoint(&mut defs, &mut objects, i, c);
+            c += 1;
+        }
+        let (t, report) = daemon.sync(&objects);
+        ensure!(
+            report.errors.is_empty() && report.writes >= per.min(n),
+            "burst {b}: {} writes, errors {:?}",
+            report.writes,
+            report.errors.first()
+        );
+        took.push(t.as_secs_f64() * 1e3);
+    }
+    let median = workload::median(&mut took);
+    let p99 = workload::percentile(&mut took, 99.0);
+    let case = format!("burst_{e}_endpoints");
+    results.push(
+        SUITE,
+        &case,
+        "lb",
+        n,
+        "burst_to_map_write",
+        median,
+        Some(p99),
+        "ms",
+    );
+    results.note(
+        "controlplane_burst_method",
+        format!(
+            "{bursts} snapshots at {n} services × {e} endpoints, each with {per} EndpointSlices \
+             changed (one endpoint replaced in each of {per} random services): the daemon's \
+             sync of the snapshot, median and p99 over the snapshots"
         ),
     );
     Ok(())
@@ -587,11 +769,8 @@ fn rss(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
 /// state, reconciler mirror, maps) and prints its VmHWM and its maps' memlock as JSON.
 pub fn rss_child(n: usize, e: usize) -> anyhow::Result<()> {
     let objects = workload::objects(&workload::fillers(n, e));
-    let mut datapath = Datapath::load(&LoadOptions::default())?;
-    let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
-    let translation = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
-    let report = reconciler.apply(&translation.state);
-    ensure!(report.errors.is_empty(), "programming failed");
+    let daemon = Daemon::new(&objects, n, e)?;
+    let reconciler = &daemon.reconciler;
     let status = fs::read_to_string("/proc/self/status")?;
     let field = |name: &str| -> anyhow::Result<u64> {
         status
@@ -611,7 +790,7 @@ pub fn rss_child(n: usize, e: usize) -> anyhow::Result<()> {
             "map_memlock_bytes": map_memlock()?,
         })
     );
-    drop((objects, translation, reconciler, datapath));
+    drop((objects, daemon));
     Ok(())
 }
 
