@@ -587,7 +587,10 @@ pub fn spawn(
     let notified = Arc::clone(&kick);
     tokio::spawn(async move {
         let mut gc = Some(gc);
-        let mut tick = tokio::time::interval(interval);
+        // The first pass one interval after start, not at once: until the first sync the
+        // pinned backends are the previous run's, and a pass racing it would judge flows by
+        // them.
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {

@@ -386,6 +386,72 @@ mod tests {
     const B1: IpAddr = IpAddr::V4(Ipv4Addr::new(198, 18, 11, 2));
     const B2: IpAddr = IpAddr::V4(Ipv4Addr::new(198, 18, 12, 2));
 
+    /// The `Update` that turns `old` into `new`: every frontend whose entry differs, with its
+    /// old entry.
+    fn update_of(old: &DesiredState, new: &DesiredState) -> Update {
+        let mut changed = BTreeMap::new();
+        for fe in old.services.keys().chain(new.services.keys()) {
+            if old.services.get(fe) != new.services.get(fe) {
+                changed.insert(*fe, old.services.get(fe).cloned());
+            }
+        }
+        Update::Changed(changed)
+    }
+
+    fn sorted(mut v: Vec<DestroyKey>) -> Vec<DestroyKey> {
+        v.sort();
+        v
+    }
+
+    /// The tracker, fed each sync's `Update`, reports what comparing whole states does, over a
+    /// sequence with two scopes sharing a pair, TCP beside UDP and a full update in between.
+    #[test]
+    fn the_pair_tracker_agrees_with_whole_state_changes() {
+        let udp = l4(V4, 53, Proto::Udp);
+        let other = l4(V4, 5353, Proto::Udp);
+        let tcp = l4(V4, 80, Proto::Tcp);
+        let (b1, b2) = (l4(B1, 8080, Proto::Udp), l4(B2, 8080, Proto::Udp));
+        let b1t = l4(B1, 8080, Proto::Tcp);
+        let steps = [
+            state(&[
+                (udp, Scope::External, &[b1, b2]),
+                (tcp, Scope::External, &[b1t]),
+            ]),
+            state(&[
+                (udp, Scope::External, &[b1, b2]),
+                (udp, Scope::Internal, &[b1]),
+            ]),
+            state(&[
+                (udp, Scope::Internal, &[b1]),
+                (other, Scope::External, &[b2]),
+            ]),
+            state(&[
+                (udp, Scope::Internal, &[b2]),
+                (other, Scope::External, &[b2]),
+            ]),
+            state(&[]),
+            state(&[(other, Scope::External, &[b1, b2])]),
+        ];
+        let report = ApplyReport::default();
+        let mut tracker = PairTracker::default();
+        let first = tracker.observe(&Update::Full, &steps[0], &report);
+        assert_eq!(
+            sorted(first.back),
+            sorted(changes(&state(&[]), &steps[0], &report).back)
+        );
+        for (i, w) in steps.windows(2).enumerate() {
+            let update = if i == 2 {
+                Update::Full
+            } else {
+                update_of(&w[0], &w[1])
+            };
+            let got = tracker.observe(&update, &w[1], &report);
+            let want = changes(&w[0], &w[1], &report);
+            assert_eq!(sorted(got.gone), sorted(want.gone), "step {i}: gone");
+            assert_eq!(sorted(got.back), sorted(want.back), "step {i}: back");
+        }
+    }
+
     #[test]
     fn a_backend_leaving_a_udp_frontend_is_one_pair() {
         let fe = l4(V4, 53, Proto::Udp);
