@@ -424,9 +424,10 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
         metrics.contains("lb_datapath_packets_total{event=\"tc_forward_new\"}"),
         "{metrics}"
     );
-    // The conntrack GC passes once at start and after every interval.
+    // The conntrack GC's series are there from the start (its first pass is one interval
+    // after start; netns::conntrack_gc_* test the passes).
     assert!(
-        sample(&metrics, "lb_conntrack_gc_runs_total").unwrap() >= 1.0,
+        sample(&metrics, "lb_conntrack_gc_runs_total").is_some(),
         "{metrics}"
     );
 }
@@ -1303,7 +1304,8 @@ fn conntrack_gc_removes_a_deleted_backends_entries() {
         deleted >= b3_entries as f64,
         "deleted {deleted}, b3 had {b3_entries}:\n{metrics}"
     );
-    assert!(sample(&metrics, "lb_conntrack_gc_runs_total").unwrap() >= 2.0);
+    // The pass the sync started (the interval's first is an hour away).
+    assert!(sample(&metrics, "lb_conntrack_gc_runs_total").unwrap() >= 1.0);
     let live: f64 = metrics
         .lines()
         .filter(|l| l.starts_with("lb_conntrack_entries{"))
