@@ -257,8 +257,12 @@ async fn added_modified_deleted_events_are_followed() {
         8080,
         &[Ep::ready(B1), Ep::not_ready(B2)],
     ));
-    h.wait_until("b2 gone from the slots", |m| m.is(&[(FE, &[B1])]))
-        .await;
+    // Not ready: no new flows, but its slot stays for established ones (quarantined).
+    let b2_kept = format!("{B2} quarantined");
+    h.wait_until("b2 out of the active slots", |m| {
+        m.is(&[(FE, &[B1, &b2_kept])])
+    })
+    .await;
     h.server.update(&slice(
         NS,
         "echo-abc",
@@ -266,7 +270,8 @@ async fn added_modified_deleted_events_are_followed() {
         8080,
         &[Ep::ready(B1), Ep::not_ready(B2), Ep::ready(B3)],
     ));
-    h.wait_until("b3 added", |m| m.is(&[(FE, &[B1, B3])])).await;
+    h.wait_until("b3 added", |m| m.is(&[(FE, &[B1, B3, &b2_kept])]))
+        .await;
 
     // DELETED: the slice (frontend stays, no backends), then the service (all gone).
     h.server.delete_named(Kind::EndpointSlice, NS, "echo-abc");

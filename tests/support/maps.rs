@@ -2,9 +2,13 @@
 //! backends.
 use std::collections::{BTreeMap, BTreeSet};
 
-/// A backend as [`Maps`] lists it: `addr:8080/TCP`.
+/// A backend as [`Maps`] lists it: `addr:8080/TCP`, or `addr:8080/TCP state` for
+/// `"addr state"` (a backend kept for established flows only).
 pub fn be(addr: &str) -> String {
-    format!("{addr}:8080/TCP")
+    match addr.split_once(' ') {
+        Some((a, state)) => format!("{a}:8080/TCP {state}"),
+        None => format!("{addr}:8080/TCP"),
+    }
 }
 
 /// `render` output, parsed: frontend → its backends in slot order (`addr:port/PROTO`, with the
