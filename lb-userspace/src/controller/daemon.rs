@@ -231,13 +231,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 if full {
                     last_full = Instant::now();
                 }
-                if synced.report.backends_deleted > 0 {
-                    // Their flows' entries go now, not at the next interval.
-                    ct_gc.notify_one();
-                }
-                if let Some(r) = &resteer {
-                    r.apply(udp_pairs.observe(&synced.update, translator.state(), &synced.report));
-                }
+                after_sync(&synced, translator.state(), &ct_gc, resteer.as_ref(), &mut udp_pairs);
                 if synced.names_changed
                     && let Err(e) = state_dir::write_names(&opts.state_dir, translator.state())
                 {
@@ -271,12 +265,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 );
                 last_full = Instant::now();
                 // A repair may have deleted backends too.
-                if synced.report.backends_deleted > 0 {
-                    ct_gc.notify_one();
-                }
-                if let Some(r) = &resteer {
-                    r.apply(udp_pairs.observe(&synced.update, translator.state(), &synced.report));
-                }
+                after_sync(&synced, translator.state(), &ct_gc, resteer.as_ref(), &mut udp_pairs);
             }
             _ = hup.recv() => reload.notify_one(),
             _ = term.recv() => break,
@@ -289,6 +278,24 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     );
     drop(datapath);
     Ok(())
+}
+
+/// What follows a sync's map writes: the conntrack GC at once when backends were deleted
+/// (their flows' entries go now, not at the next interval), and the UDP pairs it removed or
+/// brought back to the re-steering worker.
+fn after_sync(
+    synced: &Synced,
+    state: &crate::model::DesiredState,
+    ct_gc: &Notify,
+    resteer: Option<&super::resteer::Resteer>,
+    udp_pairs: &mut super::resteer::PairTracker,
+) {
+    if synced.report.backends_deleted > 0 {
+        ct_gc.notify_one();
+    }
+    if let Some(r) = resteer {
+        r.apply(udp_pairs.observe(&synced.update, state, &synced.report));
+    }
 }
 
 /// This node's name and addresses for the translation: the NodePort addresses

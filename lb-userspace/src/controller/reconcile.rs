@@ -818,26 +818,7 @@ impl<M: LbMaps> Reconciler<M> {
                 !(kept || by_changed.contains(id))
             })
             .collect();
-        for id in unused {
-            let Some(b) = self.backends.get(&id).copied() else {
-                continue;
-            };
-            match self.maps.del_backend(id, Family::of(&b.l4.addr)) {
-                Ok(()) => {
-                    report.deletes += 1;
-                    report.backends_deleted += 1;
-                    self.backends.remove(&id);
-                    self.counts.backends[fam_of(&b.l4.addr)] -= 1;
-                    if self.backend_ids.get(&b.l4) == Some(&id) {
-                        self.backend_ids.remove(&b.l4);
-                    }
-                }
-                Err(e) => {
-                    self.degraded = true;
-                    tracing::warn!(id, error = %e, "cannot delete backend")
-                }
-            }
-        }
+        self.delete_backends(unused, report);
         for id in revnat {
             let Some((addr, port)) = self.revnat.get(id).copied() else {
                 continue;
@@ -1474,23 +1455,9 @@ impl<M: LbMaps> Reconciler<M> {
         Ok(())
     }
 
-    /// Deletes backends and rev-NAT entries no installed service refers to.
-    ///
-    /// Backends in `keep` survive even when unreferenced: they are about to be used again, and
-    /// keeping them keeps their ids (and the conntrack entries naming them) valid.
-    fn collect_garbage(&mut self, keep: &BTreeSet<L4Addr>, report: &mut ApplyReport) {
-        let used_backends: BTreeSet<u32> = self
-            .services
-            .values()
-            .flat_map(|i| i.slots.iter().copied())
-            .chain(self.maglev_tables.values().flatten().copied())
-            .collect();
-        let unused: Vec<u32> = self
-            .backends
-            .iter()
-            .filter(|(id, b)| !used_backends.contains(id) && !keep.contains(&b.l4))
-            .map(|(id, _)| *id)
-            .collect();
+    /// Deletes the backends `unused` from the maps and the mirror; one that cannot be deleted
+    /// stays (logged) and marks the reconciler degraded (the next sync is a full one).
+    fn delete_backends(&mut self, unused: Vec<u32>, report: &mut ApplyReport) {
         for id in unused {
             let Some(b) = self.backends.get(&id).copied() else {
                 continue;
@@ -1511,6 +1478,26 @@ impl<M: LbMaps> Reconciler<M> {
                 }
             }
         }
+    }
+
+    /// Deletes backends and rev-NAT entries no installed service refers to.
+    ///
+    /// Backends in `keep` survive even when unreferenced: they are about to be used again, and
+    /// keeping them keeps their ids (and the conntrack entries naming them) valid.
+    fn collect_garbage(&mut self, keep: &BTreeSet<L4Addr>, report: &mut ApplyReport) {
+        let used_backends: BTreeSet<u32> = self
+            .services
+            .values()
+            .flat_map(|i| i.slots.iter().copied())
+            .chain(self.maglev_tables.values().flatten().copied())
+            .collect();
+        let unused: Vec<u32> = self
+            .backends
+            .iter()
+            .filter(|(id, b)| !used_backends.contains(id) && !keep.contains(&b.l4))
+            .map(|(id, _)| *id)
+            .collect();
+        self.delete_backends(unused, report);
         let used_revnat: BTreeSet<u32> = self
             .services
             .values()
