@@ -2771,7 +2771,10 @@ fn conntrack_pressure_never_misforwards() {
     let midstream_before = fx.counter(metrics::TC_CT_MISS_MIDSTREAM);
     let (verdict, out) = fx.ingress(&ack(sport(evicted[0])));
     assert_eq!(verdict, TC_ACT_OK);
-    assert!(programmed.contains(&parse_and_verify(&out).dst));
+    let rebalanced = parse_and_verify(&out).dst;
+    assert!(programmed.contains(&rebalanced));
+    // Tracked anew, with the backend it was balanced to now.
+    chosen[usize::from(evicted[0])] = rebalanced;
     assert_eq!(
         fx.counter(metrics::TC_CT_MISS_MIDSTREAM),
         midstream_before + 1
