@@ -590,7 +590,6 @@ impl LbMaps for Flaky {
 }
 
 #[test]
-#[ignore = "flaky: about 1 run in 12, a sync after a write-failure storm leaves the maps short of the desired state (a fresh reconciler writes 252 entries); open in issue 16"]
 fn failed_writes_of_incremental_syncs_are_repaired_by_the_next_sync() {
     let seed = seed().wrapping_add(2);
     println!(

@@ -534,6 +534,32 @@ mod reconcile {
     }
 
     #[test]
+    fn a_table_freed_later_in_the_same_apply_goes_to_a_frontend_that_fell_back() {
+        use LbAlgorithm::{Maglev, Random};
+        let maps = MemMaps::with_capacity(1024);
+        let tables = maps.maglev_geometry.tables as u8;
+        let mut rec = Reconciler::new(maps).unwrap();
+        // Frontends 2..=tables+1 hold every table.
+        let mut services: Vec<_> = (2..=tables + 1)
+            .map(|n| (n, Maglev, backends(3, None)))
+            .collect();
+        let r = rec.apply(&state(&services));
+        assert!(r.errors.is_empty() && r.fallbacks.is_empty(), "{r:?}");
+        // Frontend 1 (first in apply order) wants a table; the last one lets its own go.
+        services.last_mut().unwrap().1 = Random;
+        services.insert(0, (1, Maglev, backends(4, None)));
+        let r = rec.apply(&state(&services));
+        assert!(r.errors.is_empty() && r.fallbacks.is_empty(), "{r:?}");
+        let freed = tables - 1;
+        assert_eq!(maglev_table_of(&master(&rec, 1)), Some(u32::from(freed)));
+        assert_eq!(master(&rec, tables + 1).lb_alg, lb_alg::RANDOM);
+        // One apply converged: a fresh reconciler over the maps has nothing to write.
+        let mut fresh = Reconciler::new(rec.maps().clone()).unwrap();
+        let again = fresh.apply(&state(&services));
+        assert_eq!((again.writes, again.deletes), (0, 0), "{again:?}");
+    }
+
+    #[test]
     fn a_restart_reuses_the_tables_it_finds() {
         let maps = MemMaps::with_capacity(1024);
         let mut rec = Reconciler::new(maps).unwrap();

@@ -388,19 +388,7 @@ impl<M: LbMaps> Reconciler<M> {
 
         let wanted_ips = cluster_ip_counts(desired.services.iter().map(|(fe, e)| (fe, e.flags)));
 
-        let mut room: BTreeMap<(Table, Family), i64> = BTreeMap::new();
-        for t in [
-            Table::Services,
-            Table::Backends,
-            Table::RevNat,
-            Table::SourceRanges,
-            Table::AffinityMatch,
-        ] {
-            for f in [Family::V4, Family::V6] {
-                let free = self.maps.capacity(t, f) as i64 - self.used(t, f) as i64;
-                room.insert((t, f), free);
-            }
-        }
+        let mut room = self.room();
         for (fe, entry) in &desired.services {
             self.apply_counted(fe, entry, &states, &wanted_ips, &mut room, &mut report);
         }
@@ -412,6 +400,7 @@ impl<M: LbMaps> Reconciler<M> {
             .filter_map(|i| maglev_table_of(&i.master))
             .collect();
         self.maglev_tables.retain(|t, _| named.contains(t));
+        self.retry_maglev_fallbacks(desired, &states, &wanted_ips, &mut room, &mut report);
         // Slots dropped by shrinking services leave their backends unreferenced.
         self.delete_stray_slots(&mut report);
         self.collect_garbage(&BTreeSet::new(), &mut report);
@@ -552,6 +541,7 @@ impl<M: LbMaps> Reconciler<M> {
                 self.maglev_tables.remove(&t);
             }
         }
+        self.retry_maglev_fallbacks(desired, &states, &ips, &mut room, &mut report);
         self.delete_stray_slots(&mut report);
         let mut ids = old_ids;
         ids.extend(
@@ -667,6 +657,30 @@ impl<M: LbMaps> Reconciler<M> {
         self.finish(&report);
         debug_assert_eq!(self.counts, self.recount(), "entry counts drifted");
         report
+    }
+
+    /// Tries the Maglev frontends that found no free table once more, when frontends after
+    /// them in this apply freed one (a table is free only once its master stopped naming it,
+    /// so an earlier frontend cannot take it): one apply then programs what a fresh
+    /// reconciler's would.
+    fn retry_maglev_fallbacks(
+        &mut self,
+        desired: &DesiredState,
+        states: &HashMap<L4Addr, BackendState>,
+        ips: &BTreeMap<IpAddr, u32>,
+        room: &mut BTreeMap<(Table, Family), i64>,
+        report: &mut ApplyReport,
+    ) {
+        let tables = self.maps.maglev_geometry().tables as usize;
+        if report.fallbacks.is_empty() || self.maglev_tables.len() >= tables {
+            return;
+        }
+        for e in std::mem::take(&mut report.fallbacks) {
+            match desired.services.get(&e.frontend) {
+                Some(entry) => self.apply_counted(&e.frontend, entry, states, ips, room, report),
+                None => report.fallbacks.push(e),
+            }
+        }
     }
 
     /// After an apply: whether the next may be incremental, and what it must retry.
