@@ -19,10 +19,12 @@
 //! Per service only its frontend keys, its skipped entries and its no-local counts are kept;
 //! the entries live once, in the desired state.
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::BTreeMap,
     hash::{BuildHasherDefault, Hasher},
     sync::Arc,
 };
+
+use foldhash::{HashMap, HashSet, HashSetExt as _};
 
 use k8s_openapi::{
     api::{core::v1::Service, discovery::v1::EndpointSlice},
@@ -100,7 +102,7 @@ impl Hasher for PtrHasher {
     }
 }
 
-type PtrMap = HashMap<usize, u32, BuildHasherDefault<PtrHasher>>;
+type PtrMap = std::collections::HashMap<usize, u32, BuildHasherDefault<PtrHasher>>;
 
 fn ptr<T>(a: &Arc<T>) -> usize {
     Arc::as_ptr(a) as usize

@@ -62,10 +62,42 @@ pub struct Settings {
     pub rss: (usize, usize),
     /// A case tried once with lb's default map sizes, to report whether it fits.
     pub attempt: Option<(usize, usize)>,
+    /// Which cases run (attempt, cold, change, more, burst, rss); all when empty.
+    pub cases: Vec<String>,
 }
 
 impl Settings {
     pub fn new(quick: bool) -> Self {
+        let mut s = Self::defaults(quick);
+        // For investigating lb's own cases:
+        // `LB_BENCH_CONTROLPLANE=cases=more+burst+rss,more=10000x10x1000`.
+        if let Ok(v) = std::env::var("LB_BENCH_CONTROLPLANE") {
+            for kv in v.split(',') {
+                match kv.split_once('=') {
+                    Some(("cases", c)) => s.cases = c.split('+').map(str::to_owned).collect(),
+                    // `more=10000x10x1000+1000x100x1000`: services × endpoints × changes.
+                    Some(("more", c)) => {
+                        s.more_changes = c
+                            .split('+')
+                            .filter_map(|m| {
+                                let v: Vec<usize> =
+                                    m.split('x').filter_map(|x| x.parse().ok()).collect();
+                                (v.len() == 3).then(|| (v[0], v[1], v[2]))
+                            })
+                            .collect();
+                    }
+                    _ => {}
+                }
+            }
+        }
+        s
+    }
+
+    fn runs(&self, case: &str) -> bool {
+        self.cases.is_empty() || self.cases.iter().any(|c| c == case)
+    }
+
+    fn defaults(quick: bool) -> Self {
         if quick {
             Self {
                 cold: vec![(100, 10), (300, 10)],
@@ -80,6 +112,7 @@ impl Settings {
                 burst: (300, 10, 50, 3),
                 rss: (1_000, 10),
                 attempt: None,
+                cases: Vec::new(),
             }
         } else {
             Self {
@@ -95,6 +128,7 @@ impl Settings {
                 burst: (10_000, 10, 1_000, 20),
                 rss: (10_000, 10),
                 attempt: Some((50_000, 10)),
+                cases: Vec::new(),
             }
         }
     }
@@ -116,16 +150,26 @@ fn kp_config() -> Config {
 
 pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     let tmp = TempDir::new("controlplane")?;
-    if let Some((n, e)) = settings.attempt {
+    if let Some((n, e)) = settings.attempt.filter(|_| settings.runs("attempt")) {
         attempt(n, e, results)?;
     }
-    cold(settings, &tmp, results)?;
-    change(settings, &tmp, results)?;
-    for &(n, e, changes) in &settings.more_changes {
-        lb_changes(n, e, changes, results)?;
+    if settings.runs("cold") {
+        cold(settings, &tmp, results)?;
     }
-    burst(settings, results)?;
-    rss(settings, results)?;
+    if settings.runs("change") {
+        change(settings, &tmp, results)?;
+    }
+    if settings.runs("more") {
+        for &(n, e, changes) in &settings.more_changes {
+            lb_changes(n, e, changes, results)?;
+        }
+    }
+    if settings.runs("burst") {
+        burst(settings, results)?;
+    }
+    if settings.runs("rss") {
+        rss(settings, results)?;
+    }
     Ok(())
 }
 
