@@ -368,32 +368,17 @@ impl<M: LbMaps> Reconciler<M> {
             self.remove_counted(&fe, &mut report);
         }
         self.delete_stray_slots(&mut report);
-        self.wanted = HashMap::new();
+        self.wanted = HashMap::with_capacity(self.wanted.len());
         for e in desired.services.values() {
             self.want(&e.backends, true);
         }
-        let wanted: BTreeSet<L4Addr> = desired
-            .services
-            .values()
-            .flat_map(|e| e.backends.iter().map(|b| b.l4))
-            .collect();
-        self.collect_garbage(&wanted, &mut report);
-
-        // One state per backend address: the backends map has a single entry for it, so the
-        // most usable state any frontend gives it wins (active, then terminating, ...).
-        let mut states: HashMap<L4Addr, BackendState> = HashMap::new();
-        for b in desired.services.values().flat_map(|e| &e.backends) {
-            states
-                .entry(b.l4)
-                .and_modify(|s| *s = (*s).min(b.state))
-                .or_insert(b.state);
-        }
+        self.collect_garbage(true, &mut report);
 
         let wanted_ips = cluster_ip_counts(desired.services.iter().map(|(fe, e)| (fe, e.flags)));
 
         let mut room = self.room();
         for (fe, entry) in &desired.services {
-            self.apply_counted(fe, entry, &states, &wanted_ips, &mut room, &mut report);
+            self.apply_counted(fe, entry, &wanted_ips, &mut room, &mut report);
         }
 
         // Tables claimed by writes that failed before their master named them are free again.
@@ -403,10 +388,10 @@ impl<M: LbMaps> Reconciler<M> {
             .filter_map(|i| maglev_table_of(&i.master))
             .collect();
         self.maglev_tables.retain(|t, _| named.contains(t));
-        self.retry_maglev_fallbacks(desired, &states, &wanted_ips, &mut room, &mut report);
+        self.retry_maglev_fallbacks(desired, &wanted_ips, &mut room, &mut report);
         // Slots dropped by shrinking services leave their backends unreferenced.
         self.delete_stray_slots(&mut report);
-        self.collect_garbage(&BTreeSet::new(), &mut report);
+        self.collect_garbage(false, &mut report);
         self.sync_cluster_ips(&mut report);
         self.prune_src_ranges(desired, &mut report);
         self.prune_aff_match(&mut report);
@@ -469,19 +454,13 @@ impl<M: LbMaps> Reconciler<M> {
         let cw = &changed_want;
         self.collect_garbage_of(&old_ids, &old_revnat, &changed, cw, true, &mut report);
 
-        // 2. The changed frontends, in `apply`'s order, with the backend states and ClusterIP
-        // counts of the whole desired state.
-        let mut states: HashMap<L4Addr, BackendState> = HashMap::new();
+        // 2. The changed frontends, in `apply`'s order, with the backend states (`wanted`) and
+        // ClusterIP counts of the whole desired state.
         let mut ips: BTreeMap<IpAddr, u32> = BTreeMap::new();
         for fe in &changed {
             let Some(entry) = desired.services.get(fe) else {
                 continue;
             };
-            for b in &entry.backends {
-                if let Some(s) = self.wanted_state(&b.l4) {
-                    states.insert(b.l4, s);
-                }
-            }
             if entry.flags & svc_flags::CLUSTER_IP != 0 && !ips.contains_key(&fe.l4.addr) {
                 let n = at_addr(&desired.services, fe.l4.addr)
                     .filter(|(_, e)| e.flags & svc_flags::CLUSTER_IP != 0)
@@ -492,7 +471,7 @@ impl<M: LbMaps> Reconciler<M> {
         let mut room = self.room();
         for fe in &changed {
             if let Some(entry) = desired.services.get(fe) {
-                self.apply_counted(fe, entry, &states, &ips, &mut room, &mut report);
+                self.apply_counted(fe, entry, &ips, &mut room, &mut report);
             }
         }
         // A backend's state is the most usable any frontend gives it: a change may move it for
@@ -546,7 +525,7 @@ impl<M: LbMaps> Reconciler<M> {
                 self.maglev_tables.remove(&t);
             }
         }
-        self.retry_maglev_fallbacks(desired, &states, &ips, &mut room, &mut report);
+        self.retry_maglev_fallbacks(desired, &ips, &mut room, &mut report);
         self.delete_stray_slots(&mut report);
         let mut ids = old_ids;
         ids.extend(
@@ -671,7 +650,6 @@ impl<M: LbMaps> Reconciler<M> {
     fn retry_maglev_fallbacks(
         &mut self,
         desired: &DesiredState,
-        states: &HashMap<L4Addr, BackendState>,
         ips: &BTreeMap<IpAddr, u32>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
@@ -682,7 +660,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         for e in std::mem::take(&mut report.fallbacks) {
             match desired.services.get(&e.frontend) {
-                Some(entry) => self.apply_counted(&e.frontend, entry, states, ips, room, report),
+                Some(entry) => self.apply_counted(&e.frontend, entry, ips, room, report),
                 None => report.fallbacks.push(e),
             }
         }
@@ -783,13 +761,12 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         entry: &ServiceEntry,
-        states: &HashMap<L4Addr, BackendState>,
         ips: &BTreeMap<IpAddr, u32>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
     ) {
         let before = entries_of(self.services.get(fe));
-        let result = self.apply_service(fe, entry, states, ips, room, report);
+        let result = self.apply_service(fe, entry, ips, room, report);
         let after = entries_of(self.services.get(fe));
         let f = fam_of(&fe.l4.addr);
         self.counts.services[f] = self.counts.services[f] + after - before;
@@ -1007,7 +984,6 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         fe: &Frontend,
         entry: &ServiceEntry,
-        states: &HashMap<L4Addr, BackendState>,
         cluster_ips: &BTreeMap<IpAddr, u32>,
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
@@ -1124,11 +1100,15 @@ impl<M: LbMaps> Reconciler<M> {
             pad: 0,
             affinity_timeout: if affine { entry.affinity_timeout } else { 0 },
         };
-        // The state a backend gets in the (shared) backends map.
-        let global = |b: &Backend| Backend {
-            l4: b.l4,
-            state: states.get(&b.l4).copied().unwrap_or(b.state),
-        };
+        // The state a backend gets in the (shared) backends map: one entry per address, so
+        // the most usable state any frontend of the desired state gives it.
+        let global: Vec<Backend> = backends
+            .iter()
+            .map(|b| Backend {
+                l4: b.l4,
+                state: self.wanted_state(&b.l4).unwrap_or(b.state),
+            })
+            .collect();
         let unchanged = ranges.is_empty()
             && matches.is_empty()
             && maglev.writes.is_empty()
@@ -1136,10 +1116,10 @@ impl<M: LbMaps> Reconciler<M> {
                 .as_ref()
                 .is_some_and(|i| i.master == master && i.slots == planned_ids)
             && self.revnat.get(&rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
-            && backends
+            && global
                 .iter()
                 .zip(&planned_ids)
-                .all(|(b, id)| self.backends.get(id) == Some(&global(b)));
+                .all(|(b, id)| self.backends.get(id) == Some(b));
         if unchanged {
             if let Some(set) = maglev.built {
                 self.maglev_built.insert(*fe, set);
@@ -1162,8 +1142,8 @@ impl<M: LbMaps> Reconciler<M> {
             self.put_cluster_ip(fe.l4.addr, n, report);
         }
         // 1. Backends (new ones, and known ones whose state changed).
-        for (b, id) in backends.iter().zip(&planned_ids) {
-            let b = global(b);
+        for (b, id) in global.iter().zip(&planned_ids) {
+            let b = *b;
             if self.backends.get(id) != Some(&b) {
                 self.maps.put_backend(*id, &b).map_err(|e| e.to_string())?;
                 report.writes += 1;
@@ -1501,10 +1481,11 @@ impl<M: LbMaps> Reconciler<M> {
 
     /// Deletes backends and rev-NAT entries no installed service refers to.
     ///
-    /// Backends in `keep` survive even when unreferenced: they are about to be used again, and
-    /// keeping them keeps their ids (and the conntrack entries naming them) valid.
-    fn collect_garbage(&mut self, keep: &BTreeSet<L4Addr>, report: &mut ApplyReport) {
-        let used_backends: BTreeSet<u32> = self
+    /// With `keep_wanted`, backends the desired state names (`wanted`) survive even when
+    /// unreferenced: they are about to be used again, and keeping them keeps their ids (and
+    /// the conntrack entries naming them) valid.
+    fn collect_garbage(&mut self, keep_wanted: bool, report: &mut ApplyReport) {
+        let used_backends: HashSet<u32> = self
             .services
             .values()
             .flat_map(|i| i.slots.iter().copied())
@@ -1513,11 +1494,14 @@ impl<M: LbMaps> Reconciler<M> {
         let unused: Vec<u32> = self
             .backends
             .iter()
-            .filter(|(id, b)| !used_backends.contains(id) && !keep.contains(&b.l4))
+            .filter(|(id, b)| {
+                let kept = keep_wanted && self.wanted.contains_key(&b.l4);
+                !(used_backends.contains(id) || kept)
+            })
             .map(|(id, _)| *id)
             .collect();
         self.delete_backends(unused, report);
-        let used_revnat: BTreeSet<u32> = self
+        let used_revnat: HashSet<u32> = self
             .services
             .values()
             .map(|i| i.master.rev_nat_id)

@@ -297,6 +297,10 @@ pub struct ChangeTracker {
 struct Tracked<T> {
     by_key: HashMap<Key, Arc<T>>,
     by_ptr: HashSet<usize, BuildHasherDefault<PtrHasher>>,
+    /// The previous snapshot's addresses in its order: an object at the same position as
+    /// before is matched without a hash lookup (see `incremental::at`); `by_key` holds them
+    /// all, so an equal address is the same object.
+    order: Vec<usize>,
 }
 
 impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
@@ -304,6 +308,7 @@ impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
         Self {
             by_key: HashMap::new(),
             by_ptr: HashSet::default(),
+            order: Vec::new(),
         }
     }
 
@@ -312,8 +317,11 @@ impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
     fn observe<'a>(&mut self, new: &'a [Arc<T>]) -> (Vec<&'a Arc<T>>, usize) {
         let mut matched = 0;
         let mut fresh = Vec::new();
-        for o in new {
-            if self.by_ptr.contains(&(Arc::as_ptr(o) as usize)) {
+        let before = std::mem::take(&mut self.order);
+        self.order
+            .extend(new.iter().map(|o| Arc::as_ptr(o) as usize));
+        for (i, (o, p)) in new.iter().zip(&self.order).enumerate() {
+            if before.get(i) == Some(p) || self.by_ptr.contains(p) {
                 matched += 1;
             } else {
                 fresh.push((key(o), o));
@@ -337,6 +345,10 @@ impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
                 .filter(|o| updated.contains(&(Arc::as_ptr(o) as usize)))
                 .collect();
             self.by_ptr = index.values().map(|o| Arc::as_ptr(o) as usize).collect();
+            if index.len() != new.len() {
+                // A name repeats: `by_key` does not hold every object `order` names.
+                self.order.clear();
+            }
             self.by_key = index;
             return (updated, removed);
         }
