@@ -587,19 +587,7 @@ impl<M: LbMaps> Reconciler<M> {
             .filter(|r| !wanted_ranges.contains(r))
             .copied()
             .collect();
-        for (id, cidr) in stale {
-            match self.maps.del_src_range(id, &cidr) {
-                Ok(()) => {
-                    report.deletes += 1;
-                    self.src_ranges.remove(&(id, cidr));
-                    self.counts.src_ranges[fam_of(&cidr.addr)] -= 1;
-                }
-                Err(e) => {
-                    self.degraded = true;
-                    tracing::warn!(id, %cidr, error = %e, "cannot delete source range")
-                }
-            }
-        }
+        self.delete_src_ranges(stale, &mut report);
         let mut stale = Vec::new();
         for fe in &changed {
             let family = Family::of(&fe.l4.addr);
@@ -885,6 +873,12 @@ impl<M: LbMaps> Reconciler<M> {
             .flat_map(|(id, e)| e.source_ranges.iter().map(move |c| (id, *c)))
             .collect();
         let stale: Vec<(u32, Cidr)> = self.src_ranges.difference(&wanted).copied().collect();
+        self.delete_src_ranges(stale, report);
+    }
+
+    /// Deletes the source ranges `stale` from the maps and the mirror; one that cannot be
+    /// deleted stays (logged) and marks the reconciler degraded.
+    fn delete_src_ranges(&mut self, stale: Vec<(u32, Cidr)>, report: &mut ApplyReport) {
         for (id, cidr) in stale {
             match self.maps.del_src_range(id, &cidr) {
                 Ok(()) => {

@@ -64,6 +64,9 @@ pub struct Settings {
     pub attempt: Option<(usize, usize)>,
     /// Which cases run (attempt, cold, change, more, burst, rss); all when empty.
     pub cases: Vec<String>,
+    /// In the `more` cases: a full sync (on maps of its own) after every this many changes,
+    /// and each change's time printed by whether a full sync came just before it (0: none).
+    pub full_every: usize,
 }
 
 impl Settings {
@@ -75,6 +78,7 @@ impl Settings {
             for kv in v.split(',') {
                 match kv.split_once('=') {
                     Some(("cases", c)) => s.cases = c.split('+').map(str::to_owned).collect(),
+                    Some(("full_every", n)) => s.full_every = n.parse().unwrap_or(0),
                     // `more=10000x10x1000+1000x100x1000`: services × endpoints × changes.
                     Some(("more", c)) => {
                         s.more_changes = c
@@ -113,6 +117,7 @@ impl Settings {
                 rss: (1_000, 10),
                 attempt: None,
                 cases: Vec::new(),
+                full_every: 0,
             }
         } else {
             Self {
@@ -129,6 +134,7 @@ impl Settings {
                 rss: (10_000, 10),
                 attempt: Some((50_000, 10)),
                 cases: Vec::new(),
+                full_every: 0,
             }
         }
     }
@@ -161,7 +167,7 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     }
     if settings.runs("more") {
         for &(n, e, changes) in &settings.more_changes {
-            lb_changes(n, e, changes, results)?;
+            lb_changes(n, e, changes, settings.full_every, results)?;
         }
     }
     if settings.runs("burst") {
@@ -695,13 +701,34 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
 }
 
 /// One EndpointSlice change at a time through the daemon's sync, lb only.
-fn lb_changes(n: usize, e: usize, changes: usize, results: &mut Results) -> anyhow::Result<()> {
+fn lb_changes(
+    n: usize,
+    e: usize,
+    changes: usize,
+    full_every: usize,
+    results: &mut Results,
+) -> anyhow::Result<()> {
     let mut defs = workload::fillers(n, e);
     let mut objects = workload::objects(&defs);
     let mut rng = Rng::new(0xc4a7);
     let mut daemon = Daemon::new(&objects, n, e)?;
     let mut took = Vec::with_capacity(changes);
+    // The full sync beside, for `full_every` (see `Settings`).
+    let mut full = match full_every {
+        0 => None,
+        _ => {
+            let mut datapath = Datapath::load(&load_options(n, e).0)?;
+            let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
+            Some((datapath, reconciler))
+        }
+    };
+    let (mut after_full, mut others) = (Vec::new(), Vec::new());
     for c in 0..changes {
+        let just_full = full_every > 0 && c % full_every == 0;
+        if let Some((_, reconciler)) = full.as_mut().filter(|_| just_full) {
+            let t = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+            reconciler.apply(&t.state);
+        }
         workload::check_interrupted()?;
         replace_endpoint(&mut defs, &mut objects, rng.below(n), c);
         let (t, report) = daemon.sync(&objects);
@@ -712,6 +739,27 @@ fn lb_changes(n: usize, e: usize, changes: usize, results: &mut Results) -> anyh
             report.errors.first()
         );
         took.push(t.as_secs_f64() * 1e3);
+        if full_every > 0 {
+            let group = if just_full {
+                &mut after_full
+            } else {
+                &mut others
+            };
+            group.push(t.as_secs_f64() * 1e3);
+        }
+    }
+    if full_every > 0 {
+        for (what, v) in [
+            ("right after a full sync", &mut after_full),
+            ("others", &mut others),
+        ] {
+            println!(
+                "controlplane: {n} × {e}, {what}: {} changes, median {:.3} ms, p99 {:.3} ms",
+                v.len(),
+                workload::median(v),
+                workload::percentile(v, 99.0)
+            );
+        }
     }
     let median = workload::median(&mut took);
     let p99 = workload::percentile(&mut took, 99.0);
