@@ -17,7 +17,7 @@
 //! [`desired`] is the pure part; [`HealthServers`] opens, updates and closes the listeners.
 use std::{
     borrow::Borrow,
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashSet},
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::Arc,
@@ -247,9 +247,36 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
     slices: &[E],
     node_name: &str,
 ) -> HealthChecks {
-    let index = index_slices(slices, node_name);
-    let mut services: Vec<&Service> = services.iter().map(Borrow::borrow).collect();
+    // Only services with a health check node port matter (LoadBalancers with
+    // `externalTrafficPolicy: Local`), and only their slices are indexed: every sync runs
+    // this, and indexing every endpoint of the cluster made it O(all endpoints).
+    let mut services: Vec<&Service> = services
+        .iter()
+        .map(Borrow::borrow)
+        .filter(|s| health_check_port(s).is_some())
+        .collect();
     services.sort_by_key(|s| object_name(&s.metadata));
+    let keys: HashSet<(&str, &str)> = services
+        .iter()
+        .filter_map(|s| {
+            let ns = s.metadata.namespace.as_deref().unwrap_or("default");
+            Some((ns, s.metadata.name.as_deref()?))
+        })
+        .collect();
+    let slices: Vec<&EndpointSlice> = slices
+        .iter()
+        .map(Borrow::borrow)
+        .filter(|slice| {
+            let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+            let service = slice
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_SERVICE_NAME));
+            service.is_some_and(|name| keys.contains(&(ns, name.as_str())))
+        })
+        .collect();
+    let index = index_slices(&slices, node_name);
     let mut out = HealthChecks::default();
     for svc in services {
         let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
@@ -629,6 +656,26 @@ mod tests {
             Some(1)
         );
         assert_eq!(count(&desired(&svc, &s, ""), 31000, Family::IPv4), Some(0));
+    }
+
+    #[test]
+    fn only_the_slices_of_the_service_itself_count() {
+        let svc = lb_service("ns", "web", 31000, &["198.19.0.10"]);
+        // Same service name in another namespace, and another service in the same one.
+        let local = json!([{"addresses": ["198.18.11.2"], "nodeName": "me"}]);
+        let elsewhere = slice("other", "web-a", "web", "IPv4", two_ports(), local.clone());
+        let neighbour = slice("ns", "api-a", "api", "IPv4", two_ports(), local.clone());
+        let own = slice(
+            "ns",
+            "web-a",
+            "web",
+            "IPv4",
+            two_ports(),
+            json!([{"addresses": ["198.18.12.2"], "nodeName": "me"},
+                   {"addresses": ["198.18.13.2"], "nodeName": "me"}]),
+        );
+        let checks = desired(&[svc], &[elsewhere, neighbour, own], "me");
+        assert_eq!(count(&checks, 31000, Family::IPv4), Some(2));
     }
 
     #[test]
