@@ -35,6 +35,28 @@ use super::{
     translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
 };
 
+/// kubectl's copy of the whole object it last applied, in an annotation.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Drops what lb never reads before the reflector stores an object: `managedFields` and
+/// kubectl's last-applied copy are often most of an object's size, and the stores hold every
+/// Service and EndpointSlice of the cluster. Other annotations stay (lb reads some).
+fn trim<K: kube::Resource>(o: &mut K) {
+    let meta = o.meta_mut();
+    meta.managed_fields = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.remove(LAST_APPLIED);
+    }
+}
+
+/// `trim`, and the Node's image list (lb reads its labels and addresses).
+fn trim_node(n: &mut Node) {
+    trim(n);
+    if let Some(status) = n.status.as_mut() {
+        status.images = None;
+    }
+}
+
 /// kube-rs' default watch timeout (`timeoutSeconds`), which `lb run --watch-timeout` overrides.
 pub const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(290);
 
@@ -193,13 +215,13 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
             Step::Other
         }
     }
-    let svc_events = reflector(svc_writer, watcher(services, svc_cfg))
+    let svc_events = reflector(svc_writer, watcher(services, svc_cfg).modify(trim))
         .default_backoff()
         .map(|e| (Kind::Services, e.map(|e| step(&e))));
-    let slice_events = reflector(slice_writer, watcher(slices, slice_cfg))
+    let slice_events = reflector(slice_writer, watcher(slices, slice_cfg).modify(trim))
         .default_backoff()
         .map(|e| (Kind::Slices, e.map(|e| step(&e))));
-    let node_events = reflector(node_writer, watcher(nodes, node_cfg))
+    let node_events = reflector(node_writer, watcher(nodes, node_cfg).modify(trim_node))
         .default_backoff()
         .map(|e| (Kind::Node, e.map(|e| step(&e))));
     let mut events = stream::select_all([
@@ -275,5 +297,56 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
         {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::{Node, Service};
+    use serde_json::json;
+
+    use super::{LAST_APPLIED, trim, trim_node};
+
+    #[test]
+    fn trim_drops_managed_fields_and_the_last_applied_copy_only() {
+        let mut svc: Service = serde_json::from_value(json!({
+            "metadata": {
+                "name": "web",
+                "namespace": "shop",
+                "resourceVersion": "7",
+                "labels": {"app": "web"},
+                "annotations": {
+                    LAST_APPLIED: "{\"kind\":\"Service\"}",
+                    "lb.io/lb-algorithm": "maglev",
+                },
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}],
+            },
+            "spec": {"clusterIP": "198.19.0.1", "ports": [{"port": 80}]},
+        }))
+        .expect("service");
+        let spec = svc.spec.clone();
+        trim(&mut svc);
+        let meta = &svc.metadata;
+        assert_eq!(meta.managed_fields, None);
+        let annotations = meta.annotations.as_ref().expect("annotations");
+        assert!(!annotations.contains_key(LAST_APPLIED));
+        assert_eq!(annotations["lb.io/lb-algorithm"], "maglev");
+        assert_eq!(meta.resource_version.as_deref(), Some("7"));
+        assert_eq!(meta.labels.as_ref().map(|l| l["app"].as_str()), Some("web"));
+        assert_eq!(svc.spec, spec);
+
+        let mut node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "a"}},
+            "status": {
+                "addresses": [{"type": "InternalIP", "address": "198.18.0.1"}],
+                "images": [{"names": ["registry.invalid/app:1"], "sizeBytes": 1}],
+            },
+        }))
+        .expect("node");
+        trim_node(&mut node);
+        let status = node.status.as_ref().expect("status");
+        assert_eq!(status.images, None);
+        assert_eq!(status.addresses.as_ref().map(Vec::len), Some(1));
+        assert!(node.metadata.labels.is_some());
     }
 }
