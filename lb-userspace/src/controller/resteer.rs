@@ -53,7 +53,9 @@ impl Changes {
 /// The UDP pairs between `old` and `new`, as `lb_udp_gone` keys. A frontend whose write failed
 /// (`report.errors`) kept its previous state in the maps, so its pairs are not gone.
 /// Frontends are compared by address only: socket LB records the address the application
-/// connected to, whatever scope served it.
+/// connected to, whatever scope served it. The whole-state reference `PairTracker` (what the
+/// daemon uses, from each sync's `Update`) is tested against.
+#[cfg(test)]
 pub fn changes(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> Changes {
     let failed: BTreeSet<L4Addr> = report.errors.iter().map(|e| e.frontend.l4).collect();
     let pairs = |s: &DesiredState| -> BTreeSet<(L4Addr, L4Addr)> {
@@ -178,6 +180,7 @@ impl PairTracker {
 }
 
 /// The pairs `changes` reports gone.
+#[cfg(test)]
 pub fn gone_pairs(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> Vec<DestroyKey> {
     changes(old, new, report).gone
 }
