@@ -955,13 +955,17 @@ fn method(w: &mut String, r: &Results) {
         "controlplane_maps_",
         "controlplane_rules_",
         "newflows_load_",
+        "newflows_bpf_",
         "northsouth_load_",
     ]
     .iter()
     .flat_map(|p| r.notes_with(p))
     .collect();
     if !facts.is_empty() {
-        let _ = writeln!(w, "## Rule sets, map sizes, load times\n");
+        let _ = writeln!(
+            w,
+            "## Rule sets, map sizes, load times, lb's program time per flow\n"
+        );
         for note in facts {
             let _ = writeln!(w, "- {note}");
         }

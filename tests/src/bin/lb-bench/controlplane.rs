@@ -73,12 +73,32 @@ impl Settings {
     pub fn new(quick: bool) -> Self {
         let mut s = Self::defaults(quick);
         // For investigating lb's own cases:
-        // `LB_BENCH_CONTROLPLANE=cases=more+burst+rss,more=10000x10x1000`.
+        // `LB_BENCH_CONTROLPLANE=cases=more+burst+rss,more=10000x10x1000` or
+        // `LB_BENCH_CONTROLPLANE=cases=cold,cold=10000x10,rules_max=0,reps=7`.
         if let Ok(v) = std::env::var("LB_BENCH_CONTROLPLANE") {
             for kv in v.split(',') {
                 match kv.split_once('=') {
                     Some(("cases", c)) => s.cases = c.split('+').map(str::to_owned).collect(),
                     Some(("full_every", n)) => s.full_every = n.parse().unwrap_or(0),
+                    Some(("reps", n)) => s.reps = n.parse().unwrap_or(s.reps),
+                    // `cold=10000x10+1000x10`: services × endpoints.
+                    Some(("cold", c)) => {
+                        s.cold = c
+                            .split('+')
+                            .filter_map(|m| {
+                                let (n, e) = m.split_once('x')?;
+                                Some((n.parse().ok()?, e.parse().ok()?))
+                            })
+                            .collect();
+                    }
+                    // `rules_max=0`: the cold case loads no kube-proxy rule set (lb alone).
+                    Some(("rules_max", n)) => {
+                        if let Ok(max) = n.parse() {
+                            for r in &mut s.rules_max {
+                                r.1 = max;
+                            }
+                        }
+                    }
                     // `more=10000x10x1000+1000x100x1000`: services × endpoints × changes.
                     Some(("more", c)) => {
                         s.more_changes = c

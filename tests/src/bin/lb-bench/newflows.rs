@@ -54,10 +54,37 @@ pub struct Settings {
     /// Largest service count iptables-nft is loaded at (`iptables-nft-restore --noflush`
     /// slows down faster than linearly with the number of chains).
     pub iptables_nft_max: usize,
+    /// The implementations measured (all unless narrowed by `LB_BENCH_NEWFLOWS`).
+    impls: Vec<Impl>,
 }
 
 impl Settings {
     pub fn new(quick: bool) -> Self {
+        let mut s = Self::defaults(quick);
+        // For investigating one comparison:
+        // `LB_BENCH_NEWFLOWS=sizes=1+30000,reps=5,flows=4000,impls=direct+lb_socket+lb_tc`.
+        if let Ok(v) = std::env::var("LB_BENCH_NEWFLOWS") {
+            for kv in v.split(',') {
+                match kv.split_once('=') {
+                    Some(("sizes", n)) => {
+                        s.sizes = n.split('+').filter_map(|x| x.parse().ok()).collect();
+                    }
+                    Some(("reps", n)) => s.reps = n.parse().unwrap_or(s.reps),
+                    Some(("flows", n)) => s.flows = n.parse().unwrap_or(s.flows),
+                    Some(("impls", n)) => {
+                        s.impls = Impl::ALL
+                            .into_iter()
+                            .filter(|i| n.split('+').any(|x| x == i.name()))
+                            .collect();
+                    }
+                    _ => {}
+                }
+            }
+        }
+        s
+    }
+
+    fn defaults(quick: bool) -> Self {
         if quick {
             Self {
                 sizes: vec![1, 100],
@@ -66,6 +93,7 @@ impl Settings {
                 warmup: 10,
                 max_ms: 5_000,
                 iptables_nft_max: usize::MAX,
+                impls: Impl::ALL.to_vec(),
             }
         } else {
             Self {
@@ -75,6 +103,7 @@ impl Settings {
                 warmup: 20,
                 max_ms: 10_000,
                 iptables_nft_max: 10_000,
+                impls: Impl::ALL.to_vec(),
             }
         }
     }
@@ -225,11 +254,13 @@ fn run_size(
         lb_tests::testbed::HOST_IF,
     ]);
     netns::run(&beds[0].tb.client.ns, cmd)?;
-    let impls: Vec<Impl> = Impl::ALL
-        .into_iter()
+    let impls: Vec<Impl> = settings
+        .impls
+        .iter()
+        .copied()
         .filter(|i| *i != Impl::IptablesNft || n <= settings.iptables_nft_max)
         .collect();
-    if impls.len() < Impl::ALL.len() {
+    if settings.impls.contains(&Impl::IptablesNft) && !impls.contains(&Impl::IptablesNft) {
         results.note(
             &format!("not_measured_newflows_iptables_nft_{n:06}"),
             format!(
@@ -269,6 +300,8 @@ fn run_size(
     }
     // (case, impl) → per-sample (rate, p50, p99).
     let mut samples = vec![vec![Vec::new(); Impl::ALL.len()]; cases.len()];
+    // (case, impl) → lb's programs' summed runs and flows attempted.
+    let mut bpf = vec![vec![ProgTime::default(); Impl::ALL.len()]; cases.len()];
     for rep in 0..settings.reps {
         for (c, (proto, _, svc)) in cases.iter().enumerate() {
             let mut order = impls.clone();
@@ -291,6 +324,37 @@ fn run_size(
             }
         }
     }
+    // One more sample of each lb implementation with the kernel's per-program run-time stats
+    // on, so the report can say how much of lb's cost per flow is its own programs. Not in
+    // the measured samples: in a VM the stats' two clock reads per run are no small part of a
+    // program's cost.
+    match aya::sys::enable_stats(aya::sys::Stats::RunTime) {
+        Ok(_stats_on) => {
+            for (c, (proto, _, svc)) in cases.iter().enumerate() {
+                for imp in [Impl::Socket, Impl::Tc] {
+                    if !impls.contains(&imp) {
+                        continue;
+                    }
+                    let targets = match proto {
+                        Proto::Tcp => vec![SocketAddrV4::new(workload::vip(*svc), 80)],
+                        Proto::Udp => vec![SocketAddrV4::new(workload::vip(*svc), 53)],
+                    };
+                    let index = Impl::ALL.iter().position(|i| *i == imp).unwrap_or(0);
+                    let port = &mut next_port[index][usize::from(*proto == Proto::Udp)];
+                    let before = prog_stats()?;
+                    let stats = measure(&beds[imp.bed()], imp, &targets, *proto, port, settings)
+                        .with_context(|| format!("{} {} profile", imp.name(), proto.name()))?;
+                    let t = &mut bpf[c][index];
+                    t.add(&before, &prog_stats()?);
+                    t.flows += stats.ok + stats.errors + settings.warmup;
+                }
+            }
+        }
+        Err(e) => results.note(
+            "not_measured_newflows_bpf",
+            format!("lb's per-program time per flow: BPF run-time stats unavailable ({e})"),
+        ),
+    }
     for (c, (proto, which, _)) in cases.iter().enumerate() {
         let case = format!("{}_{which}", proto.name());
         for (i, imp) in Impl::ALL.iter().enumerate() {
@@ -301,6 +365,28 @@ fn run_size(
             let mut rates: Vec<f64> = s.iter().map(|x| x.rate).collect();
             let mut p50: Vec<f64> = s.iter().map(|x| x.p50_us).collect();
             let mut p99: Vec<f64> = s.iter().map(|x| x.p99_us).collect();
+            let direct = Impl::ALL
+                .iter()
+                .position(|i| *i == Impl::Direct)
+                .unwrap_or(0);
+            if bpf[c][i].flows > 0 && !samples[c][direct].is_empty() {
+                let mut floor: Vec<f64> = samples[c][direct].iter().map(|x| x.rate).collect();
+                let floor = workload::median(&mut floor);
+                let rate = workload::median(&mut rates.clone());
+                results.note(
+                    &format!("newflows_bpf_{n:06}_{case}_{}", imp.name()),
+                    format!(
+                        "{} {case} at {n} services: a flow took {:.2} µs of wall time, {:.2} µs \
+                         more than the direct floor's {:.2} µs; in one more sample with BPF \
+                         run-time stats on, lb's programs ran {}",
+                        imp.name(),
+                        1e6 / rate,
+                        1e6 / rate - 1e6 / floor,
+                        1e6 / floor,
+                        bpf[c][i].describe()
+                    ),
+                );
+            }
             let latency = match proto {
                 Proto::Tcp => "connect_latency",
                 Proto::Udp => "request_latency",
@@ -412,12 +498,14 @@ fn program(
         cmd.args(["--noflush", "--counters"]).arg(&rules);
         loads.push((restore, netns::spawn(&ns, cmd)?));
     }
-    let mut cmd = Command::new("nft");
-    cmd.arg("-f").arg(&nft);
-    loads.push((
-        "nft -f",
-        netns::spawn(&beds[Impl::Nftables.bed()].tb.node_ns, cmd)?,
-    ));
+    if impls.contains(&Impl::Nftables) {
+        let mut cmd = Command::new("nft");
+        cmd.arg("-f").arg(&nft);
+        loads.push((
+            "nft -f",
+            netns::spawn(&beds[Impl::Nftables.bed()].tb.node_ns, cmd)?,
+        ));
+    }
     let (names, running): (Vec<&str>, Vec<netns::Running>) = loads.into_iter().unzip();
     for (what, (_, took)) in names.into_iter().zip(netns::wait_all(running)?) {
         results.note(
@@ -429,6 +517,89 @@ fn program(
         );
     }
     Ok(())
+}
+
+/// Run counts and times of lb's programs (by name) over some flows.
+#[derive(Clone, Default)]
+struct ProgTime {
+    runs: std::collections::BTreeMap<String, (u64, u64)>,
+    flows: usize,
+}
+
+impl ProgTime {
+    fn add(
+        &mut self,
+        before: &std::collections::BTreeMap<String, (u64, u64)>,
+        after: &std::collections::BTreeMap<String, (u64, u64)>,
+    ) {
+        for (name, (cnt, ns)) in after {
+            let (c0, n0) = before.get(name).copied().unwrap_or_default();
+            if *cnt > c0 {
+                let e = self.runs.entry(name.clone()).or_default();
+                e.0 += cnt - c0;
+                e.1 += ns.saturating_sub(n0);
+            }
+        }
+    }
+
+    /// "0.41 µs per flow: lb_connect4 1.0 runs × 250 ns, …".
+    fn describe(&self) -> String {
+        let flows = self.flows.max(1) as f64;
+        let total: u64 = self
+            .runs
+            .values()
+            .filter(|(cnt, _)| *cnt as f64 / flows >= 0.05)
+            .map(|(_, ns)| ns)
+            .sum();
+        // Programs that ran for well under one flow in twenty (a stray packet of another
+        // testbed's interfaces) are not the flow's.
+        let parts: Vec<String> = self
+            .runs
+            .iter()
+            .filter(|(_, (cnt, _))| *cnt as f64 / flows >= 0.05)
+            .map(|(name, (cnt, ns))| {
+                format!(
+                    "{name} {:.1} runs × {:.0} ns",
+                    *cnt as f64 / flows,
+                    *ns as f64 / (*cnt).max(1) as f64
+                )
+            })
+            .collect();
+        format!(
+            "{:.2} µs per flow ({})",
+            total as f64 / flows / 1e3,
+            if parts.is_empty() {
+                "none ran".to_owned()
+            } else {
+                parts.join(", ")
+            }
+        )
+    }
+}
+
+/// Run count and total run time (ns) of every loaded lb program, summed by name (`bpftool
+/// prog show`: aya's program info has no run-time accessor).
+fn prog_stats() -> anyhow::Result<std::collections::BTreeMap<String, (u64, u64)>> {
+    let out = Command::new("bpftool")
+        .args(["-j", "prog", "show"])
+        .output()
+        .context("bpftool prog show")?;
+    ensure!(out.status.success(), "bpftool prog show: {}", out.status);
+    let progs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+    let mut sums = std::collections::BTreeMap::new();
+    for p in progs {
+        let Some(name) = p.get("name").and_then(|n| n.as_str()) else {
+            continue;
+        };
+        if !name.starts_with("lb_") {
+            continue;
+        }
+        let field = |k: &str| p.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        let e: &mut (u64, u64) = sums.entry(name.to_owned()).or_default();
+        e.0 += field("run_cnt");
+        e.1 += field("run_time_ns");
+    }
+    Ok(sums)
 }
 
 /// What one client run reports.
