@@ -578,7 +578,7 @@ fn datapath(w: &mut String, r: &Results) {
             .map_or(String::new(), |n| thousands(*n as f64))
     );
     header(w, "case", &sizes, &[&last]);
-    let rows: [(&str, &str, &str); 8] = [
+    let rows: [(&str, &str, &str); 9] = [
         ("new_flow", "lb_tc_ingress", "lb_tc_ingress, new flow"),
         (
             "established",
@@ -586,6 +586,7 @@ fn datapath(w: &mut String, r: &Results) {
             "lb_tc_ingress, established flow",
         ),
         ("miss", "lb_tc_ingress", "lb_tc_ingress, miss (no service)"),
+        ("reply", "lb_tc_ingress", "lb_tc_ingress, reply (rev-NAT)"),
         (
             "baseline",
             "lb_tc_egress_miss",

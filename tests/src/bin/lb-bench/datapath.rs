@@ -53,6 +53,8 @@ const SPORT_MISS: u16 = 40_002;
 /// lb_xdp's flows, apart from lb_tc_ingress's (the two share conntrack).
 const SPORT_XDP_ESTABLISHED: u16 = 40_010;
 const SPORT_XDP_NEW: u16 = 40_011;
+/// The first client port `reply_flows` tries (each repetition takes fresh ones).
+const SPORT_REPLY_FIRST: u16 = 50_000;
 /// lb's XDP program (external devices, `lb run --devices`), once the build has it.
 const XDP_PROGRAM: &str = "lb_xdp";
 
@@ -141,6 +143,8 @@ struct Fixture {
     ingress: RawFd,
     egress: RawFd,
     xdp: RawFd,
+    /// The next client port `reply_flows` tries.
+    next_reply_port: u16,
 }
 
 impl Fixture {
@@ -180,6 +184,7 @@ impl Fixture {
             ingress,
             egress,
             xdp,
+            next_reply_port: SPORT_REPLY_FIRST,
         })
     }
 
@@ -236,10 +241,13 @@ enum Case {
     XdpEstablished,
     /// lb_xdp, ACK to a non-service address.
     XdpMiss,
+    /// lb_tc_ingress, ACK from a backend to the client of two established flows that rev-NAT
+    /// into each other (see `reply_flows`).
+    Reply,
 }
 
 impl Case {
-    const ALL: [Case; 8] = [
+    const ALL: [Case; 9] = [
         Case::New,
         Case::Established,
         Case::Miss,
@@ -248,6 +256,7 @@ impl Case {
         Case::XdpNew,
         Case::XdpEstablished,
         Case::XdpMiss,
+        Case::Reply,
     ];
     /// The cases of the single-run cross-check (tc only), the first of `ALL`.
     const SINGLE: usize = 5;
@@ -271,6 +280,7 @@ impl Case {
             Case::XdpNew => ("new_flow", "lb_xdp"),
             Case::XdpEstablished => ("established", "lb_xdp"),
             Case::XdpMiss => ("miss", "lb_xdp"),
+            Case::Reply => ("reply", "lb_tc_ingress"),
         }
     }
 
@@ -280,6 +290,7 @@ impl Case {
             Case::New | Case::XdpNew => Some(metrics::TC_FWD_NEW),
             Case::Established | Case::XdpEstablished => Some(metrics::TC_FWD_ESTABLISHED),
             Case::Miss | Case::Egress | Case::XdpMiss => Some(metrics::TC_PASS_NO_SERVICE),
+            Case::Reply => Some(metrics::TC_REVNAT),
             Case::PassThrough => None,
         }
     }
@@ -436,6 +447,10 @@ fn measure_repeat(fx: &mut Fixture, pass: RawFd, case: Case, repeat: u32) -> any
             tcp(CLIENT, SPORT_XDP_ESTABLISHED, workload::vip(0), 80, TCP_ACK),
         ),
         Case::XdpMiss => (fx.xdp, tcp(CLIENT, SPORT_MISS, MISS_DST, 80, TCP_ACK)),
+        Case::Reply => {
+            let (sport, backend) = reply_flows(fx)?;
+            (fx.ingress, tcp(backend, 81, CLIENT, sport, TCP_ACK))
+        }
     };
     if matches!(case, Case::Established | Case::XdpEstablished) {
         // Creates (or refreshes) the ring's conntrack entries for this flow.
@@ -489,7 +504,7 @@ fn measure_single(
                 Case::Miss => (fx.ingress, tcp(client, sport, MISS_DST, 80, TCP_ACK)),
                 Case::Egress => (fx.egress, tcp(client, sport, MISS_DST, 80, TCP_ACK)),
                 Case::PassThrough => (pass, tcp(client, sport, MISS_DST, 80, TCP_ACK)),
-                Case::XdpNew | Case::XdpEstablished | Case::XdpMiss => {
+                Case::XdpNew | Case::XdpEstablished | Case::XdpMiss | Case::Reply => {
                     bail!("{case:?} is not a single-run case")
                 }
             };
@@ -659,6 +674,52 @@ fn load_pass_through() -> io::Result<OwnedFd> {
 }
 
 /// Runs `fd` `repeat` times on `pkt`; returns (return value, kernel ns per run).
+/// Opens, from the first free client port on, the flows CLIENT:s → A:80 (backend X:81) and
+/// CLIENT:s → X:81 (backend A:80), A being the ring's first service: a reply from X:81 to
+/// CLIENT:s is rev-NATed to come from A:80, which is the reply of the second flow, rev-NATed
+/// back to X:81, so every repeated run is a reply. Backends are picked at random: ports are
+/// tried until both picks close the loop. Returns (s, X).
+fn reply_flows(fx: &mut Fixture) -> anyhow::Result<(u16, Ipv4Addr)> {
+    let a = workload::vip(0);
+    for _ in 0..64 {
+        let sport = fx.next_reply_port;
+        fx.next_reply_port = fx.next_reply_port.wrapping_add(1).max(SPORT_REPLY_FIRST);
+        let out = test_run_out(fx.ingress, &tcp(CLIENT, sport, a, 80, TCP_SYN))?;
+        let x = ipv4_dst(&out)?;
+        let out = test_run_out(fx.ingress, &tcp(CLIENT, sport, x, 81, TCP_SYN))?;
+        if ipv4_dst(&out)? == a {
+            return Ok((sport, x));
+        }
+    }
+    bail!("64 pairs of flows never rev-NATed into each other")
+}
+
+/// The destination address of a packet `tcp` built (after any rewrite).
+fn ipv4_dst(pkt: &[u8]) -> anyhow::Result<Ipv4Addr> {
+    let b: [u8; 4] = pkt
+        .get(30..34)
+        .and_then(|b| b.try_into().ok())
+        .context("short packet out of the program")?;
+    Ok(Ipv4Addr::from(b))
+}
+
+/// One run of `pkt`; returns the packet the program left.
+fn test_run_out(fd: RawFd, pkt: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let mut out = vec![0u8; pkt.len() + 256];
+    let mut attr = TestRunAttr {
+        prog_fd: u32::try_from(fd)?,
+        data_size_in: u32::try_from(pkt.len())?,
+        data_in: pkt.as_ptr() as u64,
+        data_size_out: u32::try_from(out.len())?,
+        data_out: out.as_mut_ptr() as u64,
+        repeat: 1,
+        ..Default::default()
+    };
+    bpf(BPF_PROG_TEST_RUN, &mut attr).context("BPF_PROG_TEST_RUN")?;
+    out.truncate(attr.data_size_out as usize);
+    Ok(out)
+}
+
 fn test_run(fd: RawFd, pkt: &[u8], repeat: u32) -> anyhow::Result<(u32, u32)> {
     let mut attr = TestRunAttr {
         prog_fd: u32::try_from(fd)?,
