@@ -1016,6 +1016,52 @@ fn pod_hook_uses_internal_scope_of_two_scope_frontends() {
 }
 
 #[test]
+fn a_cold_apply_writes_in_batches_what_entry_by_entry_writes_hold() {
+    // More service entries than one batch call takes (4096), in both families: the first apply
+    // on empty kernel maps holds its writes and releases them in batches; the in-memory maps
+    // take the same apply entry by entry.
+    let mut desired = DesiredState::default();
+    for i in 0..1500u32 {
+        let [_, _, hi, lo] = i.to_be_bytes();
+        let vip4: IpAddr = Ipv4Addr::new(198, 19, hi, lo).into();
+        let vip6: IpAddr = Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 0, 0, 0, 0, i as u16).into();
+        let b4: Vec<IpAddr> = (0..3u8)
+            .map(|k| Ipv4Addr::new(198, 18, hi.wrapping_add(k), lo).into())
+            .collect();
+        let b6: Vec<IpAddr> = (0..3u16)
+            .map(|k| Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, k, i as u16).into())
+            .collect();
+        for (fe, entry) in [
+            service(vip4, Proto::Tcp, &b4),
+            service(vip6, Proto::Udp, &b6),
+        ] {
+            desired.services.insert(fe, entry);
+        }
+    }
+    let opts = LoadOptions {
+        max_entries: [("lb4_services", 1 << 13), ("lb6_services", 1 << 13)]
+            .into_iter()
+            .map(|(m, n)| (m.to_string(), n))
+            .collect(),
+        ..LoadOptions::default()
+    };
+    let mut datapath = Datapath::load(&opts).expect("load");
+    let mut kernel = Reconciler::new(datapath.take_lb_maps().unwrap()).unwrap();
+    let report = kernel.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let mut mem = Reconciler::new(lb::datapath::maps::MemMaps::with_capacity(1 << 13)).unwrap();
+    let report = mem.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let dump = lb::datapath::maps::LbMaps::dump(kernel.maps()).unwrap();
+    assert_eq!(dump.services.len(), 2 * 1500 * 4);
+    assert_eq!(
+        dump,
+        mem.maps().dump,
+        "kernel maps differ from entry-by-entry writes"
+    );
+}
+
+#[test]
 fn full_service_map_is_reported_and_previous_state_kept() {
     // Real kernel maps with room for 3 service entries (master + slots).
     let opts = LoadOptions {

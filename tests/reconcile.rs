@@ -2105,3 +2105,233 @@ fn affinity_matches_are_rewritten_after_a_restart_that_lost_them() {
     assert!(report.writes >= 2, "{report:?}");
     assert_converged(dump_of(&rec), &d);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Held writes: the first apply on empty maps (a cold start) hands its backend, rev-NAT and
+// service writes to the maps to write together (`LbMaps::hold_writes`, batches in `BpfMaps`).
+
+/// A held write.
+enum HeldOp {
+    Backend(u32, Backend),
+    RevNat(u32, IpAddr, u16),
+    Service(Frontend, u16, SvcValue),
+}
+
+/// `Checked` that holds writes as `BpfMaps` does: queued, then replayed by `release_writes`
+/// in its order (backends, rev-NAT, slots, masters), stopping at the first failure.
+struct Holding {
+    inner: Checked,
+    held: Option<Vec<HeldOp>>,
+    holds: usize,
+}
+
+impl Holding {
+    fn new(capacity: u32) -> Self {
+        Self {
+            inner: Checked::new(capacity),
+            held: None,
+            holds: 0,
+        }
+    }
+
+    fn release(&mut self) -> Result<(), MapOpError> {
+        let Some(ops) = self.held.take() else {
+            return Ok(());
+        };
+        let rank = |op: &HeldOp| match op {
+            HeldOp::Backend(..) => 0,
+            HeldOp::RevNat(..) => 1,
+            HeldOp::Service(_, slot, _) if *slot != 0 => 2,
+            HeldOp::Service(..) => 3,
+        };
+        let mut ops: Vec<(usize, HeldOp)> = ops.into_iter().map(|op| (rank(&op), op)).collect();
+        // Stable: each group keeps the order of its writes.
+        ops.sort_by_key(|(r, _)| *r);
+        for (_, op) in ops {
+            match op {
+                HeldOp::Backend(id, b) => self.inner.put_backend(id, &b)?,
+                HeldOp::RevNat(id, addr, port) => self.inner.put_revnat(id, addr, port)?,
+                HeldOp::Service(fe, slot, v) => self.inner.put_service(&fe, slot, &v)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl HasMem for Holding {
+    fn mem(&self) -> &MemMaps {
+        self.inner.mem()
+    }
+}
+
+impl LbMaps for Holding {
+    fn dump(&self) -> anyhow::Result<Dump> {
+        self.inner.dump()
+    }
+
+    fn capacity(&self, table: Table, family: Family) -> u32 {
+        self.inner.capacity(table, family)
+    }
+
+    fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapOpError> {
+        match &mut self.held {
+            Some(h) => {
+                h.push(HeldOp::Backend(id, *backend));
+                Ok(())
+            }
+            None => self.inner.put_backend(id, backend),
+        }
+    }
+
+    fn del_backend(&mut self, id: u32, family: Family) -> Result<(), MapOpError> {
+        self.release()?;
+        self.inner.del_backend(id, family)
+    }
+
+    fn put_revnat(&mut self, id: u32, addr: IpAddr, port: u16) -> Result<(), MapOpError> {
+        match &mut self.held {
+            Some(h) => {
+                h.push(HeldOp::RevNat(id, addr, port));
+                Ok(())
+            }
+            None => self.inner.put_revnat(id, addr, port),
+        }
+    }
+
+    fn del_revnat(&mut self, id: u32, family: Family) -> Result<(), MapOpError> {
+        self.release()?;
+        self.inner.del_revnat(id, family)
+    }
+
+    fn put_service(
+        &mut self,
+        frontend: &Frontend,
+        slot: u16,
+        value: &SvcValue,
+    ) -> Result<(), MapOpError> {
+        match &mut self.held {
+            Some(h) => {
+                h.push(HeldOp::Service(*frontend, slot, *value));
+                Ok(())
+            }
+            None => self.inner.put_service(frontend, slot, value),
+        }
+    }
+
+    fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError> {
+        self.release()?;
+        self.inner.del_service(frontend, slot)
+    }
+
+    fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
+        self.inner.put_cluster_ip(addr, frontends)
+    }
+
+    fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        self.inner.del_cluster_ip(addr)
+    }
+
+    fn put_src_range(&mut self, id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        self.inner.put_src_range(id, cidr)
+    }
+
+    fn del_src_range(&mut self, id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
+        self.inner.del_src_range(id, cidr)
+    }
+
+    fn put_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+        self.inner.put_aff_match(m)
+    }
+
+    fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
+        self.inner.del_aff_match(m)
+    }
+
+    fn hold_writes(&mut self) {
+        self.holds += 1;
+        self.held.get_or_insert_with(Vec::new);
+    }
+
+    fn release_writes(&mut self) -> Result<(), MapOpError> {
+        self.release()
+    }
+}
+
+fn holding_desired() -> DesiredState {
+    desired(&[
+        (fe4(1), &[be4(1), be4(2), be4(3)]),
+        (fe4(2), &[be4(3), be4(4)]),
+        (fe4(3), &[]),
+        (fe4(4), &[be4(5)]),
+        (fe6(1), &[be6(1), be6(2)]),
+    ])
+}
+
+#[test]
+fn a_cold_apply_holds_its_writes_and_releases_masters_after_what_they_name() {
+    let mut rec = Reconciler::new(Holding::new(1024)).expect("dump");
+    let d = holding_desired();
+    let report = rec.apply(&d);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(rec.maps().holds, 1, "the first apply on empty maps holds");
+    assert!(
+        rec.maps().inner.violations.is_empty(),
+        "{:#?}",
+        rec.maps().inner.violations
+    );
+    assert_converged(dump_of(&rec), &d);
+    // Released in groups: every master after every backend, rev-NAT and slot write.
+    let ops: Vec<Op> = rec.maps().mem().journal.iter().map(op_of).collect();
+    let first_master = ops
+        .iter()
+        .position(|o| matches!(o, Op::PutSlot { slot: 0, .. }))
+        .expect("a master written");
+    let last_other = ops
+        .iter()
+        .rposition(|o| {
+            matches!(o, Op::PutBackend(_) | Op::PutRevNat(_))
+                || matches!(o, Op::PutSlot { slot, .. } if *slot != 0)
+        })
+        .expect("backends written");
+    assert!(last_other < first_master, "{ops:#?}");
+
+    // Maps in use are updated entry by entry.
+    let mut d2 = d.clone();
+    d2.services.insert(fe4(5), entry("svc5", &[be4(6)]));
+    let report = rec.apply(&d2);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(rec.maps().holds, 1, "a second apply does not hold");
+    assert_converged(dump_of(&rec), &d2);
+}
+
+#[test]
+fn a_failed_release_is_redone_entry_by_entry_and_names_the_failing_frontend() {
+    let maps = Holding::new(1024);
+    // The third frontend's master fails, in the release and again entry by entry.
+    let failing = fe4(3);
+    maps.inner
+        .fail_on(Some(&format!("put service {failing} slot 0")));
+    let mut rec = Reconciler::new(maps).expect("dump");
+    let d = holding_desired();
+    let report = rec.apply(&d);
+    let failed: Vec<Frontend> = report.errors.iter().map(|e| e.frontend).collect();
+    assert_eq!(failed, vec![failing], "{:?}", report.errors);
+    assert!(
+        rec.maps().inner.violations.is_empty(),
+        "a packet could have seen a half-written service: {:#?}",
+        rec.maps().inner.violations
+    );
+    // Every other frontend is programmed.
+    let dump = dump_of(&rec);
+    for fe in d.services.keys().filter(|fe| **fe != failing) {
+        assert!(dump.services.contains_key(&(*fe, 0)), "{fe} not programmed");
+    }
+    assert!(!dump.services.contains_key(&(failing, 0)));
+
+    // Once the write succeeds, the next apply converges.
+    rec.maps().inner.fail_on(None);
+    let report = rec.apply(&d);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_converged(dump_of(&rec), &d);
+    assert!(rec.maps().inner.violations.is_empty());
+}

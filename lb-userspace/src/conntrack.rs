@@ -355,21 +355,7 @@ where
 
 /// Entries per `BPF_MAP_LOOKUP_BATCH`.
 const BATCH: u32 = 4096;
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-
-/// The `batch` member of `union bpf_attr`.
-#[repr(C)]
-#[derive(Default)]
-struct BatchAttr {
-    in_batch: u64,
-    out_batch: u64,
-    keys: u64,
-    values: u64,
-    count: u32,
-    map_fd: u32,
-    elem_flags: u64,
-    flags: u64,
-}
+use crate::datapath::batch::{self, BatchAttr};
 
 /// Every entry of the hash map `fd`, in batches. A hash map's batch cursor is a bucket index
 /// (`u32`), so an entry the datapath adds or deletes meanwhile is seen at most once.
@@ -402,15 +388,7 @@ where
         // SAFETY: `attr` is a valid `bpf_attr` prefix whose pointers name buffers of `count`
         // keys and values of the map's sizes (checked by aya when the map was opened), and the
         // two cursors; all outlive the call.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                std::ptr::from_mut(&mut attr),
-                size_of::<BatchAttr>(),
-            )
-        };
-        let err = (r < 0).then(std::io::Error::last_os_error);
+        let err = unsafe { batch::call(batch::LOOKUP, &mut attr) }.err();
         match err.as_ref().and_then(std::io::Error::raw_os_error) {
             // A bucket holds more than `chunk` entries: retry it with more room.
             Some(libc::ENOSPC) if attr.count == 0 => {

@@ -350,6 +350,12 @@ impl<M: LbMaps> Reconciler<M> {
 
     /// Makes the maps hold `desired`, looking at every frontend.
     pub fn apply(&mut self, desired: &DesiredState) -> ApplyReport {
+        self.apply_full(desired, true)
+    }
+
+    /// `apply`; with `hold`, a first apply on empty maps holds its writes and releases them
+    /// together (`LbMaps::hold_writes`).
+    fn apply_full(&mut self, desired: &DesiredState, hold: bool) -> ApplyReport {
         let mut report = ApplyReport::default();
         self.degraded = false;
         self.claimed_tables.clear();
@@ -376,9 +382,29 @@ impl<M: LbMaps> Reconciler<M> {
 
         let wanted_ips = cluster_ip_counts(desired.services.iter().map(|(fe, e)| (fe, e.flags)));
 
+        // Filling empty maps (a cold start): no packet uses any of it yet, so the writes can be
+        // held and written in batches, masters last.
+        let hold = hold && self.services.is_empty() && self.backends.is_empty();
+        if hold {
+            self.maps.hold_writes();
+        }
         let mut room = self.room();
         for (fe, entry) in &desired.services {
             self.apply_counted(fe, entry, &wanted_ips, &mut room, &mut report);
+        }
+        if hold && let Err(e) = self.maps.release_writes() {
+            // The mirror believes the held writes made it. Re-read what did, and write the rest
+            // entry by entry, which names each failure's frontend.
+            tracing::warn!(error = %e, "batched writes to empty maps failed; writing entry by entry");
+            if let Err(e) = self.refresh() {
+                tracing::warn!(error = %e, "cannot re-read the maps; rewriting everything");
+                let (b, r) = (self.next_backend_id, self.next_revnat_id);
+                self.load_dump(Dump::default());
+                self.next_backend_id = b;
+                self.next_revnat_id = r;
+            }
+            self.maglev_built.clear();
+            return self.apply_full(desired, false);
         }
 
         // Tables claimed by writes that failed before their master named them are free again.

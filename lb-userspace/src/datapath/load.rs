@@ -785,6 +785,7 @@ impl Datapath {
                 .context("map lb_maglev has an unexpected type")?,
             ),
             maglev_geometry: self.maglev,
+            held: None,
         })
     }
 

@@ -254,6 +254,17 @@ pub trait LbMaps {
             map: map_names::MAGLEV,
         })
     }
+    /// Holds the backend, rev-NAT and service writes that follow until `release_writes`, for
+    /// filling maps nothing uses yet (the first apply on empty maps). A held write reports
+    /// success; what fails shows in `release_writes`. Deletes, and writes to other maps, are
+    /// not held (a delete first releases what is held). Maps that cannot hold write at once.
+    fn hold_writes(&mut self) {}
+    /// Writes what `hold_writes` held in the order no packet can tell from entry by entry:
+    /// backends, rev-NAT, slots, then masters. After a failure nothing later is written, so
+    /// no master ever names a missing slot or backend.
+    fn release_writes(&mut self) -> Result<(), MapOpError> {
+        Ok(())
+    }
 }
 
 /// The `lb4_services` key of `fe`'s `slot`.
@@ -299,6 +310,63 @@ pub struct BpfMaps {
     /// Maglev, opened read-only).
     pub maglev: Option<Array<MapData, u32>>,
     pub maglev_geometry: MaglevGeometry,
+    /// Writes `hold_writes` held, in order per map.
+    pub(crate) held: Option<Box<Held>>,
+}
+
+/// Backend, rev-NAT and service writes held for `release_writes`.
+#[derive(Default)]
+pub(crate) struct Held {
+    backends4: Vec<(u32, Backend4)>,
+    backends6: Vec<(u32, Backend6)>,
+    revnat4: Vec<(u32, RevNat4)>,
+    revnat6: Vec<(u32, RevNat6)>,
+    slots4: Vec<(Svc4Key, SvcValue)>,
+    slots6: Vec<(Svc6Key, SvcValue)>,
+    masters4: Vec<(Svc4Key, SvcValue)>,
+    masters6: Vec<(Svc6Key, SvcValue)>,
+}
+
+/// Writes `entries` into `map` in batches; where the kernel refuses a batch (one entry failed,
+/// or no batch support), the rest go one by one, so the error is that entry's own.
+fn write_all<K, V>(
+    map: &mut HashMap<MapData, K, V>,
+    name: &'static str,
+    entries: &[(K, V)],
+) -> Result<(), MapOpError>
+where
+    K: aya::Pod + bytemuck::Pod,
+    V: aya::Pod + bytemuck::Pod,
+{
+    use std::os::fd::AsFd as _;
+
+    use aya::maps::IterableMap as _;
+    let done = match super::batch::update(map.map().fd().as_fd(), entries) {
+        Ok(()) => return Ok(()),
+        Err((_, done)) => done,
+    };
+    for (k, v) in entries.get(done..).unwrap_or_default() {
+        map.insert(k, v, 0)
+            .map_err(|e| MapOpError::from_aya(name, e))?;
+    }
+    Ok(())
+}
+
+impl BpfMaps {
+    /// Writes whatever is held (before a delete, which must come after it).
+    fn release_held(&mut self) -> Result<(), MapOpError> {
+        let Some(h) = self.held.take() else {
+            return Ok(());
+        };
+        write_all(&mut self.backends4, map_names::BACKENDS4, &h.backends4)?;
+        write_all(&mut self.backends6, map_names::BACKENDS6, &h.backends6)?;
+        write_all(&mut self.revnat4, map_names::REVNAT4, &h.revnat4)?;
+        write_all(&mut self.revnat6, map_names::REVNAT6, &h.revnat6)?;
+        write_all(&mut self.services4, map_names::SERVICES4, &h.slots4)?;
+        write_all(&mut self.services6, map_names::SERVICES6, &h.slots6)?;
+        write_all(&mut self.services4, map_names::SERVICES4, &h.masters4)?;
+        write_all(&mut self.services6, map_names::SERVICES6, &h.masters6)
+    }
 }
 
 impl LbMaps for BpfMaps {
@@ -451,6 +519,10 @@ impl LbMaps for BpfMaps {
                     proto,
                     state,
                 };
+                if let Some(h) = &mut self.held {
+                    h.backends4.push((id, v));
+                    return Ok(());
+                }
                 self.backends4
                     .insert(id, v, 0)
                     .map_err(|e| MapOpError::from_aya(map_names::BACKENDS4, e))
@@ -462,6 +534,10 @@ impl LbMaps for BpfMaps {
                     proto,
                     state,
                 };
+                if let Some(h) = &mut self.held {
+                    h.backends6.push((id, v));
+                    return Ok(());
+                }
                 self.backends6
                     .insert(id, v, 0)
                     .map_err(|e| MapOpError::from_aya(map_names::BACKENDS6, e))
@@ -470,6 +546,7 @@ impl LbMaps for BpfMaps {
     }
 
     fn del_backend(&mut self, id: u32, family: Family) -> Result<(), MapOpError> {
+        self.release_held()?;
         match family {
             Family::V4 => ignore_missing(self.backends4.remove(&id))
                 .map_err(|e| MapOpError::from_aya(map_names::BACKENDS4, e)),
@@ -486,6 +563,10 @@ impl LbMaps for BpfMaps {
                     port,
                     pad: 0,
                 };
+                if let Some(h) = &mut self.held {
+                    h.revnat4.push((id, v));
+                    return Ok(());
+                }
                 self.revnat4
                     .insert(id, v, 0)
                     .map_err(|e| MapOpError::from_aya(map_names::REVNAT4, e))
@@ -496,6 +577,10 @@ impl LbMaps for BpfMaps {
                     port,
                     pad: 0,
                 };
+                if let Some(h) = &mut self.held {
+                    h.revnat6.push((id, v));
+                    return Ok(());
+                }
                 self.revnat6
                     .insert(id, v, 0)
                     .map_err(|e| MapOpError::from_aya(map_names::REVNAT6, e))
@@ -504,6 +589,7 @@ impl LbMaps for BpfMaps {
     }
 
     fn del_revnat(&mut self, id: u32, family: Family) -> Result<(), MapOpError> {
+        self.release_held()?;
         match family {
             Family::V4 => ignore_missing(self.revnat4.remove(&id))
                 .map_err(|e| MapOpError::from_aya(map_names::REVNAT4, e)),
@@ -518,6 +604,29 @@ impl LbMaps for BpfMaps {
         slot: u16,
         value: &SvcValue,
     ) -> Result<(), MapOpError> {
+        if let Some(h) = &mut self.held {
+            match frontend.l4.addr {
+                IpAddr::V4(a) => {
+                    let e = (svc4_key(frontend, a, slot), *value);
+                    if slot == 0 {
+                        &mut h.masters4
+                    } else {
+                        &mut h.slots4
+                    }
+                    .push(e);
+                }
+                IpAddr::V6(a) => {
+                    let e = (svc6_key(frontend, a, slot), *value);
+                    if slot == 0 {
+                        &mut h.masters6
+                    } else {
+                        &mut h.slots6
+                    }
+                    .push(e);
+                }
+            }
+            return Ok(());
+        }
         match frontend.l4.addr {
             IpAddr::V4(a) => self
                 .services4
@@ -531,6 +640,7 @@ impl LbMaps for BpfMaps {
     }
 
     fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError> {
+        self.release_held()?;
         match frontend.l4.addr {
             IpAddr::V4(a) => ignore_missing(self.services4.remove(&svc4_key(frontend, a, slot)))
                 .map_err(|e| MapOpError::from_aya(map_names::SERVICES4, e)),
@@ -613,6 +723,16 @@ impl LbMaps for BpfMaps {
 
     fn maglev_geometry(&self) -> MaglevGeometry {
         self.maglev_geometry
+    }
+
+    fn hold_writes(&mut self) {
+        if self.held.is_none() {
+            self.held = Some(Box::default());
+        }
+    }
+
+    fn release_writes(&mut self) -> Result<(), MapOpError> {
+        self.release_held()
     }
 
     fn put_maglev(&mut self, table: u32, cell: u32, id: u32) -> Result<(), MapOpError> {

@@ -3,6 +3,7 @@
 //! maps (`maps`); the pins' layout version (`meta`); opening what a running lb pinned (`pinned`); finding cgroup v2 (`cgroup`);
 //! probing what the kernel offers and which fallbacks lb takes (`features`); destroying
 //! connected UDP sockets pinned to removed backends (`sockterm`).
+pub mod batch;
 pub mod cgroup;
 pub mod features;
 pub mod links;

@@ -61,6 +61,7 @@ impl BpfMaps {
             capacities,
             maglev,
             maglev_geometry,
+            held: None,
         })
     }
 }
