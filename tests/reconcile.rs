@@ -2112,13 +2112,14 @@ fn affinity_matches_are_rewritten_after_a_restart_that_lost_them() {
 
 /// A held write.
 enum HeldOp {
+    ClusterIp(IpAddr, u32),
     Backend(u32, Backend),
     RevNat(u32, IpAddr, u16),
     Service(Frontend, u16, SvcValue),
 }
 
 /// `Checked` that holds writes as `BpfMaps` does: queued, then replayed by `release_writes`
-/// in its order (backends, rev-NAT, slots, masters), stopping at the first failure.
+/// in its order (ClusterIPs, backends, rev-NAT, slots, masters), stopping at the first failure.
 struct Holding {
     inner: Checked,
     held: Option<Vec<HeldOp>>,
@@ -2139,16 +2140,18 @@ impl Holding {
             return Ok(());
         };
         let rank = |op: &HeldOp| match op {
+            HeldOp::ClusterIp(..) => -1,
             HeldOp::Backend(..) => 0,
             HeldOp::RevNat(..) => 1,
             HeldOp::Service(_, slot, _) if *slot != 0 => 2,
             HeldOp::Service(..) => 3,
         };
-        let mut ops: Vec<(usize, HeldOp)> = ops.into_iter().map(|op| (rank(&op), op)).collect();
+        let mut ops: Vec<(i32, HeldOp)> = ops.into_iter().map(|op| (rank(&op), op)).collect();
         // Stable: each group keeps the order of its writes.
         ops.sort_by_key(|(r, _)| *r);
         for (_, op) in ops {
             match op {
+                HeldOp::ClusterIp(addr, n) => self.inner.put_cluster_ip(addr, n)?,
                 HeldOp::Backend(id, b) => self.inner.put_backend(id, &b)?,
                 HeldOp::RevNat(id, addr, port) => self.inner.put_revnat(id, addr, port)?,
                 HeldOp::Service(fe, slot, v) => self.inner.put_service(&fe, slot, &v)?,
@@ -2224,10 +2227,17 @@ impl LbMaps for Holding {
     }
 
     fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
-        self.inner.put_cluster_ip(addr, frontends)
+        match &mut self.held {
+            Some(h) => {
+                h.push(HeldOp::ClusterIp(addr, frontends));
+                Ok(())
+            }
+            None => self.inner.put_cluster_ip(addr, frontends),
+        }
     }
 
     fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        self.release()?;
         self.inner.del_cluster_ip(addr)
     }
 
@@ -2294,6 +2304,16 @@ fn a_cold_apply_holds_its_writes_and_releases_masters_after_what_they_name() {
         })
         .expect("backends written");
     assert!(last_other < first_master, "{ops:#?}");
+    // A new ClusterIP before anything of its frontends, as entry by entry.
+    let last_ip = ops
+        .iter()
+        .rposition(|o| matches!(o, Op::PutClusterIp(_)))
+        .expect("ClusterIPs written");
+    let first_backend = ops
+        .iter()
+        .position(|o| matches!(o, Op::PutBackend(_)))
+        .expect("backends written");
+    assert!(last_ip < first_backend, "{ops:#?}");
 
     // Maps in use are updated entry by entry.
     let mut d2 = d.clone();

@@ -254,13 +254,14 @@ pub trait LbMaps {
             map: map_names::MAGLEV,
         })
     }
-    /// Holds the backend, rev-NAT and service writes that follow until `release_writes`, for
+    /// Holds the ClusterIP, backend, rev-NAT and service writes that follow until
+    /// `release_writes`, for
     /// filling maps nothing uses yet (the first apply on empty maps). A held write reports
     /// success; what fails shows in `release_writes`. Deletes, and writes to other maps, are
     /// not held (a delete first releases what is held). Maps that cannot hold write at once.
     fn hold_writes(&mut self) {}
     /// Writes what `hold_writes` held in the order no packet can tell from entry by entry:
-    /// backends, rev-NAT, slots, then masters. After a failure nothing later is written, so
+    /// ClusterIPs, backends, rev-NAT, slots, then masters. After a failure nothing later is written, so
     /// no master ever names a missing slot or backend.
     fn release_writes(&mut self) -> Result<(), MapOpError> {
         Ok(())
@@ -314,9 +315,11 @@ pub struct BpfMaps {
     pub(crate) held: Option<Box<Held>>,
 }
 
-/// Backend, rev-NAT and service writes held for `release_writes`.
+/// ClusterIP, backend, rev-NAT and service writes held for `release_writes`.
 #[derive(Default)]
 pub(crate) struct Held {
+    cluster_ips4: Vec<(ClusterIp4Key, ClusterIpValue)>,
+    cluster_ips6: Vec<(ClusterIp6Key, ClusterIpValue)>,
     backends4: Vec<(u32, Backend4)>,
     backends6: Vec<(u32, Backend6)>,
     revnat4: Vec<(u32, RevNat4)>,
@@ -358,6 +361,17 @@ impl BpfMaps {
         let Some(h) = self.held.take() else {
             return Ok(());
         };
+        // A new ClusterIP before anything of its frontends, as the reconciler writes it.
+        write_all(
+            &mut self.cluster_ips4,
+            map_names::CLUSTER_IPS4,
+            &h.cluster_ips4,
+        )?;
+        write_all(
+            &mut self.cluster_ips6,
+            map_names::CLUSTER_IPS6,
+            &h.cluster_ips6,
+        )?;
         write_all(&mut self.backends4, map_names::BACKENDS4, &h.backends4)?;
         write_all(&mut self.backends6, map_names::BACKENDS6, &h.backends6)?;
         write_all(&mut self.revnat4, map_names::REVNAT4, &h.revnat4)?;
@@ -651,6 +665,13 @@ impl LbMaps for BpfMaps {
 
     fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
         let v = ClusterIpValue { frontends };
+        if let Some(h) = &mut self.held {
+            match addr {
+                IpAddr::V4(a) => h.cluster_ips4.push((ClusterIp4Key { addr: a.octets() }, v)),
+                IpAddr::V6(a) => h.cluster_ips6.push((ClusterIp6Key { addr: a.octets() }, v)),
+            }
+            return Ok(());
+        }
         match addr {
             IpAddr::V4(a) => self
                 .cluster_ips4
@@ -664,6 +685,7 @@ impl LbMaps for BpfMaps {
     }
 
     fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        self.release_held()?;
         match addr {
             IpAddr::V4(a) => ignore_missing(
                 self.cluster_ips4
