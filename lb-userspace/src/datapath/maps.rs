@@ -361,23 +361,44 @@ impl BpfMaps {
         let Some(h) = self.held.take() else {
             return Ok(());
         };
-        // A new ClusterIP before anything of its frontends, as the reconciler writes it.
-        write_all(
-            &mut self.cluster_ips4,
-            map_names::CLUSTER_IPS4,
-            &h.cluster_ips4,
-        )?;
-        write_all(
-            &mut self.cluster_ips6,
-            map_names::CLUSTER_IPS6,
-            &h.cluster_ips6,
-        )?;
-        write_all(&mut self.backends4, map_names::BACKENDS4, &h.backends4)?;
-        write_all(&mut self.backends6, map_names::BACKENDS6, &h.backends6)?;
-        write_all(&mut self.revnat4, map_names::REVNAT4, &h.revnat4)?;
-        write_all(&mut self.revnat6, map_names::REVNAT6, &h.revnat6)?;
-        write_all(&mut self.services4, map_names::SERVICES4, &h.slots4)?;
-        write_all(&mut self.services6, map_names::SERVICES6, &h.slots6)?;
+        // A packet reaches nothing but the ClusterIPs until a master names the rest, so the
+        // ClusterIPs (first, as entry by entry), backends and rev-NAT entries go on this thread
+        // while the slots go on another: the kernel's inserts are most of a cold start, and
+        // maps are written independently. The masters after both.
+        let (s4, s6) = (&mut self.services4, &mut self.services6);
+        let (first, slots) = std::thread::scope(|scope| {
+            let slots = scope.spawn(|| {
+                write_all(s4, map_names::SERVICES4, &h.slots4)?;
+                write_all(s6, map_names::SERVICES6, &h.slots6)
+            });
+            let first = (|| {
+                write_all(
+                    &mut self.cluster_ips4,
+                    map_names::CLUSTER_IPS4,
+                    &h.cluster_ips4,
+                )?;
+                write_all(
+                    &mut self.cluster_ips6,
+                    map_names::CLUSTER_IPS6,
+                    &h.cluster_ips6,
+                )?;
+                write_all(&mut self.backends4, map_names::BACKENDS4, &h.backends4)?;
+                write_all(&mut self.backends6, map_names::BACKENDS6, &h.backends6)?;
+                write_all(&mut self.revnat4, map_names::REVNAT4, &h.revnat4)?;
+                write_all(&mut self.revnat6, map_names::REVNAT6, &h.revnat6)
+            })();
+            (first, slots.join())
+        });
+        first?;
+        slots.unwrap_or_else(|_| {
+            Err(MapOpError::Other {
+                map: map_names::SERVICES4,
+                source: MapError::SyscallError(aya::sys::SyscallError {
+                    call: "bpf_map_update_batch",
+                    io_error: std::io::Error::other("the slot writer thread panicked"),
+                }),
+            })
+        })?;
         write_all(&mut self.services4, map_names::SERVICES4, &h.masters4)?;
         write_all(&mut self.services6, map_names::SERVICES6, &h.masters6)
     }
