@@ -11,7 +11,7 @@ const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 
 /// Entries per update call: large enough that the call's own cost vanishes, small enough that
 /// the key and value copies stay in cache.
-const UPDATE_CHUNK: usize = 4096;
+pub(crate) const UPDATE_CHUNK: usize = 4096;
 
 /// The `batch` member of `union bpf_attr`.
 #[repr(C)]

@@ -312,22 +312,7 @@ pub struct BpfMaps {
     pub maglev: Option<Array<MapData, u32>>,
     pub maglev_geometry: MaglevGeometry,
     /// Writes `hold_writes` held, in order per map.
-    pub(crate) held: Option<Box<Held>>,
-}
-
-/// ClusterIP, backend, rev-NAT and service writes held for `release_writes`.
-#[derive(Default)]
-pub(crate) struct Held {
-    cluster_ips4: Vec<(ClusterIp4Key, ClusterIpValue)>,
-    cluster_ips6: Vec<(ClusterIp6Key, ClusterIpValue)>,
-    backends4: Vec<(u32, Backend4)>,
-    backends6: Vec<(u32, Backend6)>,
-    revnat4: Vec<(u32, RevNat4)>,
-    revnat6: Vec<(u32, RevNat6)>,
-    slots4: Vec<(Svc4Key, SvcValue)>,
-    slots6: Vec<(Svc6Key, SvcValue)>,
-    masters4: Vec<(Svc4Key, SvcValue)>,
-    masters6: Vec<(Svc6Key, SvcValue)>,
+    pub(crate) held: Option<Box<super::held::Held>>,
 }
 
 /// Writes `entries` into `map` in batches; where the kernel refuses a batch (one entry failed,
@@ -361,46 +346,9 @@ impl BpfMaps {
         let Some(h) = self.held.take() else {
             return Ok(());
         };
-        // A packet reaches nothing but the ClusterIPs until a master names the rest, so the
-        // ClusterIPs (first, as entry by entry), backends and rev-NAT entries go on this thread
-        // while the slots go on another: the kernel's inserts are most of a cold start, and
-        // maps are written independently. The masters after both.
-        let (s4, s6) = (&mut self.services4, &mut self.services6);
-        let (first, slots) = std::thread::scope(|scope| {
-            let slots = scope.spawn(|| {
-                write_all(s4, map_names::SERVICES4, &h.slots4)?;
-                write_all(s6, map_names::SERVICES6, &h.slots6)
-            });
-            let first = (|| {
-                write_all(
-                    &mut self.cluster_ips4,
-                    map_names::CLUSTER_IPS4,
-                    &h.cluster_ips4,
-                )?;
-                write_all(
-                    &mut self.cluster_ips6,
-                    map_names::CLUSTER_IPS6,
-                    &h.cluster_ips6,
-                )?;
-                write_all(&mut self.backends4, map_names::BACKENDS4, &h.backends4)?;
-                write_all(&mut self.backends6, map_names::BACKENDS6, &h.backends6)?;
-                write_all(&mut self.revnat4, map_names::REVNAT4, &h.revnat4)?;
-                write_all(&mut self.revnat6, map_names::REVNAT6, &h.revnat6)
-            })();
-            (first, slots.join())
-        });
-        first?;
-        slots.unwrap_or_else(|_| {
-            Err(MapOpError::Other {
-                map: map_names::SERVICES4,
-                source: MapError::SyscallError(aya::sys::SyscallError {
-                    call: "bpf_map_update_batch",
-                    io_error: std::io::Error::other("the slot writer thread panicked"),
-                }),
-            })
-        })?;
-        write_all(&mut self.services4, map_names::SERVICES4, &h.masters4)?;
-        write_all(&mut self.services6, map_names::SERVICES6, &h.masters6)
+        let masters = h.finish_writers()?;
+        write_all(&mut self.services4, map_names::SERVICES4, &masters.v4)?;
+        write_all(&mut self.services6, map_names::SERVICES6, &masters.v6)
     }
 }
 
@@ -555,7 +503,7 @@ impl LbMaps for BpfMaps {
                     state,
                 };
                 if let Some(h) = &mut self.held {
-                    h.backends4.push((id, v));
+                    h.backend4((id, v));
                     return Ok(());
                 }
                 self.backends4
@@ -570,7 +518,7 @@ impl LbMaps for BpfMaps {
                     state,
                 };
                 if let Some(h) = &mut self.held {
-                    h.backends6.push((id, v));
+                    h.backend6((id, v));
                     return Ok(());
                 }
                 self.backends6
@@ -599,7 +547,7 @@ impl LbMaps for BpfMaps {
                     pad: 0,
                 };
                 if let Some(h) = &mut self.held {
-                    h.revnat4.push((id, v));
+                    h.revnat4((id, v));
                     return Ok(());
                 }
                 self.revnat4
@@ -613,7 +561,7 @@ impl LbMaps for BpfMaps {
                     pad: 0,
                 };
                 if let Some(h) = &mut self.held {
-                    h.revnat6.push((id, v));
+                    h.revnat6((id, v));
                     return Ok(());
                 }
                 self.revnat6
@@ -641,24 +589,10 @@ impl LbMaps for BpfMaps {
     ) -> Result<(), MapOpError> {
         if let Some(h) = &mut self.held {
             match frontend.l4.addr {
-                IpAddr::V4(a) => {
-                    let e = (svc4_key(frontend, a, slot), *value);
-                    if slot == 0 {
-                        &mut h.masters4
-                    } else {
-                        &mut h.slots4
-                    }
-                    .push(e);
-                }
-                IpAddr::V6(a) => {
-                    let e = (svc6_key(frontend, a, slot), *value);
-                    if slot == 0 {
-                        &mut h.masters6
-                    } else {
-                        &mut h.slots6
-                    }
-                    .push(e);
-                }
+                IpAddr::V4(a) if slot == 0 => h.masters4.push((svc4_key(frontend, a, 0), *value)),
+                IpAddr::V4(a) => h.slot4((svc4_key(frontend, a, slot), *value)),
+                IpAddr::V6(a) if slot == 0 => h.masters6.push((svc6_key(frontend, a, 0), *value)),
+                IpAddr::V6(a) => h.slot6((svc6_key(frontend, a, slot), *value)),
             }
             return Ok(());
         }
@@ -688,8 +622,8 @@ impl LbMaps for BpfMaps {
         let v = ClusterIpValue { frontends };
         if let Some(h) = &mut self.held {
             match addr {
-                IpAddr::V4(a) => h.cluster_ips4.push((ClusterIp4Key { addr: a.octets() }, v)),
-                IpAddr::V6(a) => h.cluster_ips6.push((ClusterIp6Key { addr: a.octets() }, v)),
+                IpAddr::V4(a) => h.cluster_ip4((ClusterIp4Key { addr: a.octets() }, v)),
+                IpAddr::V6(a) => h.cluster_ip6((ClusterIp6Key { addr: a.octets() }, v)),
             }
             return Ok(());
         }
@@ -769,8 +703,13 @@ impl LbMaps for BpfMaps {
     }
 
     fn hold_writes(&mut self) {
-        if self.held.is_none() {
-            self.held = Some(Box::default());
+        if self.held.is_some() {
+            return;
+        }
+        // Without its threads or descriptors, writes go entry by entry as usual.
+        match super::held::Held::new(self) {
+            Ok(h) => self.held = Some(Box::new(h)),
+            Err(e) => tracing::debug!(error = %e, "cannot hold map writes; writing entry by entry"),
         }
     }
 

@@ -6,6 +6,7 @@
 pub mod batch;
 pub mod cgroup;
 pub mod features;
+mod held;
 pub mod links;
 pub mod load;
 pub mod maps;
