@@ -112,6 +112,8 @@ fn quick_run_writes_every_result() {
     for case in ["new_flow", "established", "miss"] {
         want("datapath", case, "lb_xdp", "ns_per_packet");
     }
+    // The reply (rev-NAT) case runs repeated only.
+    want("datapath", "reply", "lb_tc_ingress", "ns_per_packet");
     for case in ["tcp_last", "tcp_random", "udp_last", "udp_random"] {
         let latency = if case.starts_with("tcp") {
             "connect_latency"
@@ -198,8 +200,8 @@ fn quick_run_writes_every_result() {
     assert!(dp.len() >= 2, "datapath at several sizes: {dp:?}");
     assert_eq!(
         records.iter().filter(|r| r["suite"] == "datapath").count(),
-        13 * dp.len(),
-        "13 datapath records per size (8 cases, 5 of them also in single runs)"
+        14 * dp.len(),
+        "14 datapath records per size (9 cases, 5 of them also in single runs)"
     );
     assert!(sizes("newflows").len() >= 2, "newflows at several sizes");
 
