@@ -1356,6 +1356,7 @@ impl<M: LbMaps> Reconciler<M> {
                 match self.maps.del_service(fe, slot as u16) {
                     Ok(()) => report.deletes += 1,
                     Err(_) => {
+                        self.degraded = true;
                         self.stray_slots.insert((*fe, slot as u16));
                     }
                 }
@@ -1438,10 +1439,21 @@ impl<M: LbMaps> Reconciler<M> {
                 }
             }
         }
-        for slot in (old.slots.len() + 1..=installed.slots.len()).rev() {
-            if self.maps.del_service(fe, slot as u16).is_ok() {
-                report.deletes += 1;
-                installed.slots.truncate(slot - 1);
+        // Slots the failed update added beyond the old ones: the old master does not count
+        // them. One that cannot be deleted is stray (deleted by the next apply), never left
+        // unknown to the mirror.
+        let surplus: Vec<usize> = (old.slots.len() + 1..=installed.slots.len())
+            .rev()
+            .collect();
+        installed.slots.truncate(old.slots.len());
+        for slot in surplus {
+            match self.maps.del_service(fe, slot as u16) {
+                Ok(()) => report.deletes += 1,
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(%fe, slot, error = %e, "cannot delete surplus slot");
+                    self.stray_slots.insert((*fe, slot as u16));
+                }
             }
         }
     }
