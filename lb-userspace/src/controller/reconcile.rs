@@ -202,12 +202,17 @@ impl<M: LbMaps> Reconciler<M> {
     /// from the desired state, whoever changed it.
     pub fn refresh(&mut self) -> anyhow::Result<()> {
         let dump = self.maps.dump()?;
-        // Ids go on from where they were: a conntrack entry may still name a deleted one.
+        self.reload(dump);
+        Ok(())
+    }
+
+    /// `load_dump`, with ids going on from where they were: a conntrack entry may still name a
+    /// deleted one.
+    fn reload(&mut self, dump: Dump) {
         let (b, r) = (self.next_backend_id, self.next_revnat_id);
         self.load_dump(dump);
         self.next_backend_id = self.next_backend_id.max(b);
         self.next_revnat_id = self.next_revnat_id.max(r);
-        Ok(())
     }
 
     /// Sets the mirror to what `dump` holds; `apply_update` is full until an `apply` ran.
@@ -384,7 +389,10 @@ impl<M: LbMaps> Reconciler<M> {
 
         // Filling empty maps (a cold start): no packet uses any of it yet, so the writes can be
         // held and written in batches, masters last.
-        let hold = hold && self.services.is_empty() && self.backends.is_empty();
+        let hold = hold
+            && !desired.services.is_empty()
+            && self.services.is_empty()
+            && self.backends.is_empty();
         if hold {
             self.maps.hold_writes();
         }
@@ -398,10 +406,7 @@ impl<M: LbMaps> Reconciler<M> {
             tracing::warn!(error = %e, "batched writes to empty maps failed; writing entry by entry");
             if let Err(e) = self.refresh() {
                 tracing::warn!(error = %e, "cannot re-read the maps; rewriting everything");
-                let (b, r) = (self.next_backend_id, self.next_revnat_id);
-                self.load_dump(Dump::default());
-                self.next_backend_id = b;
-                self.next_revnat_id = r;
+                self.reload(Dump::default());
             }
             self.maglev_built.clear();
             return self.apply_full(desired, false);
@@ -969,13 +974,19 @@ impl<M: LbMaps> Reconciler<M> {
 
     fn delete_stray_slots(&mut self, report: &mut ApplyReport) {
         for (fe, slot) in std::mem::take(&mut self.stray_slots) {
-            match self.maps.del_service(&fe, slot) {
-                Ok(()) => report.deletes += 1,
-                Err(e) => {
-                    self.stray_slots.insert((fe, slot));
-                    self.degraded = true;
-                    tracing::warn!(%fe, slot, error = %e, "cannot delete stray slot");
-                }
+            self.delete_slot(&fe, slot, "stray slot", report);
+        }
+    }
+
+    /// Deletes slot `slot` of `fe` (`what` names it in the log); one that cannot be deleted is
+    /// kept as a stray slot, for the next apply to delete, and makes that apply a full one.
+    fn delete_slot(&mut self, fe: &Frontend, slot: u16, what: &str, report: &mut ApplyReport) {
+        match self.maps.del_service(fe, slot) {
+            Ok(()) => report.deletes += 1,
+            Err(e) => {
+                self.degraded = true;
+                tracing::warn!(%fe, slot, error = %e, "cannot delete {what}");
+                self.stray_slots.insert((*fe, slot));
             }
         }
     }
@@ -1244,15 +1255,7 @@ impl<M: LbMaps> Reconciler<M> {
         // 5. Slots a shrunk service no longer counts.
         let old_len = old.map_or(0, |i| i.slots.len());
         for slot in (total + 1..=old_len).rev() {
-            let slot = slot as u16;
-            match self.maps.del_service(fe, slot) {
-                Ok(()) => report.deletes += 1,
-                Err(e) => {
-                    self.degraded = true;
-                    tracing::warn!(%fe, slot, error = %e, "cannot delete surplus slot");
-                    self.stray_slots.insert((*fe, slot));
-                }
-            }
+            self.delete_slot(fe, slot as u16, "surplus slot", report);
         }
         Ok(())
     }
@@ -1447,14 +1450,7 @@ impl<M: LbMaps> Reconciler<M> {
             .collect();
         installed.slots.truncate(old.slots.len());
         for slot in surplus {
-            match self.maps.del_service(fe, slot as u16) {
-                Ok(()) => report.deletes += 1,
-                Err(e) => {
-                    self.degraded = true;
-                    tracing::warn!(%fe, slot, error = %e, "cannot delete surplus slot");
-                    self.stray_slots.insert((*fe, slot as u16));
-                }
-            }
+            self.delete_slot(fe, slot as u16, "surplus slot", report);
         }
     }
 
@@ -1474,14 +1470,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         self.maglev_built.remove(fe);
         for slot in (1..=installed.slots.len()).rev() {
-            match self.maps.del_service(fe, slot as u16) {
-                Ok(()) => report.deletes += 1,
-                Err(e) => {
-                    self.degraded = true;
-                    tracing::warn!(%fe, slot, error = %e, "cannot delete slot");
-                    self.stray_slots.insert((*fe, slot as u16));
-                }
-            }
+            self.delete_slot(fe, slot as u16, "slot", report);
         }
         Ok(())
     }

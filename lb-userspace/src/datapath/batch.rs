@@ -6,7 +6,8 @@ use std::{
     os::fd::{AsRawFd as _, BorrowedFd},
 };
 
-const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+/// `BPF_MAP_LOOKUP_BATCH`.
+pub const LOOKUP: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 
 /// Entries per update call: large enough that the call's own cost vanishes, small enough that
@@ -50,9 +51,6 @@ pub unsafe fn call(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
         Ok(())
     }
 }
-
-/// `BPF_MAP_LOOKUP_BATCH`.
-pub const LOOKUP: libc::c_long = BPF_MAP_LOOKUP_BATCH;
 
 /// Writes `entries` into the hash map `fd` (`BPF_ANY`), in order, `UPDATE_CHUNK` per call.
 /// On failure returns the error and how many entries were written before it (the kernel

@@ -78,16 +78,13 @@ impl Writer {
 
 /// A failed batch update of `map`, as a single write's failure reads.
 fn update_error(map: &'static str, e: io::Error) -> MapOpError {
-    if e.raw_os_error() == Some(libc::E2BIG) {
-        return MapOpError::Full { map };
-    }
-    MapOpError::Other {
+    MapOpError::from_aya(
         map,
-        source: MapError::SyscallError(aya::sys::SyscallError {
+        MapError::SyscallError(aya::sys::SyscallError {
             call: "bpf_map_update_batch",
             io_error: e,
         }),
-    }
+    )
 }
 
 /// The held entries of one map not yet handed to its writer.
@@ -154,8 +151,8 @@ pub(crate) struct Held {
     others: Writer,
     /// Writes the slots.
     slot_writer: Writer,
-    pub(crate) masters4: Vec<(Svc4Key, SvcValue)>,
-    pub(crate) masters6: Vec<(Svc6Key, SvcValue)>,
+    /// Written by `BpfMaps` itself, after `finish_writers`.
+    pub(crate) masters: Masters,
 }
 
 impl Held {
@@ -172,8 +169,10 @@ impl Held {
             slots6: Queue::new(map_names::SERVICES6, &maps.services6)?,
             others: Writer::spawn("lb-map-writer")?,
             slot_writer: Writer::spawn("lb-slot-writer")?,
-            masters4: Vec::new(),
-            masters6: Vec::new(),
+            masters: Masters {
+                v4: Vec::new(),
+                v6: Vec::new(),
+            },
         })
     }
 
@@ -225,9 +224,6 @@ impl Held {
         let others = self.others.finish();
         let slots = self.slot_writer.finish();
         others.and(slots)?;
-        Ok(Masters {
-            v4: self.masters4,
-            v6: self.masters6,
-        })
+        Ok(self.masters)
     }
 }

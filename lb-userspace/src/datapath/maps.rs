@@ -76,7 +76,7 @@ pub enum MapOpError {
 }
 
 impl MapOpError {
-    fn from_aya(map: &'static str, source: MapError) -> Self {
+    pub(crate) fn from_aya(map: &'static str, source: MapError) -> Self {
         if let MapError::SyscallError(e) = &source
             && e.io_error.raw_os_error() == Some(libc::E2BIG)
         {
@@ -255,14 +255,14 @@ pub trait LbMaps {
         })
     }
     /// Holds the ClusterIP, backend, rev-NAT and service writes that follow until
-    /// `release_writes`, for
-    /// filling maps nothing uses yet (the first apply on empty maps). A held write reports
-    /// success; what fails shows in `release_writes`. Deletes, and writes to other maps, are
-    /// not held (a delete first releases what is held). Maps that cannot hold write at once.
+    /// `release_writes`, for filling maps nothing uses yet (the first apply on empty maps). A
+    /// held write reports success; what fails shows in `release_writes`. Deletes, and writes to
+    /// other maps, are not held (a delete first releases what is held). Maps that cannot hold
+    /// write at once.
     fn hold_writes(&mut self) {}
-    /// Writes what `hold_writes` held in the order no packet can tell from entry by entry:
-    /// ClusterIPs, backends, rev-NAT, slots, then masters. After a failure nothing later is written, so
-    /// no master ever names a missing slot or backend.
+    /// Writes what `hold_writes` held in an order no packet can tell from entry by entry: the
+    /// masters after everything they name. After a failure no master is written, so none ever
+    /// names a missing slot or backend.
     fn release_writes(&mut self) -> Result<(), MapOpError> {
         Ok(())
     }
@@ -589,9 +589,9 @@ impl LbMaps for BpfMaps {
     ) -> Result<(), MapOpError> {
         if let Some(h) = &mut self.held {
             match frontend.l4.addr {
-                IpAddr::V4(a) if slot == 0 => h.masters4.push((svc4_key(frontend, a, 0), *value)),
+                IpAddr::V4(a) if slot == 0 => h.masters.v4.push((svc4_key(frontend, a, 0), *value)),
                 IpAddr::V4(a) => h.slot4((svc4_key(frontend, a, slot), *value)),
-                IpAddr::V6(a) if slot == 0 => h.masters6.push((svc6_key(frontend, a, 0), *value)),
+                IpAddr::V6(a) if slot == 0 => h.masters.v6.push((svc6_key(frontend, a, 0), *value)),
                 IpAddr::V6(a) => h.slot6((svc6_key(frontend, a, slot), *value)),
             }
             return Ok(());

@@ -545,19 +545,18 @@ impl ProgTime {
     /// "0.41 µs per flow: lb_connect4 1.0 runs × 250 ns, …".
     fn describe(&self) -> String {
         let flows = self.flows.max(1) as f64;
-        let total: u64 = self
-            .runs
-            .values()
-            .filter(|(cnt, _)| *cnt as f64 / flows >= 0.05)
-            .map(|(_, ns)| ns)
-            .sum();
         // Programs that ran for well under one flow in twenty (a stray packet of another
         // testbed's interfaces) are not the flow's.
-        let parts: Vec<String> = self
+        let ran: Vec<(&String, u64, u64)> = self
             .runs
             .iter()
             .filter(|(_, (cnt, _))| *cnt as f64 / flows >= 0.05)
-            .map(|(name, (cnt, ns))| {
+            .map(|(name, (cnt, ns))| (name, *cnt, *ns))
+            .collect();
+        let total: u64 = ran.iter().map(|(_, _, ns)| ns).sum();
+        let parts: Vec<String> = ran
+            .iter()
+            .map(|(name, cnt, ns)| {
                 format!(
                     "{name} {:.1} runs × {:.0} ns",
                     *cnt as f64 / flows,
