@@ -1,10 +1,11 @@
-//! The container image, really built: `cargo xtask image` (a statically linked `lb`, then
-//! `podman build -f deploy/Containerfile` on a context holding only that binary). `podman run`
-//! does not work on these machines (crun and the hybrid cgroup layout), so the test exports the
-//! image's filesystem, runs its `lb` chrooted into it (nothing but the binary is there) and on
-//! the host (`lb trace --manifests` through the real datapath, and the init container's
+//! The container image, really built: `cargo xtask image` (a statically linked `lb`, then the
+//! OCI archive target/image/lb.oci.tar that xtask writes itself, as deploy/Containerfile
+//! describes the image). The test reads the archive as an importer does (index.json → manifest →
+//! config and layer, each blob checked against its digest), unpacks the image's filesystem, runs
+//! its `lb` chrooted into it (nothing but the binary is there) and on the host
+//! (`lb trace --manifests` through the real datapath, and the init container's
 //! `lb mount-bpffs` in a private mount namespace), and checks that the DaemonSet names the
-//! image that was built. Needs root and podman (`cargo xtask setup` installs it).
+//! image that was built. Needs root and `tar`.
 use std::{
     collections::BTreeSet,
     fs,
@@ -35,51 +36,73 @@ fn ok(what: &str, out: Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn podman(args: &[&str]) -> String {
-    let out = Command::new("podman")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("podman (`cargo xtask setup` installs it)");
-    ok(&format!("podman {}", args.join(" ")), out)
+fn sha256sum(path: &Path) -> String {
+    let out = Command::new("sha256sum").arg(path).output().unwrap();
+    ok("sha256sum", out)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
 }
 
-/// A container of the image (created, never started) and a directory; both removed on drop.
+/// A directory removed on drop.
 struct Extracted {
-    container: String,
     dir: PathBuf,
 }
 
 impl Drop for Extracted {
     fn drop(&mut self) {
-        let _ = Command::new("podman")
-            .args(["rm", "--force", &self.container])
-            .output();
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
 
-/// The image's filesystem, exported from a created container into a fresh directory.
-fn export(image: &str) -> Extracted {
-    let tag = format!("lb-image-test-{}", std::process::id());
-    let extracted = Extracted {
-        container: tag.clone(),
-        dir: std::env::temp_dir().join(&tag),
-    };
-    podman(&["create", "--name", &tag, image]);
+/// The archive unpacked into `oci/`: its index, manifest and config (each blob's digest and
+/// size checked), and the layer unpacked into `rootfs/`; returns the config and the layer's
+/// compressed size.
+fn unpack(archive: &Path, extracted: &Extracted) -> (Value, Value, u64) {
+    let oci = extracted.dir.join("oci");
     let rootfs = extracted.dir.join("rootfs");
+    fs::create_dir_all(&oci).unwrap();
     fs::create_dir_all(&rootfs).unwrap();
-    let tar = extracted.dir.join("rootfs.tar");
-    podman(&["export", "--output", tar.to_str().unwrap(), &tag]);
     let out = Command::new("tar")
         .arg("-xf")
-        .arg(&tar)
+        .arg(archive)
+        .arg("-C")
+        .arg(&oci)
+        .output()
+        .unwrap();
+    ok("tar -x (archive)", out);
+    let blob = |descriptor: &Value| -> PathBuf {
+        let digest = descriptor["digest"].as_str().unwrap();
+        let hex = digest.strip_prefix("sha256:").unwrap();
+        let path = oci.join("blobs/sha256").join(hex);
+        assert_eq!(sha256sum(&path), hex, "blob {digest}");
+        assert_eq!(
+            descriptor["size"].as_u64(),
+            Some(fs::metadata(&path).unwrap().len()),
+            "{descriptor}"
+        );
+        path
+    };
+    let json = |path: &Path| -> Value { serde_json::from_slice(&fs::read(path).unwrap()).unwrap() };
+    let index = json(&oci.join("index.json"));
+    let manifests = index["manifests"].as_array().unwrap();
+    assert_eq!(manifests.len(), 1, "{index}");
+    let manifest = json(&blob(&manifests[0]));
+    let config = json(&blob(&manifest["config"]));
+    let layers = manifest["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 1, "one layer: {manifest}");
+    let layer = blob(&layers[0]);
+    let out = Command::new("tar")
+        .arg("-xzf")
+        .arg(&layer)
         .arg("-C")
         .arg(&rootfs)
         .output()
         .unwrap();
-    ok("tar -x", out);
-    extracted
+    ok("tar -xz (layer)", out);
+    let size = fs::metadata(&layer).unwrap().len();
+    (manifests[0].clone(), config, size)
 }
 
 /// Every file (not directory) under `dir`, relative to it.
@@ -130,34 +153,42 @@ fn image_builds_and_its_lb_runs_and_traces() {
         }
     }
 
-    // One layer, the entry point lb, and lb reachable by name for the DaemonSet's commands.
-    let inspect: Value = serde_json::from_str(&podman(&["image", "inspect", &name])).unwrap();
-    let image = &inspect[0];
+    // The archive names the image for `ctr images import`; one layer, the entry point lb, and
+    // lb reachable by name for the DaemonSet's commands.
+    let archive = root().join("target/image/lb.oci.tar");
+    let extracted = Extracted {
+        dir: std::env::temp_dir().join(format!("lb-image-test-{}", std::process::id())),
+    };
+    let _ = fs::remove_dir_all(&extracted.dir);
+    let (descriptor, image, size) = unpack(&archive, &extracted);
     assert_eq!(
-        image["Config"]["Entrypoint"],
+        descriptor["annotations"]["io.containerd.image.name"].as_str(),
+        Some(name.as_str()),
+        "{descriptor}"
+    );
+    assert_eq!(image["architecture"], "amd64");
+    assert_eq!(image["os"], "linux");
+    assert_eq!(
+        image["config"]["Entrypoint"],
         serde_json::json!(["/usr/local/bin/lb"])
     );
-    assert_eq!(image["Config"]["Cmd"], serde_json::json!(["run"]));
+    assert_eq!(image["config"]["Cmd"], serde_json::json!(["run"]));
     assert!(
-        image["Config"]["Env"]
+        image["config"]["Env"]
             .as_array()
             .unwrap()
             .iter()
             .any(|e| e == "PATH=/usr/local/bin"),
         "{}",
-        image["Config"]
+        image["config"]
     );
-    assert_eq!(image["RootFS"]["Layers"].as_array().unwrap().len(), 1);
-    eprintln!(
-        "image {name}: {:.1} MB",
-        image["Size"].as_f64().unwrap_or_default() / 1e6
-    );
+    assert_eq!(image["rootfs"]["diff_ids"].as_array().unwrap().len(), 1);
+    eprintln!("image {name}: {:.1} MB compressed", size as f64 / 1e6);
     for c in pod["initContainers"].as_array().unwrap() {
         assert_eq!(c["command"][0], "lb", "{c}");
     }
 
     // Nothing in the image but lb: no shell, no libc, no loader.
-    let extracted = export(&name);
     let rootfs = extracted.dir.join("rootfs");
     let mut found = BTreeSet::new();
     files(&rootfs, &rootfs, &mut found);

@@ -5,6 +5,11 @@
 //! (`+crt-static` on the host's gnu target): rustup cannot download a musl target here. The
 //! eBPF object is embedded in `lb` (aya's `include_bytes_aligned!`), so the binary is the
 //! whole image.
+//!
+//! The image is written as an OCI archive by xtask itself ([`crate::oci`]), no container engine
+//! involved: `target/image/lb.oci.tar`, for `ctr -n k8s.io images import` on a node (or
+//! `podman load -i`). deploy/Containerfile describes the same image for any other builder; a
+//! unit test keeps the two in step.
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -15,6 +20,7 @@ use std::{
 use anyhow::{Context as _, Result, bail, ensure};
 
 use crate::{
+    images, oci,
     process::{cargo, probe, run, workspace_root},
     setup,
 };
@@ -26,46 +32,23 @@ pub fn name() -> String {
     format!("{REPOSITORY}:{}", env!("CARGO_PKG_VERSION"))
 }
 
-/// Builds the static `lb`, then the image from deploy/Containerfile with a context holding
-/// only that binary; prints the image's name, id, size and build time.
+/// Builds the static `lb`, then writes the image's archive into target/image/; prints the
+/// image's name, digest, size and the time writing took.
 pub fn image() -> Result<()> {
     setup::setup()?;
-    setup::container_engine()?;
     let lb = static_lb()?;
-    let context = workspace_root().join("target/image");
-    if context.exists() {
-        fs::remove_dir_all(&context).with_context(|| format!("rm -r {}", context.display()))?;
-    }
-    fs::create_dir_all(&context)?;
-    fs::copy(&lb, context.join("lb")).context("copy lb into the build context")?;
-
-    let name = name();
+    let dir = workspace_root().join("target/image");
     let start = Instant::now();
-    run(Command::new("podman")
-        .arg("build")
-        .arg("--file")
-        .arg(workspace_root().join("deploy/Containerfile"))
-        .args(["--tag", &name])
-        .arg(&context))?;
+    let (name, archive) = images::lb_image(&lb, &dir)?;
     let took = start.elapsed();
-    let inspect = probe(Command::new("podman").args([
-        "image",
-        "inspect",
-        "--format",
-        "{{.Id}} {{.Size}}",
-        &name,
-    ]))?;
-    let (id, size) = inspect
-        .trim()
-        .split_once(' ')
-        .context("podman image inspect: want `ID SIZE`")?;
-    let size: u64 = size.parse().context("image size")?;
+    let digest = oci::manifest_digest(&archive)?;
     println!(
-        "image: {name} (id {}, {:.1} MB, built in {:.1} s from {})",
-        &id[..id.len().min(12)],
-        size as f64 / 1e6,
+        "image: {name} (digest {}, {:.1} MB, written in {:.1} s from {}) in {}",
+        &digest[..digest.len().min("sha256:".len() + 12)],
+        fs::metadata(&archive)?.len() as f64 / 1e6,
         took.as_secs_f64(),
-        lb.display()
+        lb.display(),
+        archive.display()
     );
     Ok(())
 }
@@ -102,7 +85,7 @@ pub fn static_lb() -> Result<PathBuf> {
 }
 
 /// The `PT_INTERP` path of a 64-bit little-endian ELF file, `None` for a static binary.
-fn elf_interpreter(path: &Path) -> Result<Option<String>> {
+pub fn elf_interpreter(path: &Path) -> Result<Option<String>> {
     let elf = fs::read(path).with_context(|| format!("read {}", path.display()))?;
     let field = |at: usize, len: usize| -> Result<u64> {
         let bytes = elf.get(at..at + len).context("truncated ELF header")?;

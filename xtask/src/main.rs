@@ -2,7 +2,9 @@
 
 mod bench;
 mod image;
+mod images;
 mod kernels;
+mod oci;
 mod process;
 mod setup;
 
@@ -60,8 +62,26 @@ enum Task {
         args: Vec<OsString>,
     },
     /// Build the container image (deploy/Containerfile, FROM scratch) around a statically
-    /// linked lb with podman, as registry.example.invalid/lb:<version>; needs root.
+    /// linked lb, as registry.example.invalid/lb:<version> in the OCI archive
+    /// target/image/lb.oci.tar (for `ctr images import`); needs root.
     Image,
+    /// Write the OCI archives of the images Kubernetes' e2e suite runs (pause, agnhost,
+    /// busybox, nginx, regression-issue-74839) for `ctr -n k8s.io images import`, from these
+    /// binaries and the host's Debian packages; unchanged ones are not rewritten.
+    E2eImages {
+        /// The static pause program.
+        #[arg(long)]
+        pause: std::path::PathBuf,
+        /// k8s.io/kubernetes/test/images/agnhost, built static.
+        #[arg(long)]
+        agnhost: std::path::PathBuf,
+        /// k8s.io/kubernetes/test/images/regression-issue-74839, built static.
+        #[arg(long)]
+        boom_server: std::path::PathBuf,
+        /// Where the archives go [default: target/e2e-images in the workspace].
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
     /// Check formatting and run clippy with warnings denied.
     Lint,
     /// Run the benchmarks (lb-bench) and write docs/benchmarks.md; needs root.
@@ -108,6 +128,22 @@ fn run_task(task: Task) -> Result<ExitCode> {
         Task::Test { kernel, args } => test(kernel.as_deref(), &args)?,
         Task::Demo { kubernetes, args } => demo(kubernetes, &args)?,
         Task::Image => image::image()?,
+        Task::E2eImages {
+            pause,
+            agnhost,
+            boom_server,
+            out,
+        } => {
+            let inputs = images::E2eInputs {
+                pause,
+                agnhost,
+                boom_server,
+            };
+            let out = out.unwrap_or_else(|| workspace_root().join("target/e2e-images"));
+            for (name, archive) in images::e2e_images(&inputs, &out)? {
+                println!("{name}\t{}", archive.display());
+            }
+        }
         Task::Lint => lint()?,
         Task::Bench(args) => bench::bench(&args)?,
         Task::Fuzz { packets, seed } => fuzz(packets, seed)?,

@@ -47,26 +47,18 @@ pub fn setup() -> Result<()> {
     bpffs(root)
 }
 
-/// `setup`, plus the real Kubernetes control plane the tests run against and the container
-/// engine the image test builds with. Kept out of the other tasks: the control plane is a long
-/// Go build that lint and bench never use.
+/// `setup`, plus the real Kubernetes control plane the tests run against. Kept out of the other
+/// tasks: the control plane is a long Go build that lint and bench never use. (The image test
+/// needs no container engine: xtask writes the image's OCI archive itself.)
 pub fn setup_for_tests() -> Result<()> {
     setup()?;
-    kube::kube_tools()?;
-    container_engine()
+    kube::kube_tools()
 }
 
 /// `setup`, plus the control plane `cargo xtask demo --kubernetes` runs lb against.
 pub fn setup_for_demo_kubernetes() -> Result<()> {
     setup()?;
     kube::kube_tools()
-}
-
-/// podman, which builds the image (`cargo xtask image` and the image test). Debian 12's 4.3
-/// builds `FROM scratch` images here; `podman run` is never used (it fails on hosts with the
-/// hybrid cgroup layout), the tests extract the binary instead.
-pub fn container_engine() -> Result<()> {
-    ensure_packages(&["podman"])
 }
 
 /// Whether this process runs with effective uid 0.
