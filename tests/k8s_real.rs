@@ -906,3 +906,106 @@ async fn watch_converges_after_an_apiserver_restart() {
     );
     drop(relay);
 }
+
+/// A Service status condition written without `lastTransitionTime` (Kubernetes' e2e "should
+/// complete a service status lifecycle" writes one): the API server stores it and returns
+/// `"lastTransitionTime": null`, which k8s-openapi's `Condition` does not decode. lb's watch
+/// must keep following that Service and every other one: a port added to it afterwards and a
+/// Service created after it are both programmed, on the open watch and after a relist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_status_condition_without_a_time_breaks_nothing() {
+    let cp = ControlPlane::start_with(Options {
+        endpointslice_controller: false,
+        ..Options::default()
+    })
+    .expect("control plane");
+    let admin = client(&cp.admin_kubeconfig).await;
+    prepare(&admin).await;
+    let services = Api::<Service>::namespaced(admin.clone(), NS);
+    let pp = PostParams::default();
+    services
+        .create(&pp, &from_json(selector_service("status", "198.19.0.30")))
+        .await
+        .expect("create service");
+    let mut h = Harness::start(&cp.lb_kubeconfig().expect("lb kubeconfig")).await;
+    h.wait_until("the service", |m| has(m, "198.19.0.30:80/TCP", &[]))
+        .await;
+
+    // Through kubectl: this test's own typed client could not read the answer back either.
+    let condition = json!({"status": {"conditions": [{
+        "type": "StatusUpdate", "status": "True", "reason": "E2E", "message": "Set from e2e test",
+    }]}});
+    cp.kubectl_ok(
+        &[
+            "patch",
+            "service",
+            "status",
+            "--namespace",
+            NS,
+            "--subresource=status",
+            "--type=merge",
+            "--patch",
+            &condition.to_string(),
+        ],
+        None,
+    )
+    .expect("kubectl patch status");
+    let stored = cp
+        .kubectl_ok(
+            &[
+                "get",
+                "service",
+                "status",
+                "--namespace",
+                NS,
+                "--output=json",
+            ],
+            None,
+        )
+        .expect("kubectl get");
+    let stored: Value = serde_json::from_str(&stored).expect("json");
+    assert_eq!(
+        stored["status"]["conditions"][0]["lastTransitionTime"],
+        Value::Null,
+        "the API server stores the condition without a time: {stored}"
+    );
+    assert!(
+        serde_json::from_value::<Service>(stored).is_err(),
+        "k8s-openapi refuses such a Service (else this test proves nothing)"
+    );
+
+    cp.kubectl_ok(
+        &[
+            "patch",
+            "service",
+            "status",
+            "--namespace",
+            NS,
+            "--type=json",
+            "--patch",
+            r#"[{"op":"add","path":"/spec/ports/-","value":{"name":"alt","protocol":"TCP","port":81,"targetPort":8081}}]"#,
+        ],
+        None,
+    )
+    .expect("kubectl patch spec");
+    h.wait_until("the port added after the condition", |m| {
+        has(m, "198.19.0.30:81/TCP", &[])
+    })
+    .await;
+    services
+        .create(&pp, &from_json(selector_service("later", "198.19.0.31")))
+        .await
+        .expect("create service");
+    h.wait_until("a service created after it", |m| {
+        has(m, "198.19.0.31:80/TCP", &[]) && has(m, "198.19.0.30:81/TCP", &[])
+    })
+    .await;
+
+    // A fresh watch lists the Service with its condition.
+    let mut fresh = Harness::start(&cp.lb_kubeconfig().expect("lb kubeconfig")).await;
+    fresh
+        .wait_until("both services from the initial list", |m| {
+            has(m, "198.19.0.30:81/TCP", &[]) && has(m, "198.19.0.31:80/TCP", &[])
+        })
+        .await;
+}

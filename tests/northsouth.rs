@@ -616,3 +616,378 @@ fn north_south_with_native_xdp() {
     }
     north_south("native");
 }
+
+/// Network namespaces a test adds beside its testbed's, removed on drop (with their veths).
+struct ExtraNs(Vec<String>);
+
+impl ExtraNs {
+    fn add(&mut self, name: String) {
+        ip(&["netns", "add", &name]).unwrap();
+        self.0.push(name.clone());
+        in_netns(&name, || {
+            fs::write("/proc/sys/net/ipv6/conf/default/accept_dad", "0")?;
+            fs::write("/proc/sys/net/ipv6/conf/all/accept_dad", "0")?;
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+impl Drop for ExtraNs {
+    fn drop(&mut self) {
+        for ns in self.0.drain(..).rev() {
+            if let Err(e) = ip(&["netns", "del", &ns]) {
+                eprintln!("teardown: {e:#}");
+            }
+        }
+    }
+}
+
+/// The CNI bridge plugin's layout in the node netns: a bridge holding the pods' gateway
+/// addresses, each pod's veth a port of it.
+const BRIDGE4: &str = "198.18.80.1";
+const BRIDGE6: &str = "2001:db8:0:80::1";
+
+/// Pod `n` (`198.18.80.<n>`, `2001:db8:0:80::<n>`) in netns `lb-<id>-pod<n>`, its veth
+/// `v<id>p<n>` a port of `bridge`, serving lb-echo as `pod<n>` on ECHO_PORT. Returns the veth.
+fn bridged_pod(tb: &mut Testbed, extra: &mut ExtraNs, bridge: &str, n: u8) -> String {
+    let ns = format!("lb-{}-pod{n}", tb.id);
+    extra.add(ns.clone());
+    let veth = format!("v{}p{n}", tb.id);
+    let node = tb.node_ns.clone();
+    let (pod4, pod6) = (
+        format!("198.18.80.{n}/24"),
+        format!("2001:db8:0:80::{n}/64"),
+    );
+    let cmds: [Vec<&str>; 10] = [
+        vec![
+            "-n", &node, "link", "add", &veth, "type", "veth", "peer", "name", HOST_IF, "netns",
+            &ns,
+        ],
+        vec!["-n", &node, "link", "set", &veth, "master", bridge],
+        vec!["-n", &node, "link", "set", &veth, "up"],
+        vec!["-n", &ns, "link", "set", "lo", "up"],
+        vec!["-n", &ns, "addr", "add", &pod4, "dev", HOST_IF],
+        vec![
+            "-n", &ns, "-6", "addr", "add", &pod6, "dev", HOST_IF, "nodad",
+        ],
+        vec!["-n", &ns, "link", "set", HOST_IF, "up"],
+        vec!["-n", &ns, "route", "add", "198.18.0.0/15", "via", BRIDGE4],
+        vec![
+            "-n",
+            &ns,
+            "-6",
+            "route",
+            "add",
+            "2001:db8::/32",
+            "via",
+            BRIDGE6,
+        ],
+        vec!["-n", &ns, "link", "show", HOST_IF],
+    ];
+    for c in &cmds {
+        ip(c).unwrap();
+    }
+    start_echo(tb, &ns, &format!("pod{n}"));
+    veth
+}
+
+/// Starts `lb-echo serve --name NAME` on ECHO_PORT in `ns` and waits for its `ready` line.
+fn start_echo(tb: &mut Testbed, ns: &str, name: &str) {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args(["serve", "--name", name, "--port", &ECHO_PORT.to_string()])
+        .stdout(Stdio::piped());
+    #[expect(
+        clippy::zombie_processes,
+        reason = "the testbed kills and reaps what it spawned when it drops"
+    )]
+    let mut child = tb.spawn(ns, None, cmd).unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("ready"), "{name} echo: {line:?}");
+}
+
+/// A NodePort service (dual-stack, TCP 80 and UDP 53 to 8080) whose endpoints are `eps` on
+/// node-a, as YAML.
+fn node_port_yaml(
+    name: &str,
+    cluster_ip: u8,
+    node_ports: (u16, u16),
+    eps: &[(&str, &str)],
+) -> String {
+    let eps: Vec<(&str, &str, &str)> = eps.iter().map(|(a, b)| (*a, *b, NODE_A)).collect();
+    Svc {
+        name,
+        cluster_ip,
+        node_ports,
+        local_policy: false,
+        lb: None,
+        eps: &eps,
+    }
+    .yaml()
+}
+
+/// Real-node layout (CNI `bridge` plugin): the pods' veths are ports of a bridge in the node
+/// netns, and lb runs as the DaemonSet starts it, `--devices <uplink>` and no `--tc-*` list. An
+/// external client's NodePort flow to a local pod is masqueraded to the node IP; the pod's
+/// reply comes back through its veth and must meet reverse NAT there without anyone listing
+/// the device: `--pod-devices auto` (the default) attaches `lb_tc_pod` to every veth that is no
+/// external device, also to one created after lb started (the link watch).
+#[test]
+fn node_port_to_a_bridged_pod_with_pod_devices_found_by_lb() {
+    let mut tb = Testbed::create(0).expect("testbed");
+    let mut extra = ExtraNs(Vec::new());
+    let client_ns = tb.client.ns.clone();
+    in_netns(&client_ns, || set_tx_checksum(HOST_IF, false)).unwrap();
+    let node = tb.node_ns.clone();
+    let bridge = format!("br{}", tb.id);
+    for c in [
+        vec!["-n", &node, "link", "add", &bridge, "type", "bridge"],
+        vec!["-n", &node, "addr", "add", "198.18.80.1/24", "dev", &bridge],
+        vec![
+            "-n",
+            &node,
+            "-6",
+            "addr",
+            "add",
+            "2001:db8:0:80::1/64",
+            "dev",
+            &bridge,
+            "nodad",
+        ],
+        vec!["-n", &node, "link", "set", &bridge, "up"],
+    ] {
+        ip(&c).unwrap();
+    }
+    let veth1 = bridged_pod(&mut tb, &mut extra, &bridge, 2);
+
+    let dir = ManifestDir(std::env::temp_dir().join(format!("lb-test-pods-{}", tb.id)));
+    fs::create_dir_all(&dir.0).unwrap();
+    let pod = |n: u8| (format!("198.18.80.{n}"), format!("2001:db8:0:80::{n}"));
+    let (p2, p3) = (pod(2), pod(3));
+    fs::write(
+        dir.0.join("np-pod2.yaml"),
+        node_port_yaml("np-pod2", 50, (31080, 31053), &[(&p2.0, &p2.1)]),
+    )
+    .unwrap();
+    fs::write(
+        dir.0.join("np-pod3.yaml"),
+        node_port_yaml("np-pod3", 51, (31081, 31054), &[(&p3.0, &p3.1)]),
+    )
+    .unwrap();
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
+    let node_ips = format!("{node4},{node6}");
+    let manifests = dir.0.display().to_string();
+    let external = tb.client.node_if.clone();
+    // As the DaemonSet starts lb: the uplink, nothing about pods.
+    let args = [
+        "--manifests",
+        manifests.as_str(),
+        "--hostname-override",
+        NODE_A,
+        "--socket-lb=false",
+        "--node-ip",
+        node_ips.as_str(),
+        "--devices",
+        external.as_str(),
+        "--xdp",
+        "off",
+    ];
+    let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    let attached = |lb: &LbDaemon, veth: &str| {
+        lb.log
+            .iter()
+            .any(|l| l.contains("lb_tc_pod attached") && l.contains(veth))
+    };
+    assert!(attached(&lb, &veth1), "{}", lb.log.join("\n"));
+    assert!(
+        !lb.log
+            .iter()
+            .any(|l| l.contains("lb_tc_pod attached") && l.contains(&external)),
+        "the external device is no pod device"
+    );
+
+    let t = targets(&node4, &node6, (31080, 31053));
+    assert_served(
+        &mut tb,
+        &client_ns,
+        "bridged pod2",
+        &t,
+        &["pod2"],
+        (&node4, &node6),
+    );
+
+    // A pod started after lb: its veth is found by the link watch.
+    let veth2 = bridged_pod(&mut tb, &mut extra, &bridge, 3);
+    lb.wait_for(
+        |l| l.contains("lb_tc_pod attached") && l.contains(&veth2),
+        "lb_tc_pod on the new pod's veth",
+    )
+    .unwrap();
+    let t = targets(&node4, &node6, (31081, 31054));
+    assert_served(
+        &mut tb,
+        &client_ns,
+        "bridged pod3 (created after lb)",
+        &t,
+        &["pod3"],
+        (&node4, &node6),
+    );
+    // A pod that goes away takes its attachment along; lb keeps serving the others.
+    ip(&["-n", &node, "link", "del", &veth2]).unwrap();
+    let t = targets(&node4, &node6, (31080, 31053));
+    assert_served(
+        &mut tb,
+        &client_ns,
+        "bridged pod2 after pod3 left",
+        &t,
+        &["pod2"],
+        (&node4, &node6),
+    );
+    // A restart adopts the pod devices' pinned links (and drops the gone one's).
+    lb.keep_dirs();
+    lb.stop().unwrap();
+    drop(lb);
+    let mut lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    assert!(attached(&lb, &veth1), "{}", lb.log.join("\n"));
+    assert!(
+        lb.log
+            .iter()
+            .any(|l| l.contains(" ready") && l.contains(&format!("lb_tc_pod on {veth1} (adopted)"))),
+        "{}",
+        lb.log.join("\n")
+    );
+    assert_served(
+        &mut tb,
+        &client_ns,
+        "bridged pod2 after a restart",
+        &t,
+        &["pod2"],
+        (&node4, &node6),
+    );
+    lb.drain();
+    drop(lb);
+    drop(extra);
+}
+
+/// A NodePort whose only endpoint is a hostNetwork pod of this node: its address is the node
+/// IP, so the flow is DNATed only (never masqueraded: the stack would drop a packet from the
+/// node IP as a martian, and there is no route to forward it on) and delivered to the local
+/// socket; the reply leaves through the external device, whose `lb_tc_egress` restores the
+/// NodePort. `lb trace` shows the decision. TCP and UDP, IPv4 and IPv6.
+fn node_port_to_a_host_network_endpoint(xdp: &str) {
+    let mut tb = Testbed::create(0).expect("testbed");
+    let client_ns = tb.client.ns.clone();
+    in_netns(&client_ns, || set_tx_checksum(HOST_IF, false)).unwrap();
+    if xdp != "off" {
+        in_netns(&client_ns, || set_gro(HOST_IF, true)).unwrap();
+    }
+    let node_ns = tb.node_ns.clone();
+    start_echo(&mut tb, &node_ns, "host");
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
+    let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
+    let dir = ManifestDir(std::env::temp_dir().join(format!("lb-test-hostnet-{}", tb.id)));
+    fs::create_dir_all(&dir.0).unwrap();
+    fs::write(
+        dir.0.join("np-host.yaml"),
+        node_port_yaml("np-host", 52, (31090, 31091), &[(&node4, &node6)]),
+    )
+    .unwrap();
+    let node_ips = format!("{node4},{node6}");
+    let manifests = dir.0.display().to_string();
+    let external = tb.client.node_if.clone();
+    let args = [
+        "--manifests",
+        manifests.as_str(),
+        "--hostname-override",
+        NODE_A,
+        "--socket-lb=false",
+        "--node-ip",
+        node_ips.as_str(),
+        "--devices",
+        external.as_str(),
+        "--xdp",
+        xdp,
+    ];
+    let lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    let ready = lb
+        .log
+        .iter()
+        .find(|l| l.contains(" ready"))
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        ready.contains(&format!("lb_tc_egress on {external}")),
+        "{ready}"
+    );
+    let t = targets(&node4, &node6, (31090, 31091));
+    // The server sees the client itself, as with kube-proxy (no masquerade for local delivery).
+    assert_served(
+        &mut tb,
+        &client_ns,
+        &format!("xdp={xdp} hostNetwork endpoint"),
+        &t,
+        &["host"],
+        (&client4, &client6),
+    );
+    assert!(lb.counter(metrics::TC_LOCAL_BACKEND).unwrap() >= 4 * 20);
+    assert_eq!(lb.counter(metrics::TC_SNAT_NO_ROUTE).unwrap(), 0);
+
+    // `lb trace` on the live node says why.
+    let pin = lb.pin_dir.display().to_string();
+    for (src, dst) in [
+        (client4.clone(), format!("{node4}:31090")),
+        (client6.clone(), format!("[{node6}]:31090")),
+    ] {
+        let mut cmd = Command::new(LB);
+        cmd.args(["trace", "--pin-dir", &pin, "--src", &src, "--dst", &dst])
+            .args(["--from", "external", "--json"]);
+        let out = tb.run(&node_ns, None, cmd).unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: serde_json::Value =
+            serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().next().unwrap())
+                .unwrap();
+        assert_eq!(r["verdict"], "forward", "{r}");
+        assert_eq!(r["masquerade"], false, "{r}");
+        assert_eq!(r["local_backend"], true, "{r}");
+        assert_eq!(r["reason"], "tc_forward_new", "{r}");
+        let mut cmd = Command::new(LB);
+        cmd.args(["trace", "--pin-dir", &pin, "--src", &src, "--dst", &dst])
+            .args(["--from", "external"]);
+        let text =
+            String::from_utf8_lossy(&tb.run(&node_ns, None, cmd).unwrap().stdout).into_owned();
+        assert!(
+            text.contains("not masqueraded: the backend is an address of this node"),
+            "{text}"
+        );
+    }
+    drop(lb);
+}
+
+#[test]
+fn node_port_to_a_host_network_endpoint_on_the_tc_path() {
+    node_port_to_a_host_network_endpoint("off");
+}
+
+#[test]
+fn node_port_to_a_host_network_endpoint_with_native_xdp() {
+    if aya::util::KernelVersion::current()
+        .is_ok_and(|v| v < aya::util::KernelVersion::new(5, 13, 0))
+    {
+        eprintln!("skipped before 5.13: veth peers need an XDP program to receive XDP frames");
+        return;
+    }
+    node_port_to_a_host_network_endpoint("native");
+}

@@ -796,7 +796,9 @@ pub struct TraceRecord {
     pub maglev_cell: u32,
     /// `lb_alg` of the master entry a new flow's backend was chosen with (new flows only).
     pub lb_alg: u8,
-    pub pad2: u8,
+    /// 1 if a new flow's backend is an address of this node (a hostNetwork endpoint): DNATed
+    /// only and handed to the local stack, never masqueraded (`metrics::TC_LOCAL_BACKEND`).
+    pub local_backend: u8,
     /// `ct_flags` of the conntrack entry the packet met (established, reply, backend gone),
     /// before this packet changed them; 0 without one.
     pub ct_flags: u16,
@@ -1006,7 +1008,7 @@ mod tests {
         assert_eq!(core::mem::offset_of!(TraceRecord, nat_port), 18);
         assert_eq!(core::mem::offset_of!(TraceRecord, maglev_cell), 20);
         assert_eq!(core::mem::offset_of!(TraceRecord, lb_alg), 24);
-        assert_eq!(core::mem::offset_of!(TraceRecord, pad2), 25);
+        assert_eq!(core::mem::offset_of!(TraceRecord, local_backend), 25);
         assert_eq!(core::mem::offset_of!(TraceRecord, ct_flags), 26);
         assert_eq!(size_of::<TraceRecord>(), 28);
     }

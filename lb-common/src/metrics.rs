@@ -77,12 +77,18 @@ pub const TC_REJECT_BACKEND_GONE: u32 = 26;
 /// has left its frontend (`lb_udp_gone`); dropped, so the send() fails with EPERM and the
 /// application reconnects (the re-steering fallback where sockets cannot be destroyed).
 pub const SOCK_UDP_GONE_DROP: u32 = 27;
+/// tc/XDP: a new flow whose backend is an address of this node (a hostNetwork endpoint, found
+/// by a FIB lookup): DNATed only, never masqueraded, and handed to the local stack, which
+/// would drop it as a martian with the node IP as its source; the local socket's replies are
+/// reverse-NATed on the egress of the device they leave by (`lb_tc_egress`). Counted in
+/// addition to its verdict (`TC_FWD_NEW`).
+pub const TC_LOCAL_BACKEND: u32 = 28;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 28] = [
+pub const NAMES: [&str; 29] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -111,4 +117,5 @@ pub const NAMES: [&str; 28] = [
     "tc_ct_miss_midstream",
     "tc_reject_backend_gone",
     "sock_udp_gone_drop",
+    "tc_local_backend",
 ];

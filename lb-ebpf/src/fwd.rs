@@ -7,7 +7,9 @@
 //! that route leaves by (the device it came in on, for hairpin traffic), decrementing the TTL
 //! as forwarding would. Netfilter's forward and postrouting hooks are skipped for these
 //! packets.
-use aya_ebpf::bindings::{BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup};
+use aya_ebpf::bindings::{
+    BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_NOT_FWDED, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup,
+};
 use lb_common::metrics;
 
 use crate::{
@@ -139,6 +141,23 @@ pub fn route<C: PacketCtx, A: FwdAf>(
         rc if rc == BPF_FIB_LKUP_RET_NO_NEIGH as i64 => Route::NoNeigh,
         _ => Route::None,
     }
+}
+
+/// Whether `backend` is an address of this node (a hostNetwork endpoint), as the FIB sees it
+/// from the device `p` arrived on: the lookup finds no unicast route (a local route, or none
+/// at all, which forwarding could not use either). Such a flow is not masqueraded: DNATed, it
+/// is delivered by the stack, which would drop it as a martian with the node IP as its source,
+/// and `send` has no route to forward it on. A device with forwarding off says nothing.
+// A subprogram, like `route`: the FIB query lives in scratch memory, out of every frame.
+#[inline(never)]
+pub fn local<C: PacketCtx, A: FwdAf>(ctx: &C, p: &Packet<A::Addr>, backend: &A::Addr) -> bool {
+    let Some(s) = scratch() else {
+        return false;
+    };
+    // SAFETY: as in `route`; `route` writes the query afresh for any later send.
+    let params = unsafe { &mut *(*s).fib.as_mut_ptr().cast::<bpf_fib_lookup>() };
+    *params = A::fib_params(p, p.saddr, *backend, ctx.ifindex());
+    ctx.fib_lookup(params) == BPF_FIB_LKUP_RET_NOT_FWDED as i64
 }
 
 /// Sends the rewritten packet `p` on the route `route` found (the scratch FIB answer),

@@ -9,6 +9,10 @@
 //!   `externalTrafficPolicy: Cluster` always (it may cross nodes); with `Local` only traffic
 //!   from the node itself, never from pods (their short-circuit) or outside (source kept).
 //!
+//! A flow these rules would masquerade is not when its backend is an address of this node (a
+//! hostNetwork endpoint, `fwd::local`): the stack delivers it after the DNAT, and would drop it
+//! as a martian with the node IP as its source (`packet::snat_port`).
+//!
 //! The masquerade source is the family's node IP from `lb_config` with a port allocated here:
 //! random candidates from the configured range, the first whose reply key (backend →
 //! node IP:port) can be inserted with `BPF_NOEXIST` wins, so two flows never share one.

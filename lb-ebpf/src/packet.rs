@@ -422,8 +422,14 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
         addr: A::ZERO,
         port: 0,
     };
+    let mut local = false;
     let masq = match snat_port::<C, A>(ctx, p, c, &head) {
         0 => false,
+        SNAT_LOCAL => {
+            count(metrics::TC_LOCAL_BACKEND, ctx.len());
+            local = true;
+            false
+        }
         SNAT_EXHAUSTED => {
             trace::record(|r| {
                 r.verdict = trace_verdict::DROP;
@@ -470,6 +476,7 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
         };
         trace_chosen(r, c);
         trace_nat(r, &snat, masq);
+        r.local_backend = u8::from(local);
     });
     Ok(Decision {
         action,
@@ -492,9 +499,13 @@ fn trace_chosen<A>(r: &mut TraceRecord, c: &Chosen<A>) {
 
 /// `snat_port` found no free NAT port.
 const SNAT_EXHAUSTED: u32 = 1 << 16;
+/// `snat_port`: the flow would be masqueraded, but its backend is an address of this node
+/// (`fwd::local`): it is DNATed only and delivered by the stack.
+const SNAT_LOCAL: u32 = 1 << 17;
 
 /// The NAT port of the new flow of `p` to `c` if it is masqueraded, its reply entry already
-/// claimed; 0 if it is not masqueraded, `SNAT_EXHAUSTED` if no port was free.
+/// claimed; 0 if it is not masqueraded, `SNAT_LOCAL` if it is not because its backend is local,
+/// `SNAT_EXHAUSTED` if no port was free.
 // A subprogram: the decision's LPM key and the allocation's key need a frame of their own.
 #[inline(never)]
 fn snat_port<C: PacketCtx, A: FwdAf>(
@@ -508,6 +519,11 @@ fn snat_port<C: PacketCtx, A: FwdAf>(
     };
     if !nat::masquerade::<A>(cfg, p, c) {
         return 0;
+    }
+    // A hostNetwork endpoint: the stack delivers the DNATed packet, and a node source would
+    // make it a martian there; its replies meet `lb_tc_egress` on their way out.
+    if fwd::local::<C, A>(ctx, p, &c.backend.addr) {
+        return SNAT_LOCAL;
     }
     let Some(node) = A::node_ip(cfg) else {
         count(metrics::TC_SNAT_NO_NODE_IP, ctx.len());

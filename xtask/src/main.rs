@@ -30,7 +30,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Task {
     /// Install and check what building and testing need (Debian packages, bpf-linker, bpffs,
-    /// the Kubernetes control plane the tests use, QEMU, virtme-ng and the 5.10 kernel).
+    /// the Kubernetes control plane the tests use, the e2e cluster's node tools and e2e.test,
+    /// QEMU, virtme-ng and the 5.10 kernel).
     Setup,
     /// Set up, then build the default workspace members (lb-ebpf comes through lb-userspace).
     Build {
@@ -121,6 +122,7 @@ fn run_task(task: Task) -> Result<ExitCode> {
     match task {
         Task::Setup => {
             setup::setup_for_tests()?;
+            setup::nodes::node_tools()?;
             setup::vm::vm_tools()?;
             setup::vm::kernels(&[setup::vm::FLOOR])?;
         }

@@ -5,6 +5,7 @@
 //! the eBPF crate is built by Debian's rustc, and bpf-linker must use the same LLVM).
 
 mod kube;
+pub mod nodes;
 pub mod vm;
 
 use std::{

@@ -101,6 +101,12 @@ struct RunArgs {
     /// Interfaces whose tc egress gets reverse NAT of replies.
     #[arg(long, value_delimiter = ',')]
     tc_egress: Vec<String>,
+    /// Pod-facing devices that get `lb_tc_pod` (in-cluster NAT and the reverse NAT of local
+    /// backends' replies): `auto`, every veth of lb's network namespace that is not an external
+    /// device, also those created later (watched); `none`; or a comma-separated list (the same
+    /// as --tc-pod) [default: auto, unless a --tc-* list lays the hooks out by hand].
+    #[arg(long, value_parser = parse_pod_devices)]
+    pod_devices: Option<PodDevices>,
     #[command(flatten)]
     devices: DeviceArgs,
     /// Prometheus metrics address (kube-proxy's default); "off" disables metrics and health.
@@ -136,6 +142,58 @@ struct RunArgs {
     /// `1h`; `0` never.
     #[arg(long, default_value = "5m", value_parser = parse_interval)]
     full_sync_interval: std::time::Duration,
+}
+
+/// `--pod-devices`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodDevices {
+    Auto,
+    None,
+    List(Vec<String>),
+}
+
+fn parse_pod_devices(s: &str) -> Result<PodDevices, String> {
+    Ok(match s {
+        "auto" => PodDevices::Auto,
+        "none" => PodDevices::None,
+        list => {
+            let names: Vec<String> = list
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned)
+                .collect();
+            if names.is_empty() {
+                return Err("`auto`, `none` or a comma-separated list of devices".into());
+            }
+            PodDevices::List(names)
+        }
+    })
+}
+
+/// `--pod-devices` with the `--tc-*` lists: (the hand-listed pod devices, whether lb finds the
+/// rest itself). The default finds them unless the hooks are laid out by hand.
+pub fn pod_devices(
+    arg: Option<PodDevices>,
+    tc_ingress: &[String],
+    mut tc_pod: Vec<String>,
+    tc_egress: &[String],
+) -> (Vec<String>, bool) {
+    let by_hand = !(tc_ingress.is_empty() && tc_pod.is_empty() && tc_egress.is_empty());
+    let auto = match arg {
+        None => !by_hand,
+        Some(PodDevices::Auto) => true,
+        Some(PodDevices::None) => false,
+        Some(PodDevices::List(l)) => {
+            for n in l {
+                if !tc_pod.contains(&n) {
+                    tc_pod.push(n);
+                }
+            }
+            false
+        }
+    };
+    (tc_pod, auto)
 }
 
 /// A duration as `N`, `Ns`, `Nm` or `Nh` (seconds, minutes, hours).
@@ -262,13 +320,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 (Some(m), Some(h)) => (Some(m), Some(h)),
                 _ => (None, None),
             };
+            let (tc_pod, pod_devices_auto) = pod_devices(
+                args.pod_devices,
+                &args.tc_ingress,
+                args.tc_pod,
+                &args.tc_egress,
+            );
             daemon::run(RunOptions {
                 source,
                 node_name: node_name(args.hostname_override)?,
                 pin_dir: args.pin_dir,
                 cgroup,
                 tc_ingress: args.tc_ingress,
-                tc_pod: args.tc_pod,
+                tc_pod,
+                pod_devices_auto,
                 tc_egress: args.tc_egress,
                 devices: args.devices.devices,
                 xdp: args.devices.xdp,
@@ -336,5 +401,40 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_devices_default_to_auto_unless_laid_out_by_hand() {
+        let none: &[String] = &[];
+        let eth = vec!["eth0".to_string()];
+        assert_eq!(pod_devices(None, none, vec![], none), (vec![], true));
+        assert_eq!(pod_devices(None, &eth, vec![], none), (vec![], false));
+        assert_eq!(
+            pod_devices(None, none, vec!["cni0".into()], none),
+            (vec!["cni0".into()], false)
+        );
+        assert_eq!(
+            pod_devices(Some(PodDevices::Auto), &eth, vec![], none),
+            (vec![], true)
+        );
+        assert_eq!(
+            pod_devices(Some(PodDevices::None), none, vec![], none),
+            (vec![], false)
+        );
+        assert_eq!(
+            pod_devices(
+                Some(parse_pod_devices("a,b").unwrap()),
+                none,
+                vec!["a".into()],
+                none
+            ),
+            (vec!["a".into(), "b".into()], false)
+        );
+        assert!(parse_pod_devices(",").is_err());
     }
 }

@@ -132,6 +132,10 @@ pub struct TraceResult {
     pub backend: Option<String>,
     /// Whether the datapath masqueraded the source (to the node IP and a NAT port).
     pub masquerade: bool,
+    /// Whether the new flow's backend is an address of this node (a hostNetwork endpoint, as
+    /// the FIB of the netns `lb trace` runs in sees it): DNATed only and handed to the node's
+    /// stack, never masqueraded, even where the rules would masquerade (`tc_local_backend`).
+    pub local_backend: bool,
     /// The packet's source `ip:port` as the program sent it out.
     pub source_after: String,
     /// `namespace/name:port` of the matched frontend's service, if any.
@@ -597,6 +601,7 @@ impl Tracer {
             scope: is_service.then(|| scope.as_str()),
             backend,
             masquerade: record.masquerade != 0,
+            local_backend: record.local_backend != 0,
             source_after: src_after.to_string(),
             service,
             candidates,
@@ -931,6 +936,9 @@ impl fmt::Display for TraceResult {
             self.source_after,
             if self.masquerade {
                 " (masqueraded)"
+            } else if self.local_backend {
+                " (not masqueraded: the backend is an address of this node, delivered to its \
+                 stack)"
             } else {
                 " (not masqueraded)"
             }

@@ -16,6 +16,7 @@ use super::{
 };
 use crate::{
     datapath::{
+        linkwatch::{self, Link, LinkEvent},
         load::{Datapath, LoadOptions, TcHook, XdpMode},
         maps::LbMaps,
     },
@@ -49,6 +50,9 @@ pub struct RunOptions {
     pub tc_ingress: Vec<String>,
     /// Pod-facing devices (host side of pod veths): tc ingress NAT, internal scope.
     pub tc_pod: Vec<String>,
+    /// `--pod-devices auto`: `lb_tc_pod` also goes on every veth of lb's netns that is not an
+    /// external device, now and as they appear (`PodWatch`).
+    pub pod_devices_auto: bool,
     pub tc_egress: Vec<String>,
     /// External devices (`--devices`): XDP per `xdp` plus tc ingress; empty: the devices
     /// holding the node IPs, unless a `tc_*` list is given.
@@ -197,6 +201,10 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     });
     full_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     full_timer.reset();
+    // `--pod-devices auto`: link events from the watch thread, once the first attach started it.
+    let (link_tx, mut link_rx) = tokio::sync::mpsc::unbounded_channel::<LinkEvent>();
+    let mut link_tx = Some(link_tx);
+    let mut pods: Option<PodWatch> = None;
     loop {
         tokio::select! {
             changed = rx.changed() => {
@@ -239,7 +247,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 }
                 if generation == 1 {
                     // Attach only once the maps hold the full state, so no packet sees less.
-                    attach(&mut datapath, &opts, facts.as_ref())?;
+                    pods = attach(&mut datapath, &opts, facts.as_ref(), link_tx.take())?;
                     tracing::info!(attached = ?datapath.attachments(), "ready");
                 }
                 // After the attach: load balancers send traffic once a port answers 200.
@@ -266,6 +274,11 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 last_full = Instant::now();
                 // A repair may have deleted backends too.
                 after_sync(&synced, translator.state(), &ct_gc, resteer.as_ref(), &mut udp_pairs);
+            }
+            Some(event) = link_rx.recv(), if pods.is_some() => {
+                if let Some(p) = pods.as_mut() {
+                    p.on_event(&mut datapath, event);
+                }
             }
             _ = hup.recv() => reload.notify_one(),
             _ = term.recv() => break,
@@ -326,11 +339,118 @@ fn external_devices(opts: &RunOptions, facts: Option<&NodeFacts>) -> Vec<String>
     node_facts::devices_holding(&ips, &node_facts::host_addrs())
 }
 
+/// The pod devices lb finds by itself (`--pod-devices auto`): every veth of its network
+/// namespace that is not an external device (nor on a `--tc-ingress`/`--tc-pod` list) gets
+/// `lb_tc_pod`, those there at start and those a CNI creates later (`linkwatch`). A backend's
+/// reply to a masqueraded flow (a NodePort) comes back to the node IP through the pod's veth,
+/// and one to a pod on the same bridge never crosses the bridge device: without `lb_tc_pod` on
+/// the veth itself it would meet no reverse NAT.
+pub struct PodWatch {
+    /// Names that never get it: the external devices and the hand-listed ones.
+    skip: Vec<String>,
+    /// What has it: ifindex → name.
+    attached: std::collections::BTreeMap<u32, String>,
+}
+
+impl PodWatch {
+    fn new(opts: &RunOptions, external: &[String]) -> Self {
+        let skip = external
+            .iter()
+            .chain(&opts.tc_ingress)
+            .chain(&opts.tc_pod)
+            .cloned()
+            .collect();
+        Self {
+            skip,
+            attached: Default::default(),
+        }
+    }
+
+    fn wants(&self, link: &Link) -> bool {
+        link.kind == "veth" && !self.skip.contains(&link.name)
+    }
+
+    /// Attaches to `link` if it is a pod device without lb_tc_pod yet; an `RTM_NEWLINK` for a
+    /// device that has it (up, down, a new master) changes nothing.
+    fn add(&mut self, datapath: &mut Datapath, link: &Link) {
+        if !self.wants(link) {
+            return;
+        }
+        match self.attached.get(&link.index) {
+            Some(name) if *name == link.name => return,
+            // Renamed: its pin goes by name.
+            Some(old) => datapath.forget_tc(old, TcHook::Pod),
+            None => {}
+        }
+        match datapath.attach_tc(&link.name, TcHook::Pod) {
+            Ok(()) => {
+                tracing::info!(
+                    iface = %link.name,
+                    ifindex = link.index,
+                    "pod device: lb_tc_pod attached"
+                );
+                self.attached.insert(link.index, link.name.clone());
+            }
+            // It may be gone already (a pod that lived for a moment): not lb's failure.
+            Err(e) => tracing::warn!(
+                iface = %link.name,
+                error = format!("{e:#}"),
+                "pod device: lb_tc_pod not attached"
+            ),
+        }
+    }
+
+    fn remove(&mut self, datapath: &mut Datapath, link: &Link) {
+        if let Some(name) = self.attached.remove(&link.index) {
+            datapath.forget_tc(&name, TcHook::Pod);
+            tracing::debug!(iface = %name, "pod device gone");
+        }
+    }
+
+    /// Makes the attachments match the links there are now (start-up, lost events).
+    fn scan(&mut self, datapath: &mut Datapath) {
+        let links = match linkwatch::links() {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list the network devices for pod devices");
+                return;
+            }
+        };
+        let gone: Vec<Link> = self
+            .attached
+            .iter()
+            .filter(|(i, _)| !links.iter().any(|l| l.index == **i))
+            .map(|(i, n)| Link {
+                index: *i,
+                name: n.clone(),
+                kind: String::new(),
+            })
+            .collect();
+        for l in &gone {
+            self.remove(datapath, l);
+        }
+        for l in &links {
+            self.add(datapath, l);
+        }
+    }
+
+    fn on_event(&mut self, datapath: &mut Datapath, event: LinkEvent) {
+        match event {
+            LinkEvent::New(l) => self.add(datapath, &l),
+            LinkEvent::Del(l) => self.remove(datapath, &l),
+            LinkEvent::Resync => self.scan(datapath),
+        }
+    }
+}
+
+/// Attaches everything; with `--pod-devices auto` (and `events` to send the link watch's
+/// events to) also every pod device, and returns the watch.
 fn attach(
     datapath: &mut Datapath,
     opts: &RunOptions,
     facts: Option<&NodeFacts>,
-) -> anyhow::Result<()> {
+    events: Option<tokio::sync::mpsc::UnboundedSender<LinkEvent>>,
+) -> anyhow::Result<Option<PodWatch>> {
     let devices = external_devices(opts, facts);
     // Informational (the choices are made where each feature is used), and reading
     // kallsyms is slow: off the path to the first attach.
@@ -349,6 +469,10 @@ fn attach(
         if !opts.tc_ingress.contains(iface) {
             datapath.attach_tc(iface, TcHook::External)?;
         }
+        // A local socket's replies (a hostNetwork endpoint's) leave through here unrestored.
+        if !opts.tc_egress.contains(iface) {
+            datapath.attach_tc(iface, TcHook::Egress)?;
+        }
     }
     for iface in &opts.tc_ingress {
         datapath.attach_tc(iface, TcHook::External)?;
@@ -362,11 +486,29 @@ fn attach(
     if let Some(cgroup) = &opts.cgroup {
         datapath.attach_cgroup(cgroup)?;
     }
+    let mut pods = None;
+    if let (true, Some(tx)) = (opts.pod_devices_auto, events) {
+        let mut watch = PodWatch::new(opts, &devices);
+        // Subscribed before the scan: a device created in between is reported too.
+        match linkwatch::watch(move |e| tx.send(e).is_ok()) {
+            Ok(_) => tracing::info!(
+                external = ?devices,
+                "pod devices: lb_tc_pod on every veth that is no external device, watched"
+            ),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "cannot watch network devices: pod devices created later get no lb_tc_pod"
+            ),
+        }
+        // Before the prune: the pins of pod devices still there are adopted, not removed.
+        watch.scan(datapath);
+        pods = Some(watch);
+    }
     let pruned = datapath.prune_links()?;
     if !pruned.is_empty() {
         tracing::info!(links = ?pruned, "detached what this run no longer attaches");
     }
-    Ok(())
+    Ok(pods)
 }
 
 /// What one sync did.

@@ -17,9 +17,12 @@ use std::{
 
 use anyhow::Context as _;
 use futures::{FutureExt as _, StreamExt as _, stream};
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::{
     Api, Client, Config,
@@ -46,6 +49,65 @@ fn trim<K: kube::Resource>(o: &mut K) {
     meta.managed_fields = None;
     if let Some(a) = meta.annotations.as_mut() {
         a.remove(LAST_APPLIED);
+    }
+}
+
+/// A Service as lb's watch decodes it: without `status.conditions`, which lb never reads and
+/// which the API server stores unvalidated. A condition written without `lastTransitionTime`
+/// (Kubernetes' own e2e "service status lifecycle" writes one) comes back as
+/// `"lastTransitionTime": null`, which k8s-openapi's `Condition` refuses; decoded as a plain
+/// `Service`, that one object would fail every list and watch event of all Services.
+#[derive(Clone, Debug)]
+pub struct WatchedService(pub Service);
+
+impl k8s_openapi::Resource for WatchedService {
+    const API_VERSION: &'static str = Service::API_VERSION;
+    const GROUP: &'static str = Service::GROUP;
+    const KIND: &'static str = Service::KIND;
+    const VERSION: &'static str = Service::VERSION;
+    const URL_PATH_SEGMENT: &'static str = Service::URL_PATH_SEGMENT;
+    type Scope = <Service as k8s_openapi::Resource>::Scope;
+}
+
+impl k8s_openapi::Metadata for WatchedService {
+    type Ty = ObjectMeta;
+    fn metadata(&self) -> &ObjectMeta {
+        self.0.metadata()
+    }
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        self.0.metadata_mut()
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for WatchedService {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let mut value = serde_json::Value::deserialize(d)?;
+        drop_status_conditions(&mut value);
+        Service::deserialize(value)
+            .map(Self)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Removes `status.conditions` from a Service (or any object) given as JSON.
+pub fn drop_status_conditions(object: &mut serde_json::Value) {
+    if let Some(status) = object
+        .get_mut("status")
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        status.remove("conditions");
+    }
+}
+
+/// The reflector's event for the Service inside.
+fn unwrap_service(event: watcher::Event<WatchedService>) -> watcher::Event<Service> {
+    use watcher::Event;
+    match event {
+        Event::Apply(s) => Event::Apply(s.0),
+        Event::Delete(s) => Event::Delete(s.0),
+        Event::Init => Event::Init,
+        Event::InitApply(s) => Event::InitApply(s.0),
+        Event::InitDone => Event::InitDone,
     }
 }
 
@@ -194,7 +256,7 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
         m.watch_api_server();
     }
     let timeout = u32::try_from(opts.timeout.as_secs().max(1)).unwrap_or(u32::MAX);
-    let services: Api<Service> = Api::all(client.clone());
+    let services: Api<WatchedService> = Api::all(client.clone());
     let slices: Api<EndpointSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
 
@@ -215,9 +277,14 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
             Step::Other
         }
     }
-    let svc_events = reflector(svc_writer, watcher(services, svc_cfg).modify(trim))
-        .default_backoff()
-        .map(|e| (Kind::Services, e.map(|e| step(&e))));
+    let svc_events = reflector(
+        svc_writer,
+        watcher(services, svc_cfg)
+            .map(|e| e.map(unwrap_service))
+            .modify(trim),
+    )
+    .default_backoff()
+    .map(|e| (Kind::Services, e.map(|e| step(&e))));
     let slice_events = reflector(slice_writer, watcher(slices, slice_cfg).modify(trim))
         .default_backoff()
         .map(|e| (Kind::Slices, e.map(|e| step(&e))));
@@ -305,7 +372,51 @@ mod tests {
     use k8s_openapi::api::core::v1::{Node, Service};
     use serde_json::json;
 
-    use super::{LAST_APPLIED, trim, trim_node};
+    use super::{LAST_APPLIED, WatchedService, trim, trim_node};
+
+    /// What the API server returns for a Service whose status condition was written without
+    /// a `lastTransitionTime` (the e2e "service status lifecycle" spec makes one).
+    fn service_with_null_condition_time() -> serde_json::Value {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "lb-svc", "namespace": "shop", "resourceVersion": "9"},
+            "spec": {"type": "LoadBalancer", "clusterIP": "198.19.0.1", "ports": [{"port": 80}]},
+            "status": {
+                "loadBalancer": {"ingress": [{"ip": "198.18.99.1"}]},
+                "conditions": [{
+                    "type": "StatusUpdate", "status": "True", "reason": "E2E",
+                    "message": "Set from e2e test", "lastTransitionTime": null,
+                }],
+            },
+        })
+    }
+
+    #[test]
+    fn a_null_condition_time_does_not_keep_the_service_from_decoding() {
+        let raw = service_with_null_condition_time();
+        // Why the wrapper exists: k8s-openapi's Condition wants a time.
+        assert!(serde_json::from_value::<Service>(raw.clone()).is_err());
+        let WatchedService(svc) = serde_json::from_value(raw).expect("decodes");
+        let status = svc.status.expect("status");
+        assert_eq!(status.conditions, None);
+        let ingress = status
+            .load_balancer
+            .and_then(|lb| lb.ingress)
+            .expect("ingress");
+        assert_eq!(ingress[0].ip.as_deref(), Some("198.18.99.1"));
+        assert_eq!(
+            svc.spec.and_then(|s| s.cluster_ip).as_deref(),
+            Some("198.19.0.1")
+        );
+        // Lists decode their items the same way.
+        let list: kube::core::ObjectList<WatchedService> = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "ServiceList", "metadata": {"resourceVersion": "9"},
+            "items": [service_with_null_condition_time()],
+        }))
+        .expect("list decodes");
+        assert_eq!(list.items.len(), 1);
+    }
 
     #[test]
     fn trim_drops_managed_fields_and_the_last_applied_copy_only() {

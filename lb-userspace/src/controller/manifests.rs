@@ -249,6 +249,15 @@ fn add_object(value: serde_yaml::Value, objects: &mut Objects) -> Result<(), Str
         .unwrap_or("");
     match (api_version, kind) {
         ("v1", "Service") => {
+            // As the watch does (`k8s::WatchedService`): a dumped Service may carry a status
+            // condition with `lastTransitionTime: null`, and lb reads no condition.
+            let mut value = value;
+            if let Some(status) = value
+                .get_mut("status")
+                .and_then(serde_yaml::Value::as_mapping_mut)
+            {
+                status.remove("conditions");
+            }
             let svc: Service = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
             objects.services.push(svc);
         }

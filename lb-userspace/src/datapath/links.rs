@@ -90,6 +90,16 @@ fn detach_pinned(path: &Path) -> anyhow::Result<()> {
     fs::remove_file(path).with_context(|| format!("removing {}", path.display()))
 }
 
+/// Detaches and unpins the link pinned at `path`, if any (a pod device that went away: its
+/// link is defunct already).
+pub fn forget(path: &Path) {
+    if path.exists()
+        && let Err(e) = detach_pinned(path)
+    {
+        tracing::debug!(pin = %path.display(), error = format!("{e:#}"), "link pin not removed");
+    }
+}
+
 /// Adopts the link pinned at `path` for `prog`. `Ok(false)`: there was none, or it was
 /// defunct (its device or cgroup gone) and its pin is removed; attach afresh.
 pub fn adopt(path: &Path, prog: BorrowedFd<'_>) -> anyhow::Result<bool> {
@@ -119,7 +129,12 @@ pub fn prune(pin_dir: &Path, keep: &[PathBuf]) -> anyhow::Result<Vec<String>> {
     for entry in entries {
         let path = entry?.path();
         if !keep.contains(&path) {
-            detach_pinned(&path)?;
+            // A link whose device went away is defunct and detaches as a no-op; whatever else
+            // fails here must not stop lb from serving: the pin is dropped all the same.
+            if let Err(e) = detach_pinned(&path) {
+                tracing::warn!(pin = %path.display(), error = format!("{e:#}"), "stale link not detached cleanly");
+                let _ = fs::remove_file(&path);
+            }
             removed.push(
                 path.file_name()
                     .unwrap_or_default()

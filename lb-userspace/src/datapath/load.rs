@@ -196,6 +196,17 @@ pub enum TcHook {
     Egress,
 }
 
+impl TcHook {
+    /// The program attached at this hook.
+    pub fn program(self) -> &'static str {
+        match self {
+            TcHook::External => prog_names::TC_INGRESS,
+            TcHook::Pod => prog_names::TC_POD,
+            TcHook::Egress => prog_names::TC_EGRESS,
+        }
+    }
+}
+
 /// Where the maps live.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
@@ -478,10 +489,10 @@ impl Datapath {
     /// Attaches the tc program for `hook` to `iface` (TCX on 6.6+, a clsact qdisc filter
     /// before). With persisting links, a predecessor's attachment is adopted instead.
     pub fn attach_tc(&mut self, iface: &str, hook: TcHook) -> anyhow::Result<()> {
-        let (name, attach) = match hook {
-            TcHook::External => (prog_names::TC_INGRESS, TcAttachType::Ingress),
-            TcHook::Pod => (prog_names::TC_POD, TcAttachType::Ingress),
-            TcHook::Egress => (prog_names::TC_EGRESS, TcAttachType::Egress),
+        let name = hook.program();
+        let attach = match hook {
+            TcHook::External | TcHook::Pod => TcAttachType::Ingress,
+            TcHook::Egress => TcAttachType::Egress,
         };
         let tcx = !KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0));
         if !tcx {
@@ -553,6 +564,20 @@ impl Datapath {
             if adopted { " (adopted)" } else { "" }
         ));
         Ok(())
+    }
+
+    /// Forgets the tc attachment of `hook` on `iface`, a device that went away (its link went
+    /// with it): the pin is removed and `attachments` no longer lists it.
+    pub fn forget_tc(&mut self, iface: &str, hook: TcHook) {
+        let name = hook.program();
+        if let Some(dir) = &self.link_pins {
+            let pin = links::path(dir, &format!("{name}@{iface}"));
+            links::forget(&pin);
+            self.used_links.retain(|p| *p != pin);
+        }
+        let shown = format!("{name} on {iface}");
+        self.attachments
+            .retain(|a| a.strip_suffix(" (adopted)").unwrap_or(a) != shown);
     }
 
     /// Attaches `lb_xdp` to `iface` in `mode` (with bpf_link where the kernel has it). `Off`

@@ -96,9 +96,109 @@ pub fn kube_tools() -> Result<()> {
     Ok(())
 }
 
+/// The node-side binaries `cargo xtask e2e` runs, built from the same scratch module as the
+/// control plane (one module graph, one download): `go build -o DIR/` names and packages.
+const NODE_BINARIES: [(&str, &str); 6] = [
+    ("kubelet", "k8s.io/kubernetes/cmd/kubelet"),
+    ("kube-scheduler", "k8s.io/kubernetes/cmd/kube-scheduler"),
+    ("kube-proxy", "k8s.io/kubernetes/cmd/kube-proxy"),
+    ("agnhost", "k8s.io/kubernetes/test/images/agnhost"),
+    (
+        "regression-issue-74839",
+        "k8s.io/kubernetes/test/images/regression-issue-74839",
+    ),
+    ("pause", "./pause"),
+];
+/// Kubernetes' own end-to-end suite, a test binary.
+pub const E2E_TEST: &str = "e2e.test";
+const NODE_STAMP: &str = "kube-node-tools.version";
+
+/// The pod sandbox's process: sleeps until SIGTERM/SIGINT, reaping the zombies a shared PID
+/// namespace hands it (what registry.k8s.io/pause does, in Go: the image needs no C compiler).
+const PAUSE_MAIN: &str = "// Command pause holds a pod's namespaces: it sleeps, reaps children and exits on\n\
+// SIGTERM or SIGINT.\n\
+package main\n\n\
+import (\n\
+\t\"os\"\n\
+\t\"os/signal\"\n\
+\t\"syscall\"\n\
+)\n\n\
+func main() {\n\
+\tsignals := make(chan os.Signal, 4)\n\
+\tsignal.Notify(signals, syscall.SIGTERM, syscall.SIGINT, syscall.SIGCHLD)\n\
+\tfor s := range signals {\n\
+\t\tif s != syscall.SIGCHLD {\n\
+\t\t\tos.Exit(0)\n\
+\t\t}\n\
+\t\tfor {\n\
+\t\t\tvar status syscall.WaitStatus\n\
+\t\t\tpid, err := syscall.Wait4(-1, &status, syscall.WNOHANG, nil)\n\
+\t\t\tif pid <= 0 || err != nil {\n\
+\t\t\t\tbreak\n\
+\t\t\t}\n\
+\t\t}\n\
+\t}\n\
+}\n";
+
+/// kubelet, kube-scheduler, kube-proxy, agnhost, the regression-issue-74839 server, pause and
+/// `e2e.test` (`go test -c` of k8s.io/kubernetes/test/e2e) into `target/tools/bin`, from the
+/// control plane's scratch module; skipped when the stamp says they are there.
+pub fn node_tools() -> Result<()> {
+    let tools = workspace_root().join("target/tools");
+    let bin = tools.join("bin");
+    let stamp = format!("kubernetes {KUBERNETES_VERSION}\n");
+    let names: Vec<&str> = NODE_BINARIES
+        .iter()
+        .map(|(name, _)| *name)
+        .chain([E2E_TEST])
+        .collect();
+    let present = names.iter().all(|b| bin.join(b).is_file());
+    if present && fs::read_to_string(bin.join(NODE_STAMP)).ok().as_deref() == Some(stamp.as_str()) {
+        println!(
+            "ok: {} {KUBERNETES_VERSION} in {}",
+            names.join(", "),
+            bin.display()
+        );
+        return Ok(());
+    }
+    let go = go_binary()?;
+    println!(
+        "installing: {} {KUBERNETES_VERSION} into {} (cold: ~12 CPU minutes beside the control \
+         plane's, e2e.test alone ~6)",
+        names.join(", "),
+        bin.display()
+    );
+    let start = Instant::now();
+    let src = tools.join("kube-src");
+    write_scratch_module(&go, &src)?;
+    fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
+    let _ = fs::remove_file(bin.join(NODE_STAMP));
+    run(go_command(&go)
+        .args(["build", "-ldflags", &ldflags(), "-o"])
+        .arg(format!("{}/", bin.display()))
+        .args(NODE_BINARIES.iter().map(|(_, package)| *package))
+        .current_dir(&src))?;
+    let binaries = start.elapsed();
+    // The suite's own flags (--provider, --kubeconfig, ginkgo's) come from its TestMain; vet
+    // would only add minutes.
+    run(go_command(&go)
+        .args(["test", "-c", "-vet=off", "-ldflags", &ldflags(), "-o"])
+        .arg(bin.join(E2E_TEST))
+        .arg("k8s.io/kubernetes/test/e2e")
+        .current_dir(&src))?;
+    fs::write(bin.join(NODE_STAMP), stamp).context("writing the node tools stamp")?;
+    println!(
+        "built: {} in {:.0} s (e2e.test {:.0} s of it)",
+        names.join(", "),
+        start.elapsed().as_secs_f64(),
+        (start.elapsed() - binaries).as_secs_f64()
+    );
+    Ok(())
+}
+
 /// Go from PATH (or its default install directory, which non-login shells may lack), at least
 /// 1.26 as k8s.io/kubernetes' go.mod asks.
-fn go_binary() -> Result<PathBuf> {
+pub(super) fn go_binary() -> Result<PathBuf> {
     let candidates = [PathBuf::from("go"), PathBuf::from("/usr/local/go/bin/go")];
     for go in candidates {
         let Ok(version) = probe(Command::new(&go).arg("version")) else {
@@ -128,7 +228,7 @@ fn go_binary() -> Result<PathBuf> {
 /// A `go` command with the build settings of these tools: static (no cgo), reproducible paths,
 /// no VCS stamp from the lb checkout around the scratch module, go.mod/go.sum completed as
 /// needed, and never a toolchain download.
-fn go_command(go: &Path) -> Command {
+pub(super) fn go_command(go: &Path) -> Command {
     let mut cmd = Command::new(go);
     cmd.env("CGO_ENABLED", "0")
         .env("GOFLAGS", "-trimpath -buildvcs=false -mod=mod")
@@ -166,10 +266,18 @@ fn write_scratch_module(go: &Path, src: &Path) -> Result<()> {
          import (\n\
          \t_ \"k8s.io/kubernetes/cmd/kube-apiserver\"\n\
          \t_ \"k8s.io/kubernetes/cmd/kube-controller-manager\"\n\
+         \t_ \"k8s.io/kubernetes/cmd/kube-proxy\"\n\
+         \t_ \"k8s.io/kubernetes/cmd/kube-scheduler\"\n\
          \t_ \"k8s.io/kubernetes/cmd/kubectl\"\n\
+         \t_ \"k8s.io/kubernetes/cmd/kubelet\"\n\
+         \t_ \"k8s.io/kubernetes/test/e2e\"\n\
+         \t_ \"k8s.io/kubernetes/test/images/agnhost\"\n\
+         \t_ \"k8s.io/kubernetes/test/images/regression-issue-74839\"\n\
          )\n",
     )
     .context("writing kube-src/tools.go")?;
+    fs::create_dir_all(src.join("pause")).context("creating kube-src/pause")?;
+    fs::write(src.join("pause/main.go"), PAUSE_MAIN).context("writing kube-src/pause/main.go")?;
     fs::write(
         src.join("etcd/main.go"),
         "// Command etcd is the etcd server, through its own entry point.\n\

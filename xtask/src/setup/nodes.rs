@@ -1,0 +1,161 @@
+//! What `cargo xtask e2e` runs on its nodes besides the control plane: containerd, CoreDNS,
+//! kubelet & co. (from the Kubernetes scratch module, kube.rs), runc and the CNI plugins.
+//!
+//! * containerd v2.4.2 (`containerd`, `containerd-shim-runc-v2`, `ctr`): `go install` of the
+//!   release, static (no cgo). Not Debian's containerd: with its 1.6 shim on PATH containerd v2
+//!   fails (`io.containerd.runc.v2: type with url … not found`), and Kubernetes 1.37 wants ≥ 2.3.
+//! * CoreDNS v1.15.0 with only the plugins the cluster's DNS uses, from a scratch module in
+//!   `target/tools/coredns-src` (CoreDNS picks its plugins at build time).
+//! * Debian's runc and containernetworking-plugins (bridge, host-local, loopback, portmap in
+//!   /usr/lib/cni).
+//!
+//! Cached in `target/tools/bin` with a version stamp; the Go caches are shared with kube.rs.
+//! Background: /work/shared/notes/real-nodes.md.
+
+use std::{fs, path::Path, time::Instant};
+
+use anyhow::{Context as _, Result, ensure};
+
+use super::kube::{go_binary, go_command};
+use crate::process::{run, workspace_root};
+
+pub const CONTAINERD_VERSION: &str = "v2.4.2";
+pub const COREDNS_VERSION: &str = "v1.15.0";
+const CONTAINERD_BINARIES: [&str; 3] = ["containerd", "containerd-shim-runc-v2", "ctr"];
+const STAMP: &str = "node-tools.version";
+/// Debian packages the nodes run: the OCI runtime and the CNI plugins. Not `containerd`.
+pub const PACKAGES: [&str; 2] = ["runc", "containernetworking-plugins"];
+/// Where Debian's containernetworking-plugins puts the plugins.
+pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
+/// The CNI plugins each node's network uses (e2e/config.rs).
+const CNI_PLUGINS: [&str; 4] = ["bridge", "host-local", "loopback", "portmap"];
+/// The CoreDNS plugins compiled in (the Corefile may use only these).
+const COREDNS_PLUGINS: [&str; 9] = [
+    "bind",
+    "cache",
+    "errors",
+    "forward",
+    "health",
+    "kubernetes",
+    "loadbalance",
+    "log",
+    "ready",
+];
+
+/// Everything a node and the cluster's DNS need, plus the Kubernetes node binaries and
+/// `e2e.test` (kube.rs). Prints how long each cold build took.
+pub fn node_tools() -> Result<()> {
+    super::ensure_packages(&PACKAGES)?;
+    for plugin in CNI_PLUGINS {
+        let path = Path::new(CNI_BIN_DIR).join(plugin);
+        ensure!(
+            path.is_file(),
+            "{} is missing although containernetworking-plugins is installed",
+            path.display()
+        );
+    }
+    super::kube::node_tools()?;
+    let bin = workspace_root().join("target/tools/bin");
+    let stamp = format!(
+        "containerd {CONTAINERD_VERSION}\ncoredns {COREDNS_VERSION} {}\n",
+        COREDNS_PLUGINS.join(",")
+    );
+    let present = CONTAINERD_BINARIES
+        .iter()
+        .chain(&["coredns"])
+        .all(|b| bin.join(b).is_file());
+    if present && fs::read_to_string(bin.join(STAMP)).ok().as_deref() == Some(stamp.as_str()) {
+        println!(
+            "ok: containerd {CONTAINERD_VERSION} and CoreDNS {COREDNS_VERSION} in {}",
+            bin.display()
+        );
+        return Ok(());
+    }
+    let go = go_binary()?;
+    fs::create_dir_all(&bin).with_context(|| format!("creating {}", bin.display()))?;
+    let _ = fs::remove_file(bin.join(STAMP));
+
+    println!(
+        "installing: containerd {CONTAINERD_VERSION} into {} (cold: ~3 CPU minutes)",
+        bin.display()
+    );
+    let start = Instant::now();
+    // `go install pkg@version` builds the release with its own go.mod, outside any module.
+    run(go_command(&go)
+        .args(["install", "-ldflags", "-s -w"])
+        .args(
+            CONTAINERD_BINARIES.iter().map(|b| {
+                format!("github.com/containerd/containerd/v2/cmd/{b}@{CONTAINERD_VERSION}")
+            }),
+        )
+        .env("GOBIN", &bin)
+        .env("GOFLAGS", "-trimpath -buildvcs=false")
+        .current_dir(workspace_root().join("target/tools")))?;
+    println!(
+        "built: containerd in {:.0} s",
+        start.elapsed().as_secs_f64()
+    );
+
+    println!(
+        "installing: CoreDNS {COREDNS_VERSION} ({}) into {} (cold: ~1.5 CPU minutes)",
+        COREDNS_PLUGINS.join(", "),
+        bin.display()
+    );
+    let start = Instant::now();
+    let src = workspace_root().join("target/tools/coredns-src");
+    fs::create_dir_all(&src).with_context(|| format!("creating {}", src.display()))?;
+    fs::write(src.join("go.mod"), coredns_go_mod()).context("writing coredns-src/go.mod")?;
+    fs::write(src.join("main.go"), coredns_main()).context("writing coredns-src/main.go")?;
+    run(go_command(&go)
+        .args(["build", "-ldflags", "-s -w", "-o"])
+        .arg(bin.join("coredns"))
+        .arg(".")
+        .current_dir(&src))?;
+    println!("built: CoreDNS in {:.0} s", start.elapsed().as_secs_f64());
+    fs::write(bin.join(STAMP), stamp).context("writing the node tools stamp")?;
+    Ok(())
+}
+
+fn coredns_go_mod() -> String {
+    format!(
+        "// Generated by `cargo xtask setup` (xtask/src/setup/nodes.rs).\n\
+         module lb.invalid/coredns\n\n\
+         go 1.26\n\n\
+         require github.com/coredns/coredns {COREDNS_VERSION}\n"
+    )
+}
+
+/// CoreDNS' own main (coremain) with [`COREDNS_PLUGINS`] registered by their imports.
+fn coredns_main() -> String {
+    let imports: String = COREDNS_PLUGINS
+        .iter()
+        .map(|p| format!("\t_ \"github.com/coredns/coredns/plugin/{p}\"\n"))
+        .collect();
+    format!(
+        "// Generated by `cargo xtask setup` (xtask/src/setup/nodes.rs).\n\
+         // Command coredns is CoreDNS with the plugins the e2e cluster's DNS uses.\n\
+         package main\n\n\
+         import (\n\
+         \t\"github.com/coredns/coredns/coremain\"\n\n\
+         {imports})\n\n\
+         func main() {{ coremain.Run() }}\n"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coredns_main_imports_each_plugin() {
+        let main = coredns_main();
+        for p in COREDNS_PLUGINS {
+            assert!(
+                main.contains(&format!("_ \"github.com/coredns/coredns/plugin/{p}\"\n")),
+                "{main}"
+            );
+        }
+        assert!(main.contains("func main() { coremain.Run() }"), "{main}");
+        assert!(coredns_go_mod().contains(&format!("coredns/coredns {COREDNS_VERSION}")));
+    }
+}
