@@ -48,6 +48,8 @@ struct Objects {
     services: Vec<Service>,
     endpoint_slices: Vec<EndpointSlice>,
     namespaces: Vec<Namespace>,
+    /// `kustomization.yaml` (not an API object: kubectl's `-k`), kept as YAML.
+    kustomizations: Vec<serde_yaml::Value>,
 }
 
 /// Parses `doc` as `T` and checks that serializing it back gives the same document, so a
@@ -83,6 +85,7 @@ fn parse_all(files: &[PathBuf]) -> Objects {
                 "Service" => objs.services.push(typed(&doc, &what)),
                 "EndpointSlice" => objs.endpoint_slices.push(typed(&doc, &what)),
                 "Namespace" => objs.namespaces.push(typed(&doc, &what)),
+                "Kustomization" => objs.kustomizations.push(doc),
                 other => panic!("{what}: unexpected kind {other:?}; teach tests/deploy.rs"),
             }
         }
@@ -109,6 +112,33 @@ fn every_manifest_parses_into_its_kubernetes_type() {
     assert_eq!(objs.cluster_role_bindings.len(), 1);
     let ex = parse_all(&examples);
     assert!(!ex.services.is_empty() && !ex.endpoint_slices.is_empty());
+}
+
+/// `kubectl apply -k deploy/` installs exactly the manifests of deploy/ (what `cargo xtask
+/// e2e` overlays), each of which exists.
+#[test]
+fn the_kustomization_lists_every_manifest() {
+    let objs = parse_all(&yaml_files(&deploy_dir()));
+    assert_eq!(objs.kustomizations.len(), 1);
+    let k = &objs.kustomizations[0];
+    assert_eq!(
+        k["apiVersion"].as_str(),
+        Some("kustomize.config.k8s.io/v1beta1")
+    );
+    // Listed in apply order (RBAC before the DaemonSet that uses it); compared as a set.
+    let mut resources: Vec<&str> = k["resources"]
+        .as_sequence()
+        .expect("resources")
+        .iter()
+        .map(|r| r.as_str().expect("a file name"))
+        .collect();
+    let manifests: Vec<String> = yaml_files(&deploy_dir())
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .filter(|f| f != "kustomization.yaml")
+        .collect();
+    resources.sort_unstable();
+    assert_eq!(resources, manifests, "deploy/kustomization.yaml resources");
 }
 
 /// A type that fails to parse is an error, not a skipped document.
