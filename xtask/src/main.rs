@@ -1,6 +1,7 @@
 //! Developer tasks for lb, run as `cargo xtask <command>`.
 
 mod bench;
+mod e2e;
 mod image;
 mod images;
 mod kernels;
@@ -85,6 +86,10 @@ enum Task {
     },
     /// Check formatting and run clippy with warnings denied.
     Lint,
+    /// Run Kubernetes' e2e.test ([sig-network]) against lb installed from deploy/ as a
+    /// DaemonSet and against kube-proxy (nftables), on real kubelet + containerd nodes in
+    /// network namespaces of this machine; prints one table. Needs root.
+    E2e(e2e::E2eArgs),
     /// Run the benchmarks (lb-bench) and write docs/benchmarks.md; needs root.
     Bench(bench::BenchArgs),
     /// Set up, then run the datapath fuzzer (the `fuzz` suite) at full length: random and
@@ -147,6 +152,7 @@ fn run_task(task: Task) -> Result<ExitCode> {
             }
         }
         Task::Lint => lint()?,
+        Task::E2e(args) => e2e::e2e(&args)?,
         Task::Bench(args) => bench::bench(&args)?,
         Task::Fuzz { packets, seed } => fuzz(packets, seed)?,
         Task::VmGuest {
@@ -283,6 +289,15 @@ fn test_phases(
                 println!("kernel {}: {e:#}", k.name);
                 failures.push(k.name.to_owned());
             }
+        }
+    }
+    // Last: Kubernetes' own conformance specs against lb installed from deploy/ as a DaemonSet
+    // on real kubelet + containerd nodes (`cargo xtask e2e --conformance`, lb only).
+    if full_host {
+        let outcome = phases.time("e2e", e2e::conformance_phase);
+        if let Err(e) = outcome {
+            println!("e2e: {e:#}");
+            failures.push("e2e (conformance)".to_owned());
         }
     }
     let table = kernels::table(&results);

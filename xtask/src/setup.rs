@@ -56,6 +56,16 @@ pub fn setup_for_tests() -> Result<()> {
     kube::kube_tools()
 }
 
+/// `setup`, plus what `cargo xtask e2e` runs: the control plane, the node tools (containerd,
+/// kubelet, kube-proxy, CoreDNS, runc, the CNI plugins), `e2e.test` and the host packages its
+/// images copy their userland from.
+pub fn setup_for_e2e() -> Result<()> {
+    setup()?;
+    ensure_packages(crate::images::DEBIAN_PACKAGES)?;
+    kube::kube_tools()?;
+    nodes::node_tools()
+}
+
 /// `setup`, plus the control plane `cargo xtask demo --kubernetes` runs lb against.
 pub fn setup_for_demo_kubernetes() -> Result<()> {
     setup()?;

@@ -16,6 +16,7 @@ use std::{fs, path::Path, time::Instant};
 
 use anyhow::{Context as _, Result, ensure};
 
+pub use super::kube::E2E_TEST;
 use super::kube::{go_binary, go_command};
 use crate::process::{run, workspace_root};
 
