@@ -38,6 +38,8 @@ pub const ID_PREFIX: &str = "lbe2e-";
 const CGROUP_MOUNT: &str = "/sys/fs/cgroup";
 const CGROUP2: &str = "/sys/fs/cgroup/unified";
 const BPFFS: &str = "/sys/fs/bpf";
+/// Exists while bpffs is shared because a run made it so (outside every run's state).
+const SHARED_MARK: &str = "/run/lb-e2e-bpffs-made-shared";
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(500);
 
@@ -162,7 +164,7 @@ impl Cluster {
         )?;
         fs::write(cluster.state.join("cgroup"), &cluster.cgroup)?;
         if options.proxy == Proxy::Lb {
-            shared_bpffs(&cluster.state)?;
+            shared_bpffs()?;
         }
         cluster.cgroups()?;
         cluster.network()?;
@@ -942,11 +944,13 @@ pub fn cleanup(id: &str, cgroup: &str, nodes: &[String]) {
             }
         }
     }
-    if state.join("bpffs-made-shared").exists() && runs().len() <= 1 {
+    // The last run to go makes bpffs private again if any run made it shared.
+    if Path::new(SHARED_MARK).exists() && runs().iter().all(|r| r == id) {
         warn(
             "making bpffs private again",
             set_propagation(BPFFS, libc::MS_PRIVATE),
         );
+        let _ = fs::remove_file(SHARED_MARK);
     }
     // kubelet links each container's log into /var/log/containers (a fixed path).
     warn("removing container log links", remove_log_links(&state));
@@ -1082,8 +1086,9 @@ fn own_cgroup() -> Result<String> {
 
 /// Makes bpffs a shared mount, as systemd makes every mount on a real node: the DaemonSet's
 /// init container mounts it with Bidirectional propagation, which the runtime refuses on a
-/// private mount. Remembered in `state`, so the cleanup makes it private again.
-fn shared_bpffs(state: &Path) -> Result<()> {
+/// private mount. Remembered in [`SHARED_MARK`], so the last run's cleanup makes it private
+/// again.
+fn shared_bpffs() -> Result<()> {
     let info = fs::read_to_string("/proc/self/mountinfo")?;
     let shared = info.lines().any(|l| {
         let f: Vec<&str> = l.split(' ').collect();
@@ -1095,7 +1100,7 @@ fn shared_bpffs(state: &Path) -> Result<()> {
     });
     if !shared {
         set_propagation(BPFFS, libc::MS_SHARED)?;
-        fs::write(state.join("bpffs-made-shared"), "")?;
+        fs::write(SHARED_MARK, "")?;
         println!("e2e: made {BPFFS} a shared mount (as on a systemd host) for lb's init container");
     }
     Ok(())
