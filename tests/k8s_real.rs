@@ -594,14 +594,21 @@ fn deploy_manifests_pass_server_side_dry_run() {
     }
 
     for file in &files {
+        // A kustomization is not an API object: apply the directory it builds (`-k`), which
+        // also proves its resource list resolves.
+        let (flag, target) = if file.file_name().is_some_and(|n| n == "kustomization.yaml") {
+            ("-k", file.parent().expect("kustomization's directory"))
+        } else {
+            ("-f", file.as_path())
+        };
         let out = cp
             .kubectl_ok(
                 &[
                     "apply",
                     "--dry-run=server",
                     "--validate=strict",
-                    "-f",
-                    &file.display().to_string(),
+                    flag,
+                    &target.display().to_string(),
                 ],
                 None,
             )
