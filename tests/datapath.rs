@@ -456,8 +456,15 @@ fn parse_and_verify(pkt: &[u8]) -> Parsed {
         }
         other => panic!("unexpected ethertype {other:#x}"),
     };
-    let csum_off = if proto == 6 { 16 } else { 6 };
+    // TCP, ICMP/ICMPv6 (a reject's reply), else UDP/SCTP's offset.
+    let csum_off = match proto {
+        6 => 16,
+        1 | 58 => 2,
+        _ => 6,
+    };
     let l4_csum = u16::from_be_bytes([l4[csum_off], l4[csum_off + 1]]);
+    // ICMPv4's checksum covers no pseudo-header.
+    let pseudo = if proto == 1 { 0 } else { pseudo };
     if !(proto == 17 && l4_csum == 0 && src.is_ipv4()) {
         assert_eq!(
             fold(pseudo + ones_sum(l4)),
@@ -660,6 +667,105 @@ fn source_ranges_and_no_local_endpoint_drop_on_xdp_and_tc() {
             "{hook:?}: no local endpoint"
         );
         assert_eq!(fx.counter(metrics::TC_DROP_NO_LOCAL_BACKEND), before + 1);
+    }
+}
+
+/// kube-proxy's DROP for `internalTrafficPolicy: Local` with endpoints only on other nodes,
+/// from manifests through the translator into the maps: in-cluster traffic to the ClusterIP
+/// (the pod hook) is dropped, counted `tc_drop_no_local_backend`; a service with no endpoints
+/// at all is still rejected. IPv4 and IPv6, TCP and UDP.
+#[test]
+fn internal_local_with_endpoints_elsewhere_drops_and_without_endpoints_rejects() {
+    use lb::controller::{
+        manifests::{self, Objects},
+        translate::{NodeInfo, desired_state},
+    };
+    let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: elsewhere, namespace: t}
+spec:
+  ipFamilyPolicy: PreferDualStack
+  clusterIP: 198.19.4.3
+  clusterIPs: [198.19.4.3, "2001:db8:ffff::4:3"]
+  internalTrafficPolicy: Local
+  ports: [{name: t, protocol: TCP, port: 80}, {name: u, protocol: UDP, port: 80}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: elsewhere-4, namespace: t, labels: {kubernetes.io/service-name: elsewhere}}
+addressType: IPv4
+ports: [{name: t, protocol: TCP, port: 8080}, {name: u, protocol: UDP, port: 8080}]
+endpoints: [{addresses: [198.18.8.21], nodeName: node-b}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: elsewhere-6, namespace: t, labels: {kubernetes.io/service-name: elsewhere}}
+addressType: IPv6
+ports: [{name: t, protocol: TCP, port: 8080}, {name: u, protocol: UDP, port: 8080}]
+endpoints: [{addresses: ["2001:db8:8::21"], nodeName: node-b}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: none, namespace: t}
+spec:
+  ipFamilyPolicy: PreferDualStack
+  clusterIP: 198.19.4.4
+  clusterIPs: [198.19.4.4, "2001:db8:ffff::4:4"]
+  internalTrafficPolicy: Local
+  ports: [{name: t, protocol: TCP, port: 80}, {name: u, protocol: UDP, port: 80}]
+"#;
+    let mut objects = Objects::default();
+    let mut problems = Vec::new();
+    manifests::parse_into(
+        std::path::Path::new("itp.yaml"),
+        yaml,
+        &mut objects,
+        &mut problems,
+    );
+    assert!(problems.is_empty(), "{problems:?}");
+    let t = desired_state(
+        &objects.services,
+        &objects.slices,
+        &NodeInfo::from_node("node-a", None),
+    );
+    let mut fx = fixture();
+    let report = fx._reconciler.apply(&t.state);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+
+    for (client, elsewhere, none) in [
+        (
+            IpAddr::from(CLIENT4),
+            IpAddr::from(Ipv4Addr::new(198, 19, 4, 3)),
+            IpAddr::from(Ipv4Addr::new(198, 19, 4, 4)),
+        ),
+        (
+            CLIENT6.into(),
+            "2001:db8:ffff::4:3".parse().unwrap(),
+            "2001:db8:ffff::4:4".parse().unwrap(),
+        ),
+    ] {
+        for l4 in [L4::TcpSyn, L4::Udp] {
+            let before = fx.counter(metrics::TC_DROP_NO_LOCAL_BACKEND);
+            let pkt = packet(client, 42_000, elsewhere, VPORT, l4);
+            let (verdict, _) = fx.run(prog_names::TC_POD, &pkt);
+            assert_eq!(verdict, TC_ACT_SHOT, "{elsewhere}: dropped");
+            assert_eq!(fx.counter(metrics::TC_DROP_NO_LOCAL_BACKEND), before + 1);
+
+            let before = fx.counter(metrics::TC_REJECT_NO_BACKEND);
+            let pkt = packet(client, 42_000, none, VPORT, l4);
+            let (verdict, reply) = fx.run(prog_names::TC_POD, &pkt);
+            assert_eq!(verdict, TC_ACT_REDIRECT, "{none}: rejected");
+            let r = parse_and_verify(&reply);
+            assert_eq!((r.src, r.dst), (none, client), "{none}: the reply");
+            let reply_proto = match (l4, client) {
+                (L4::TcpSyn, _) => 6,
+                (_, IpAddr::V4(_)) => 1,
+                (_, IpAddr::V6(_)) => 58,
+            };
+            assert_eq!(r.proto, reply_proto, "{none}: RST or port unreachable");
+            assert_eq!(fx.counter(metrics::TC_REJECT_NO_BACKEND), before + 1);
+        }
     }
 }
 

@@ -815,6 +815,48 @@ spec:
     - {name: udp, protocol: UDP, port: 53}
 ";
 
+/// `internalTrafficPolicy: Local` with its only endpoints on another node: kube-proxy DROPs
+/// in-cluster traffic to it (REJECT is for a service with no endpoints at all).
+const ENDPOINTS_ELSEWHERE: &str = "apiVersion: v1
+kind: Service
+metadata: {name: elsewhere, namespace: demo}
+spec:
+  ipFamilyPolicy: PreferDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 198.19.0.21
+  clusterIPs: [198.19.0.21, \"2001:db8:ffff::21\"]
+  internalTrafficPolicy: Local
+  ports:
+    - {name: tcp, protocol: TCP, port: 80}
+    - {name: udp, protocol: UDP, port: 53}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: elsewhere-v4
+  namespace: demo
+  labels: {kubernetes.io/service-name: elsewhere}
+addressType: IPv4
+ports:
+  - {name: tcp, protocol: TCP, port: 8080}
+  - {name: udp, protocol: UDP, port: 8080}
+endpoints:
+  - {addresses: [198.18.250.1], nodeName: another-node}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: elsewhere-v6
+  namespace: demo
+  labels: {kubernetes.io/service-name: elsewhere}
+addressType: IPv6
+ports:
+  - {name: tcp, protocol: TCP, port: 8080}
+  - {name: udp, protocol: UDP, port: 8080}
+endpoints:
+  - {addresses: [\"2001:db8:250::1\"], nodeName: another-node}
+";
+
 /// Every request of `o` failed with ECONNREFUSED: a REJECT answered at once, not a timeout
 /// (which would be ETIMEDOUT or EAGAIN).
 fn assert_refused(o: &Outcome, what: &str) {
@@ -845,7 +887,8 @@ fn sock_refusal() -> &'static str {
 
 /// kube-proxy's REJECT through real sockets: without endpoints, or on a port the ClusterIP does
 /// not have, TCP gets a RST and connected UDP an ICMP port unreachable from the tc path, and
-/// both surface as ECONNREFUSED; an unallocated address of `--service-cidr` is dropped.
+/// both surface as ECONNREFUSED; an unallocated address of `--service-cidr` is dropped, and so
+/// is an `internalTrafficPolicy: Local` service whose endpoints are all on other nodes.
 #[test]
 fn tc_path_rejects_like_kube_proxy() {
     let mut tb = Testbed::create(3).expect("testbed");
@@ -853,6 +896,7 @@ fn tc_path_rejects_like_kube_proxy() {
         .expect("echo servers");
     let manifests = Manifests::new(&tb.id);
     manifests.add("empty.yaml", NO_ENDPOINTS);
+    manifests.add("elsewhere.yaml", ENDPOINTS_ELSEWHERE);
     let mut args = lb_args(&tb, &manifests.0, false);
     args.extend([
         "--service-cidr".into(),
@@ -900,6 +944,20 @@ fn tc_path_rejects_like_kube_proxy() {
         lb.counter(metrics::TC_DROP_UNALLOCATED).unwrap() - before,
         2 * REQUESTS as u64
     );
+    // iTP=Local, endpoints only elsewhere: dropped, not rejected.
+    let before = lb.counter(metrics::TC_DROP_NO_LOCAL_BACKEND).unwrap();
+    for target in ["198.19.0.21:53", "[2001:db8:ffff::21]:53"] {
+        let o = client(&mut tb, false, target, "udp", &["--timeout-ms", "100"]);
+        assert_eq!(o.errors.len(), REQUESTS, "{target}: no answer: {o:?}");
+        assert!(
+            o.errors.iter().all(|e| !e.contains("os error 111)")),
+            "{target}: dropped, not rejected: {o:?}"
+        );
+    }
+    assert_eq!(
+        lb.counter(metrics::TC_DROP_NO_LOCAL_BACKEND).unwrap() - before,
+        2 * REQUESTS as u64
+    );
     // The service itself is unaffected.
     let o = client(&mut tb, false, "198.19.0.10:80", "tcp", &[]);
     assert!(o.errors.is_empty(), "{o:?}");
@@ -909,12 +967,14 @@ fn tc_path_rejects_like_kube_proxy() {
 
 /// The same through socket LB: connect() (TCP, and UDP's connect) and unconnected sendto()
 /// fail at once with ECONNREFUSED (EPERM before 5.18, see `sock_refusal`), for a service
-/// without endpoints and for an unknown port.
+/// without endpoints and for an unknown port; with EPERM, a DROP's error, for an
+/// `internalTrafficPolicy: Local` service whose endpoints are all on other nodes.
 #[test]
 fn socket_lb_refuses_like_kube_proxy() {
     let mut tb = Testbed::create(1).expect("testbed");
     let manifests = Manifests::new(&tb.id);
     manifests.add("empty.yaml", NO_ENDPOINTS);
+    manifests.add("elsewhere.yaml", ENDPOINTS_ELSEWHERE);
     let lb = start_lb(&mut tb, &manifests.0, true);
     let refusal = sock_refusal();
 
@@ -940,6 +1000,27 @@ fn socket_lb_refuses_like_kube_proxy() {
     assert_eq!(
         lb.counter(metrics::SOCK_REJECT_UNKNOWN_PORT).unwrap() - before,
         4 * REQUESTS as u64
+    );
+
+    // iTP=Local, endpoints only elsewhere: denied like a netfilter DROP fails a local sender
+    // (EPERM), never refused.
+    let before = lb.counter(metrics::SOCK_DROP_NO_LOCAL_BACKEND).unwrap();
+    for target in ["198.19.0.21:80", "[2001:db8:ffff::21]:80"] {
+        let o = client(&mut tb, true, target, "tcp", &[]);
+        assert_refused_with(&o, target, "os error 1)");
+    }
+    for target in ["198.19.0.21:53", "[2001:db8:ffff::21]:53"] {
+        let o = client(&mut tb, true, target, "udp", &["--connected-udp"]);
+        assert_refused_with(&o, target, "os error 1)");
+        assert_refused_with(
+            &client(&mut tb, true, target, "udp", &[]),
+            target,
+            "os error 1)",
+        );
+    }
+    assert_eq!(
+        lb.counter(metrics::SOCK_DROP_NO_LOCAL_BACKEND).unwrap() - before,
+        6 * REQUESTS as u64
     );
     drop(lb);
 }

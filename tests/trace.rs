@@ -254,6 +254,12 @@ fn trace_reports_rejects_drops_misses_and_hooks() {
         "apiVersion: v1\nkind: Service\nmetadata: {name: empty, namespace: t}\nspec:\n  clusterIP: 198.19.1.1\n  clusterIPs: [198.19.1.1, \"2001:db8:ffff:1::1\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: PreferDualStack\n  ports: [{name: p, protocol: TCP, port: 80}]\n",
     )
     .unwrap();
+    // internalTrafficPolicy: Local, its one endpoint on another node.
+    fs::write(
+        dir.join("elsewhere.yaml"),
+        "apiVersion: v1\nkind: Service\nmetadata: {name: elsewhere, namespace: t}\nspec:\n  clusterIP: 198.19.1.2\n  internalTrafficPolicy: Local\n  ports: [{name: p, protocol: TCP, port: 80}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: elsewhere-1, namespace: t, labels: {kubernetes.io/service-name: elsewhere}}\naddressType: IPv4\nports: [{name: p, protocol: TCP, port: 8080}]\nendpoints: [{addresses: [198.18.20.1], nodeName: another-node}]\n",
+    )
+    .unwrap();
     let d = dir.to_str().unwrap();
     let no_backend = trace(&[
         "--manifests",
@@ -357,6 +363,29 @@ fn trace_reports_rejects_drops_misses_and_hooks() {
             "{dst}"
         );
         assert_eq!(r[0]["reply"], serde_json::Value::Null);
+    }
+
+    // Endpoints only on another node, iTP=Local: dropped from pods and from the node (whose
+    // socket LB denies the call), as kube-proxy DROPs it; no reply.
+    for from in ["pod", "node"] {
+        let r = trace(&[
+            "--manifests",
+            d,
+            "--src",
+            "198.18.10.2",
+            "--dst",
+            "198.19.1.2:80",
+            "--from",
+            from,
+        ]);
+        assert_eq!(
+            (&r[0]["verdict"], &r[0]["reason"]),
+            (&"drop".into(), &"tc_drop_no_local_backend".into()),
+            "from {from}: {r:?}"
+        );
+        assert_eq!(r[0]["service"], "t/elsewhere:p");
+        assert_eq!(r[0]["reply"], serde_json::Value::Null);
+        assert_eq!(r[0]["backend"], serde_json::Value::Null);
     }
 
     let out = Command::new(LB)

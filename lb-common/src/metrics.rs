@@ -51,8 +51,9 @@ pub const TC_DROP_UNALLOCATED: u32 = 18;
 /// fails like `SOCK_DROP_NO_BACKEND`.
 pub const SOCK_REJECT_UNKNOWN_PORT: u32 = 19;
 
-/// tc/XDP: a frontend with `externalTrafficPolicy: Local` and no endpoint on this node, for
-/// external traffic; dropped (kube-proxy's DROP: the service has endpoints elsewhere).
+/// tc/XDP: a frontend with `externalTrafficPolicy: Local` (external traffic) or a ClusterIP
+/// with `internalTrafficPolicy: Local` and no endpoint on this node; dropped (kube-proxy's
+/// DROP: the service has endpoints elsewhere).
 pub const TC_DROP_NO_LOCAL_BACKEND: u32 = 20;
 /// tc/XDP: a source outside the frontend's `loadBalancerSourceRanges`; dropped.
 pub const TC_DROP_SOURCE_RANGE: u32 = 21;
@@ -83,12 +84,16 @@ pub const SOCK_UDP_GONE_DROP: u32 = 27;
 /// reverse-NATed on the egress of the device they leave by (`lb_tc_egress`). Counted in
 /// addition to its verdict (`TC_FWD_NEW`).
 pub const TC_LOCAL_BACKEND: u32 = 28;
+/// Socket LB: connect()/sendmsg() to a ClusterIP with `internalTrafficPolicy: Local` and no
+/// endpoint on this node (endpoints elsewhere); denied without a chosen error, so the call
+/// fails with EPERM, as a netfilter DROP fails a local sender (kube-proxy's DROP).
+pub const SOCK_DROP_NO_LOCAL_BACKEND: u32 = 29;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 29] = [
+pub const NAMES: [&str; 30] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -118,4 +123,5 @@ pub const NAMES: [&str; 29] = [
     "tc_reject_backend_gone",
     "sock_udp_gone_drop",
     "tc_local_backend",
+    "sock_drop_no_local_backend",
 ];

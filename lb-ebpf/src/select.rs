@@ -65,8 +65,12 @@ pub struct Unserved {
 
 pub enum Selected<A> {
     Backend(Chosen<A>),
-    /// The frontend exists but has no usable backend (`Unserved`, details dropped).
-    NoBackend,
+    /// The frontend exists but has no usable backend (`Unserved`, details dropped); `drop`:
+    /// its endpoints are all on other nodes (`svc_flags::EMPTY_DROP`), kube-proxy's DROP
+    /// rather than REJECT.
+    NoBackend {
+        drop: bool,
+    },
     NotAService,
 }
 
@@ -265,7 +269,9 @@ pub fn select<A: Af>(
             };
             match choose::<A>(&svc, client, crate::conntrack::now_secs(), input, &mut c) {
                 Ok(()) => Selected::Backend(c),
-                Err(_) => Selected::NoBackend,
+                Err(n) => Selected::NoBackend {
+                    drop: n.svc_flags & svc_flags::EMPTY_DROP != 0,
+                },
             }
         }
     }

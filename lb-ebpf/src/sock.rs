@@ -179,8 +179,14 @@ fn verdict<A: Af>(
             refuse()
         }
         Selected::NotAService => ALLOW,
+        // Endpoints only on other nodes (internalTrafficPolicy: Local): kube-proxy DROPs, and
+        // a netfilter drop fails a local sender's call with EPERM, a plain deny's error.
+        Selected::NoBackend { drop: true } => {
+            count(metrics::SOCK_DROP_NO_LOCAL_BACKEND, 0);
+            DENY
+        }
         // connect()/sendmsg() fail at once rather than reach a VIP nothing answers on.
-        Selected::NoBackend => {
+        Selected::NoBackend { drop: false } => {
             count(metrics::SOCK_DROP_NO_BACKEND, 0);
             refuse()
         }

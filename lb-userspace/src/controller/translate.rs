@@ -931,11 +931,19 @@ pub(crate) fn translate_service(
                 let (cluster, local) = categorize(&eps, proto, policies, node);
                 let of_family = |ip: &&IpAddr| usize::from(ip.is_ipv6()) == family;
 
-                let (internal, flags) = if internal_local {
+                // kube-proxy's `hasAnyEndpoints`: a ready or serving terminating endpoint on
+                // any node, whichever policies the service uses.
+                let has_endpoints = eps.iter().any(|e| e.ready || (e.serving && e.terminating));
+                let (internal, mut flags) = if internal_local {
                     (&local, svc_flags::INT_LOCAL)
                 } else {
                     (&cluster, 0)
                 };
+                // kube-proxy DROPs in-cluster traffic of an iTP=Local service whose endpoints
+                // are all on other nodes; REJECT is for a service with none at all.
+                if internal_local && !any_active(&local) && has_endpoints {
+                    flags |= svc_flags::EMPTY_DROP;
+                }
                 for ip in cluster_ips.iter().filter(of_family) {
                     frontends.push((
                         Frontend::new(*ip, port.port as u16, proto),
@@ -954,9 +962,6 @@ pub(crate) fn translate_service(
                 // External frontends: external IPs, LoadBalancer IPs and NodePorts on this
                 // node's NodePort addresses, all with the external policy's endpoints.
                 let external = if external_local { &local } else { &cluster };
-                // kube-proxy's `hasAnyEndpoints`: a ready or serving terminating endpoint on
-                // any node, whichever policies the service uses.
-                let has_endpoints = eps.iter().any(|e| e.ready || (e.serving && e.terminating));
                 let mut flags = aff_flag;
                 if external_local {
                     flags |= svc_flags::EXT_LOCAL;
