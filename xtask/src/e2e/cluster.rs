@@ -536,6 +536,10 @@ impl Cluster {
             .arg(format!("--cert-dir={}", dir.join("kubelet/pki").display()))
             .arg(format!("--hostname-override={}", node.name))
             .arg(format!("--node-ip={},{}", node.ip, node.ip6))
+            .arg(format!(
+                "--node-labels=topology.kubernetes.io/zone={}",
+                node.zone
+            ))
             .arg("--v=2")
             .env("PATH", path_with(&self.bin));
         self.spawn(&format!("kubelet-{}", node.name), &ns, kubelet)

@@ -44,6 +44,9 @@ pub struct NodeNet {
     pub ip6: String,
     pub pod_cidr6: String,
     pub pod_gateway6: String,
+    /// `topology.kubernetes.io/zone`: a zone per node, so the topology specs (Topology Hints:
+    /// two zones; Traffic Distribution: three) find the zones they need.
+    pub zone: String,
 }
 
 /// Both families' service ranges, as the API server's flag takes them.
@@ -67,6 +70,7 @@ impl NodeNet {
             ip6: format!("2001:db8:e2e:250::{}", 10 + u32::from(index)),
             pod_cidr6: format!("2001:db8:e2e:{}::/64", 160 + u32::from(index)),
             pod_gateway6: format!("2001:db8:e2e:{}::1", 160 + u32::from(index)),
+            zone: format!("zone-{index}"),
         }
     }
 }
