@@ -930,34 +930,33 @@ fn tc_path_rejects_like_kube_proxy() {
         4 * REQUESTS as u64
     );
 
-    // Unallocated: nothing answers, the datagrams are counted as dropped.
-    let before = lb.counter(metrics::TC_DROP_UNALLOCATED).unwrap();
-    for target in ["198.19.0.99:53", "[2001:db8:ffff::99]:53"] {
-        let o = client(&mut tb, false, target, "udp", &["--timeout-ms", "100"]);
-        assert_eq!(o.errors.len(), REQUESTS, "{target}: no answer: {o:?}");
-        assert!(
-            o.errors.iter().all(|e| !e.contains("os error 111)")),
-            "{target}: dropped, not rejected: {o:?}"
+    // Unallocated, and iTP=Local with endpoints only elsewhere: nothing answers, the
+    // datagrams are counted as dropped, not rejected.
+    for (targets, counter) in [
+        (
+            ["198.19.0.99:53", "[2001:db8:ffff::99]:53"],
+            metrics::TC_DROP_UNALLOCATED,
+        ),
+        (
+            ["198.19.0.21:53", "[2001:db8:ffff::21]:53"],
+            metrics::TC_DROP_NO_LOCAL_BACKEND,
+        ),
+    ] {
+        let before = lb.counter(counter).unwrap();
+        for target in targets {
+            let o = client(&mut tb, false, target, "udp", &["--timeout-ms", "100"]);
+            assert_eq!(o.errors.len(), REQUESTS, "{target}: no answer: {o:?}");
+            assert!(
+                o.errors.iter().all(|e| !e.contains("os error 111)")),
+                "{target}: dropped, not rejected: {o:?}"
+            );
+        }
+        assert_eq!(
+            lb.counter(counter).unwrap() - before,
+            2 * REQUESTS as u64,
+            "{targets:?}"
         );
     }
-    assert_eq!(
-        lb.counter(metrics::TC_DROP_UNALLOCATED).unwrap() - before,
-        2 * REQUESTS as u64
-    );
-    // iTP=Local, endpoints only elsewhere: dropped, not rejected.
-    let before = lb.counter(metrics::TC_DROP_NO_LOCAL_BACKEND).unwrap();
-    for target in ["198.19.0.21:53", "[2001:db8:ffff::21]:53"] {
-        let o = client(&mut tb, false, target, "udp", &["--timeout-ms", "100"]);
-        assert_eq!(o.errors.len(), REQUESTS, "{target}: no answer: {o:?}");
-        assert!(
-            o.errors.iter().all(|e| !e.contains("os error 111)")),
-            "{target}: dropped, not rejected: {o:?}"
-        );
-    }
-    assert_eq!(
-        lb.counter(metrics::TC_DROP_NO_LOCAL_BACKEND).unwrap() - before,
-        2 * REQUESTS as u64
-    );
     // The service itself is unaffected.
     let o = client(&mut tb, false, "198.19.0.10:80", "tcp", &[]);
     assert!(o.errors.is_empty(), "{o:?}");
