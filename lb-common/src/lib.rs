@@ -759,6 +759,10 @@ pub mod trace_ct {
     /// A TCP packet that opens no connection met its flow's entry, but the entry's backend is
     /// gone: answered with a RST, the entry deleted (`metrics::TC_REJECT_BACKEND_GONE`).
     pub const BACKEND_GONE: u8 = 5;
+    /// An ICMP/ICMPv6 error whose quoted packet belongs to a flow conntrack knows (its reply
+    /// entry for an error towards the client, its service entry for one towards the
+    /// backend); translated with the flow, nothing refreshed.
+    pub const RELATED: u8 = 6;
 }
 
 /// Value of the one-entry array `lb_trace`: the decision of the last packet a tc program

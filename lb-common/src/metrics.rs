@@ -88,12 +88,19 @@ pub const TC_LOCAL_BACKEND: u32 = 28;
 /// endpoint on this node (endpoints elsewhere); denied without a chosen error, so the call
 /// fails with EPERM, as a netfilter DROP fails a local sender (kube-proxy's DROP).
 pub const SOCK_DROP_NO_LOCAL_BACKEND: u32 = 29;
+/// tc/XDP: an ICMP or ICMPv6 error quoting a packet lb sent to a backend (a router's
+/// "fragmentation needed", a backend's port unreachable) rewritten for the client: the quote
+/// made client → frontend again, the outer addresses to match (see `icmp` in lb-ebpf).
+pub const TC_ICMP_ERROR_REVNAT: u32 = 30;
+/// tc/XDP: an ICMP or ICMPv6 error quoting a reply lb reverse-NATed rewritten for its backend
+/// (the quote made backend → client again, sent to the backend).
+pub const TC_ICMP_ERROR_FORWARD: u32 = 31;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 30] = [
+pub const NAMES: [&str; 32] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -124,4 +131,6 @@ pub const NAMES: [&str; 30] = [
     "sock_udp_gone_drop",
     "tc_local_backend",
     "sock_drop_no_local_backend",
+    "tc_icmp_error_reverse_nat",
+    "tc_icmp_error_forward",
 ];

@@ -19,7 +19,8 @@
 //! loads), `reject` (TCP RST / ICMP port unreachable built in place and sent back).
 //!
 //! `nat` (masquerade: when, and which port) and `fwd` (forwarding masqueraded packets past
-//! the stack's routing) serve the tc hooks beside `conntrack`.
+//! the stack's routing) serve the tc hooks beside `conntrack`; `icmp` translates ICMP errors
+//! quoting the flows conntrack knows.
 //!
 //! Where what comes next goes: session affinity and Maglev in `select`; socket destroy of
 //! flows to removed backends as its own program.
@@ -31,6 +32,7 @@ mod conntrack;
 mod crc32c;
 mod ctx;
 mod fwd;
+mod icmp;
 mod maglev;
 mod maps;
 mod nat;

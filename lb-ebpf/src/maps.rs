@@ -138,6 +138,8 @@ pub struct Scratch {
     pub value: [u64; 4],
     /// The parsed headers of the packet being handled (`parse::Packet`, 80 bytes at most).
     pub packet: [u64; 10],
+    /// The packet an ICMP error quotes (`parse::Packet`), beside the error's own headers.
+    pub quoted: [u64; 10],
     /// The frontend the packet is for (`select::Service`, 64 bytes at most).
     pub service: [u64; 8],
     /// The backend chosen for a new flow (`select::Chosen`, 48 bytes at most).

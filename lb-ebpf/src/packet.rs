@@ -30,6 +30,7 @@ use crate::{
     conntrack,
     ctx::{Error, PacketCtx},
     fwd::{self, FwdAf, Route},
+    icmp::{self, IcmpAf},
     maps::{config, count, scratch},
     nat,
     parse::{self, L3, Packet, ParseAf},
@@ -93,6 +94,8 @@ fn try_packet<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
     match parse::l3(ctx)? {
         L3::V4 => handle::<C, V4>(ctx, hook),
         L3::V6 => handle::<C, V6>(ctx, hook),
+        L3::Icmp4 => icmp_error::<C, V4>(ctx, hook),
+        L3::Icmp6 => icmp_error::<C, V6>(ctx, hook),
     }
 }
 
@@ -671,5 +674,121 @@ fn from_backend<C: PacketCtx, A: FwdAf>(
     Ok(Decision {
         action,
         reason: metrics::TC_REVNAT,
+    })
+}
+
+/// An ICMP/ICMPv6 error (`icmp`): one quoting a packet lb sent to a backend is rewritten for
+/// the client (any hook, egress too: the node's own errors leave that way); one quoting a
+/// reply lb reverse-NATed is rewritten for the backend (ingress hooks). Anything else ICMP
+/// passes untouched.
+// A subprogram beside `handle`: the error's and the quote's headers live in scratch memory.
+#[inline(never)]
+fn icmp_error<C: PacketCtx, A: IcmpAf>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
+    let s = scratch().ok_or(Error::Unparsed)?;
+    // SAFETY: this CPU's scratch entry (see `handle`); the ICMP path uses `packet` for the
+    // error's headers, `quoted` for the packet it quotes, `flow` for the quote's flow.
+    let (o, q, flow) = unsafe {
+        (
+            &mut *(*s).packet.as_mut_ptr().cast::<Packet<A::Addr>>(),
+            &mut *(*s).quoted.as_mut_ptr().cast::<Packet<A::Addr>>(),
+            &mut *(*s).flow.as_mut_ptr().cast::<conntrack::Flow<A::Addr>>(),
+        )
+    };
+    A::parse_error(ctx, o, q)?;
+    let (o, q): (&Packet<A::Addr>, &Packet<A::Addr>) = (o, q);
+    if conntrack::related_reply::<A>(q, flow) {
+        return icmp_to_client::<C, A>(ctx, o, q, flow, hook);
+    }
+    if hook != Hook::Egress && conntrack::related_service::<A>(q, flow) {
+        return icmp_to_backend::<C, A>(ctx, o, q, flow);
+    }
+    Ok(untouched(
+        C::PASS,
+        trace_verdict::PASS,
+        metrics::TC_PASS_NO_SERVICE,
+    ))
+}
+
+/// An error about a packet lb sent to a backend, rewritten for the client (`icmp::revnat`).
+/// One the backend itself sent now comes from the frontend; for a local frontend (a
+/// NodePort) that is a local source, which the stack would drop as a martian, so it is
+/// forwarded past the stack like a reply (`from_backend`).
+// Inlined into `icmp_error`: as a subprogram it would take more arguments than BPF passes in
+// registers.
+#[inline(always)]
+fn icmp_to_client<C: PacketCtx, A: IcmpAf>(
+    ctx: &C,
+    o: &Packet<A::Addr>,
+    q: &Packet<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
+    hook: Hook,
+) -> Result<Decision, Error> {
+    let src = icmp::client_side_source::<A>(o, q, &flow.endpoint);
+    let forward = hook != Hook::Egress
+        && flow.flags & ct_flags::LOCAL_FRONTEND != 0
+        && !A::same(src, o.saddr);
+    let action = if !forward {
+        icmp::revnat::<C, A>(ctx, o, q, flow)?;
+        C::PASS
+    } else {
+        let dst = if flow.masqueraded() {
+            flow.nat.addr
+        } else {
+            o.daddr
+        };
+        let route = fwd::route::<C, A>(ctx, o, &src, &dst);
+        if !sendable::<C>(route) {
+            return Ok(to_tc::<C>());
+        }
+        icmp::revnat::<C, A>(ctx, o, q, flow)?;
+        fwd::send::<C, A>(ctx, o, route)?
+    };
+    trace::record(|r| {
+        r.verdict = trace_verdict::REVERSE_NAT;
+        r.reason = metrics::TC_ICMP_ERROR_REVNAT as u8;
+        r.ct_state = trace_ct::RELATED;
+        r.backend_id = flow.backend_id;
+        r.rev_nat_id = flow.rev_nat_id;
+        r.ct_flags = flow.flags;
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_ICMP_ERROR_REVNAT,
+    })
+}
+
+/// An error about a reply lb reverse-NATed, rewritten for the backend (`icmp::dnat`) and sent
+/// to it as the flow's packets go: by the stack, or past it when masqueraded (`to_backend`).
+#[inline(always)]
+fn icmp_to_backend<C: PacketCtx, A: IcmpAf>(
+    ctx: &C,
+    o: &Packet<A::Addr>,
+    q: &Packet<A::Addr>,
+    flow: &conntrack::Flow<A::Addr>,
+) -> Result<Decision, Error> {
+    let action = if !flow.masqueraded() {
+        icmp::dnat::<C, A>(ctx, o, q, flow)?;
+        C::PASS
+    } else {
+        let route = fwd::route::<C, A>(ctx, o, &flow.nat.addr, &flow.endpoint.addr);
+        if !sendable::<C>(route) {
+            return Ok(to_tc::<C>());
+        }
+        icmp::dnat::<C, A>(ctx, o, q, flow)?;
+        count(metrics::TC_SNAT, ctx.len());
+        fwd::send::<C, A>(ctx, o, route)?
+    };
+    trace::record(|r| {
+        r.verdict = trace_verdict::FORWARD;
+        r.reason = metrics::TC_ICMP_ERROR_FORWARD as u8;
+        r.ct_state = trace_ct::RELATED;
+        r.backend_id = flow.backend_id;
+        r.rev_nat_id = flow.rev_nat_id;
+        r.ct_flags = flow.flags;
+        trace_nat(r, &flow.nat, flow.masqueraded());
+    });
+    Ok(Decision {
+        action,
+        reason: metrics::TC_ICMP_ERROR_FORWARD,
     })
 }

@@ -10,6 +10,7 @@ use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 use crate::{
     af::{Af, V4, V6},
     ctx::{Error, PacketCtx},
+    icmp::{IPPROTO_ICMP, IPPROTO_ICMPV6},
 };
 
 const ETH_HLEN: usize = 14;
@@ -52,10 +53,12 @@ pub struct Packet<A> {
     pub csum_off: usize,
 }
 
-/// The network layer of a frame lb can parse.
+/// The network layer of a frame lb can parse, ICMP apart (`icmp` parses its errors).
 pub enum L3 {
     V4,
     V6,
+    Icmp4,
+    Icmp6,
 }
 
 /// Makes the headers of the packet in `ctx` linear where the skb is not, and returns its
@@ -66,8 +69,12 @@ pub fn l3<C: PacketCtx>(ctx: &C) -> Result<L3, Error> {
     if linear < MAX_HDR_LEN as usize && (linear as u32) < ctx.len() {
         ctx.pull_data(ctx.len().min(MAX_HDR_LEN))?;
     }
+    // Two bytes at a time: the protocol with the TTL before it, the next header with the hop
+    // limit after it (a one-byte bounds check gives the XDP verifier no range, see `ctx`).
     match u16::from_be_bytes(read::<C, [u8; 2]>(ctx, 12)?) {
+        ETH_P_IP if read::<C, [u8; 2]>(ctx, ETH_HLEN + 8)?[1] == IPPROTO_ICMP => Ok(L3::Icmp4),
         ETH_P_IP => Ok(L3::V4),
+        ETH_P_IPV6 if read::<C, [u8; 2]>(ctx, ETH_HLEN + 6)?[0] == IPPROTO_ICMPV6 => Ok(L3::Icmp6),
         ETH_P_IPV6 => Ok(L3::V6),
         _ => Err(Error::Unparsed),
     }
