@@ -991,3 +991,127 @@ fn node_port_to_a_host_network_endpoint_with_native_xdp() {
     }
     node_port_to_a_host_network_endpoint("native");
 }
+
+/// Path-MTU discovery through lb: a long-lived TCP connection whose path MTU drops mid-stream
+/// (node-b, a router, lowers its link to the pod behind it to 1280 between two bulk uploads)
+/// still completes the second upload, because the router's "fragmentation needed" / "packet
+/// too big" reaches the sender quoting its own packet to the service (`icmp` in lb-ebpf):
+/// a pod's ClusterIP flow on the tc path (not masqueraded), and an external client's NodePort
+/// flow that XDP (or tc ingress) balanced and masqueraded. IPv4 and IPv6. Without the
+/// translation the sender's socket never hears of the error and the upload stalls.
+fn path_mtu_drop_mid_stream(xdp: &str) {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let _node_b = NodeB::create(&mut tb);
+    let client_ns = tb.client.ns.clone();
+    in_netns(&client_ns, || set_tx_checksum(HOST_IF, false)).unwrap();
+    if xdp != "off" {
+        for h in [
+            &tb.client,
+            &tb.backends[0],
+            &tb.backends[1],
+            &tb.backends[2],
+        ] {
+            in_netns(&h.ns, || set_gro(HOST_IF, true)).unwrap();
+        }
+    }
+    let svc = Svc {
+        name: "np-remote",
+        cluster_ip: 37,
+        node_ports: (30087, 30060),
+        local_policy: false,
+        lb: None,
+        eps: &[REMOTE],
+    };
+    let dir = ManifestDir(std::env::temp_dir().join(format!("lb-test-pmtu-{}", tb.id)));
+    fs::create_dir_all(&dir.0).unwrap();
+    fs::write(dir.0.join("np-remote.yaml"), svc.yaml()).unwrap();
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
+    let node_ips = format!("{node4},{node6}");
+    let manifests = dir.0.display().to_string();
+    let pod_ifs: Vec<String> = tb.backends.iter().map(|b| b.node_if.clone()).collect();
+    let pod_ifs = pod_ifs.join(",");
+    let external = tb.client.node_if.clone();
+    let args = [
+        "--manifests",
+        manifests.as_str(),
+        "--hostname-override",
+        NODE_A,
+        "--socket-lb=false",
+        "--node-ip",
+        node_ips.as_str(),
+        "--devices",
+        external.as_str(),
+        "--xdp",
+        xdp,
+        "--tc-pod",
+        pod_ifs.as_str(),
+    ];
+    let lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    let router_ns = tb.backends[2].ns.clone();
+    let router_if = format!("r{}a", tb.id);
+    let set_mtu = |mtu: &str| ip(&["-n", &router_ns, "link", "set", &router_if, "mtu", mtu]);
+    let pod_ns = tb.backends[0].ns.clone();
+    let cases = [
+        (pod_ns.clone(), "198.19.0.37:80".to_string(), "ClusterIP"),
+        (pod_ns, "[2001:db8:ffff::37]:80".to_string(), "ClusterIP"),
+        (client_ns.clone(), format!("{node4}:30087"), "NodePort"),
+        (client_ns, format!("[{node6}]:30087"), "NodePort"),
+    ];
+    for (ns, target, kind) in cases {
+        let what = format!("xdp={xdp} {kind} {target}");
+        set_mtu("1500").unwrap();
+        let before = lb.counter(metrics::TC_ICMP_ERROR_REVNAT).unwrap();
+        let go = dir
+            .0
+            .join(format!("go-{}", target.replace([':', '[', ']'], "_")));
+        let mut cmd = Command::new(LB_ECHO);
+        cmd.args(["client", "--target", &target, "--proto", "tcp"])
+            .args(["--count", "2", "--keep-connection", "--timeout-ms", "20000"])
+            .args(["--payload-bytes", "2000000"])
+            .arg("--go-file")
+            .arg(&go)
+            .stdout(Stdio::piped());
+        let mut child = tb.spawn(&ns, None, cmd).unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = lines.next().expect("first reply").unwrap();
+        assert!(first.contains("\"backend\":\"remote\""), "{what}: {first}");
+        // The path shrinks under the open connection.
+        set_mtu("1280").unwrap();
+        fs::write(&go, "").unwrap();
+        let second = lines.next().expect("second reply").unwrap();
+        assert!(
+            second.contains("\"backend\":\"remote\""),
+            "{what}: the upload after the MTU drop: {second}"
+        );
+        assert!(child.wait().unwrap().success(), "{what}");
+        let translated = lb.counter(metrics::TC_ICMP_ERROR_REVNAT).unwrap() - before;
+        assert!(
+            translated >= 1,
+            "{what}: the router's error was translated ({translated})"
+        );
+    }
+    set_mtu("1500").unwrap();
+    drop(lb);
+}
+
+#[test]
+fn path_mtu_drop_mid_stream_on_the_tc_path() {
+    path_mtu_drop_mid_stream("off");
+}
+
+#[test]
+fn path_mtu_drop_mid_stream_with_native_xdp() {
+    // Kernel-gated as `north_south_with_native_xdp`.
+    if aya::util::KernelVersion::current()
+        .is_ok_and(|v| v < aya::util::KernelVersion::new(5, 13, 0))
+    {
+        eprintln!("skipped before 5.13: veth peers need an XDP program to receive XDP frames");
+        return;
+    }
+    path_mtu_drop_mid_stream("native");
+}

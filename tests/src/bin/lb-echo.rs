@@ -78,6 +78,14 @@ enum Cmd {
         /// fresh socket each; a reset or stall fails the rest.
         #[arg(long)]
         keep_connection: bool,
+        /// TCP: this many bytes of padding in every request line (a bulk upload; the echo
+        /// server answers once the whole line is in).
+        #[arg(long, default_value_t = 0)]
+        payload_bytes: usize,
+        /// Before every request after the first, wait until this file exists (a test
+        /// changes the network between requests, e.g. the path MTU).
+        #[arg(long)]
+        go_file: Option<std::path::PathBuf>,
     },
     /// A resolver-like connected UDP socket sending every interval, reconnecting on errors.
     Stream {
@@ -108,6 +116,8 @@ fn main() -> ExitCode {
             timeout_ms,
             interval_ms,
             keep_connection,
+            payload_bytes,
+            go_file,
         } => client(
             target,
             proto,
@@ -115,7 +125,11 @@ fn main() -> ExitCode {
             connected_udp,
             Duration::from_millis(timeout_ms),
             Duration::from_millis(interval_ms),
-            keep_connection,
+            Request {
+                keep_connection,
+                line: request_line(payload_bytes),
+                go_file,
+            },
         ),
         Cmd::Stream {
             target,
@@ -301,6 +315,34 @@ struct Reply {
     local: SocketAddr,
 }
 
+/// How the client's TCP requests go.
+struct Request {
+    keep_connection: bool,
+    /// What each request sends.
+    line: Vec<u8>,
+    go_file: Option<std::path::PathBuf>,
+}
+
+/// `hello`, padded with `payload` bytes, and a newline.
+fn request_line(payload: usize) -> Vec<u8> {
+    let mut line = HELLO[..HELLO.len() - 1].to_vec();
+    line.resize(line.len() + payload, b'x');
+    line.push(b'\n');
+    line
+}
+
+/// Waits until `path` exists (polling), at most `limit`.
+fn wait_for_file(path: &std::path::Path, limit: Duration) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    while !path.exists() {
+        if start.elapsed() > limit {
+            bail!("{} did not appear within {limit:?}", path.display());
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
 fn client(
     target: SocketAddr,
     proto: Proto,
@@ -308,7 +350,7 @@ fn client(
     connected_udp: bool,
     timeout: Duration,
     interval: Duration,
-    keep_connection: bool,
+    req: Request,
 ) -> anyhow::Result<ExitCode> {
     if timeout.is_zero() {
         bail!("--timeout-ms must be positive");
@@ -320,9 +362,14 @@ fn client(
         if seq > 0 && !interval.is_zero() {
             thread::sleep(interval);
         }
+        if let Some(go) = req.go_file.as_deref().filter(|_| seq > 0) {
+            wait_for_file(go, Duration::from_secs(120))?;
+        }
         let result = match proto {
-            Proto::Tcp if keep_connection => request_kept(&mut kept, target, timeout),
-            Proto::Tcp => request_tcp(target, timeout),
+            Proto::Tcp if req.keep_connection => {
+                request_kept(&mut kept, target, timeout, &req.line)
+            }
+            Proto::Tcp => request_tcp(target, timeout, &req.line),
             Proto::Udp if connected_udp => request_udp_connected(target, timeout),
             Proto::Udp => request_udp(target, timeout),
         };
@@ -349,9 +396,9 @@ fn client(
     })
 }
 
-fn request_tcp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
+fn request_tcp(target: SocketAddr, timeout: Duration, line: &[u8]) -> anyhow::Result<Reply> {
     let stream = connect_tcp(target, timeout)?;
-    exchange(&stream, &mut BufReader::new(&stream))
+    exchange(&stream, &mut BufReader::new(&stream), line)
 }
 
 /// One request over the connection in `kept`, opened on first use. A failure keeps the
@@ -360,6 +407,7 @@ fn request_kept(
     kept: &mut Option<(TcpStream, BufReader<TcpStream>)>,
     target: SocketAddr,
     timeout: Duration,
+    line: &[u8],
 ) -> anyhow::Result<Reply> {
     let (stream, reader) = match kept {
         Some(k) => k,
@@ -369,7 +417,7 @@ fn request_kept(
             kept.insert((stream, reader))
         }
     };
-    exchange(stream, reader)
+    exchange(stream, reader, line)
 }
 
 /// A TCP connection to `target` whose connect, reads and writes time out after `timeout`.
@@ -380,12 +428,16 @@ fn connect_tcp(target: SocketAddr, timeout: Duration) -> anyhow::Result<TcpStrea
     Ok(stream)
 }
 
-/// Sends `hello` on `stream` and reads the reply line from `reader`, which reads the same
-/// connection.
-fn exchange(stream: &TcpStream, reader: &mut impl BufRead) -> anyhow::Result<Reply> {
+/// Sends `request` (a line) on `stream` and reads the reply line from `reader`, which reads
+/// the same connection.
+fn exchange(
+    stream: &TcpStream,
+    reader: &mut impl BufRead,
+    request: &[u8],
+) -> anyhow::Result<Reply> {
     let peer = stream.peer_addr().context("getpeername")?;
     let local = stream.local_addr().context("getsockname")?;
-    (&*stream).write_all(HELLO).context("send")?;
+    (&*stream).write_all(request).context("send")?;
     let mut line = Vec::new();
     reader
         .take(MAX_REPLY)
