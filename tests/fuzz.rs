@@ -305,6 +305,37 @@ impl Gen<'_> {
         (Frame::new(src, s.vip, s.proto), l4)
     }
 
+    /// An ICMP error quoting a packet of a flow lb opened: one it sent to the backend (from the
+    /// backend itself or a router, to the client or the node it came from), or a reply it
+    /// reverse-NATed (from a router, to the frontend).
+    fn icmp_about_a_flow(&mut self, flows: &Flows) -> Vec<u8> {
+        let k = *self.rng.pick(&flows.keys);
+        let v6 = k.backend.0.is_ipv6();
+        let icmp_proto = if v6 { ICMPV6 } else { ICMP };
+        let ((qs, qsp), (qd, qdp)) = match flows.reverse_of(&k) {
+            Some(r) if self.rng.pct(50) => (r.frontend, r.client.unwrap_or(k.to)),
+            _ => (k.to, k.backend),
+        };
+        let inner = self.l4(k.proto, qsp, qdp);
+        let mut quoted = Frame::new(qs, qd, k.proto).ip_packet(&inner);
+        if self.rng.pct(30) {
+            let cut = self.rng.range(28, quoted.len());
+            quoted.truncate(cut);
+        }
+        let (ty, code, rest) = if v6 {
+            *self.rng.pick(&[(2, 0, 1280), (1, 4, 0), (3, 0, 0)])
+        } else {
+            *self.rng.pick(&[(3, 4, 1400), (3, 3, 0), (11, 0, 0)])
+        };
+        let m = packets::icmp(ty, code, rest, &quoted);
+        let from = if self.rng.pct(50) {
+            qd
+        } else {
+            self.random_addr(v6)
+        };
+        Frame::new(from, qs, icmp_proto).build(&m)
+    }
+
     fn next(&mut self, flows: &Flows) -> (Vec<u8>, String) {
         let kind = self.rng.below(100);
         let (mut f, what) = match kind {
@@ -361,7 +392,7 @@ impl Gen<'_> {
                 let l4 = self.l4(proto, sport, dport);
                 (self.frame(src, dst, proto, l4), "unrelated")
             }
-            70..78 => (self.icmp(), "ICMP"),
+            70..78 => (self.icmp(flows), "ICMP"),
             78..84 => {
                 let (mut fr, l4) = self.service_frame();
                 let first = self.rng.pct(50);
@@ -424,12 +455,15 @@ impl Gen<'_> {
 
     /// An echo to a service address, or an error quoting (a prefix of) service traffic in
     /// either direction.
-    fn icmp(&mut self) -> Vec<u8> {
+    fn icmp(&mut self, flows: &Flows) -> Vec<u8> {
         let s = self.rng.pick(&self.model.services).clone();
         let v6 = s.vip.is_ipv6();
         let client = self.client(v6);
         let cport = self.client_port();
         let (proto, icmp_proto) = (s.proto, if v6 { ICMPV6 } else { ICMP });
+        if !flows.keys.is_empty() && self.rng.pct(50) {
+            return self.icmp_about_a_flow(flows);
+        }
         if self.rng.pct(20) {
             let ty = if v6 { 128 } else { 8 };
             let body = self.rng.bytes(32);
@@ -575,6 +609,12 @@ fn required(model: &Model) -> Vec<(Prog, Outcome)> {
         want.push((prog, if model.masquerades() { DnatSnat } else { Dnat }));
     }
     want.extend([(Prog::Xdp, ReverseNat), (Prog::Xdp, Unparsed)]);
+    // Errors quoting known flows, and later fragments following their first.
+    want.extend([
+        (Prog::TcIngress, IcmpError),
+        (Prog::TcEgress, IcmpError),
+        (Prog::TcIngress, LaterFragment),
+    ]);
     if !model.masquerades() {
         want.push((Prog::Xdp, Dnat));
     } else {

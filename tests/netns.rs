@@ -1685,3 +1685,51 @@ fn resteer_rounds(no_destroy: bool) {
     }
     drop(lb);
 }
+
+/// UDP datagrams beyond the MTU (4000 bytes each way, so the request and the backend's
+/// answer are both fragmented) are served, IPv4 and IPv6: through the tc path, whose later
+/// fragments follow their first one's flow (`frag` in lb-ebpf), and through socket LB, which
+/// needs nothing for them (it rewrites the socket; the stack fragments afterwards).
+#[test]
+fn udp_beyond_the_mtu_is_served_on_both_paths() {
+    for socket_lb in [false, true] {
+        let mut tb = Testbed::create(3).expect("testbed");
+        tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+            .expect("echo servers");
+        let manifests = Manifests::new(&tb.id);
+        let lb = start_lb(&mut tb, &manifests.0, socket_lb);
+        let established = lb.counter(metrics::TC_FWD_ESTABLISHED).unwrap();
+        for target in ["198.19.0.10:53", "[2001:db8:ffff::10]:53"] {
+            let what = format!("socket_lb={socket_lb} {target}");
+            let o = client(
+                &mut tb,
+                socket_lb,
+                target,
+                "udp",
+                &["--payload-bytes", "4000"],
+            );
+            assert!(o.errors.is_empty(), "{what}: {o:?}");
+            assert!(
+                o.per_backend.len() >= 2,
+                "{what}: {REQUESTS} requests spread: {o:?}"
+            );
+            assert_eq!(o.peers.len(), 1, "{what}: replies from the VIP: {o:?}");
+        }
+        let later = lb.counter(metrics::TC_FWD_ESTABLISHED).unwrap() - established;
+        let unknown = lb.counter(metrics::TC_PASS_FRAGMENT_UNKNOWN).unwrap()
+            + lb.counter(metrics::TC_PASS_FRAGMENT_NO_FLOW).unwrap();
+        assert_eq!(
+            unknown, 0,
+            "socket_lb={socket_lb}: no fragment passed untranslated"
+        );
+        if socket_lb {
+            assert_eq!(later, 0, "socket LB: no packet went through tc");
+        } else {
+            // Two later fragments per request, 2 × REQUESTS requests.
+            assert!(
+                later >= 4 * REQUESTS as u64,
+                "tc: later fragments followed their flows ({later})"
+            );
+        }
+    }
+}

@@ -59,6 +59,11 @@ pub mod map_names {
     /// (frontend, backend) pairs of UDP frontends that lost the backend (`UdpGoneKey`), for
     /// `lb_sk_egress`. Not pinned: each `lb run` fills its own from its syncs.
     pub const UDP_GONE: &str = "lb_udp_gone";
+    /// Fragmented datagrams in flight (LRU hashes, `Frag4Key` → `FragEntry`): the ports of a
+    /// datagram's first fragment, so its later fragments, which carry none, get the same
+    /// translation. Not pinned: an entry lives as long as one datagram's fragments.
+    pub const FRAGS4: &str = "lb4_frags";
+    pub const FRAGS6: &str = "lb6_frags";
     /// Who made the pins (`PinMeta`, one entry): the layout version every other pinned map is
     /// read with, checked before anything is reused.
     pub const META: &str = "lb_meta";
@@ -182,6 +187,8 @@ pub mod map_sizes {
     pub const SK_REVNAT: u32 = 1 << 17;
     /// Gone UDP (frontend, backend) pairs remembered (LRU: the oldest go first).
     pub const UDP_GONE: u32 = 1 << 14;
+    /// Fragmented datagrams in flight per family (Cilium's `bpf-fragments-map-max` default).
+    pub const FRAGS: u32 = 8192;
     pub const METRICS: u32 = crate::metrics::MAX as u32;
     /// Cluster CIDRs per family (kube-proxy takes a handful; this is generous).
     pub const CLUSTER_CIDR: u32 = 64;
@@ -597,6 +604,45 @@ pub struct SkRevNat6Value {
 /// Map key of `lb_udp_gone`: a UDP frontend and a backend that left it, as socket LB records
 /// them in `lb*_sk_revnat` (IPv4 addresses in the first 4 bytes, the rest zero; ports in host
 /// order). The value is a `u32`, unused (0).
+/// Map key of `lb4_frags`: one fragmented IPv4 datagram as its fragments arrive (addresses
+/// in network order, the IP header's identification in host order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Frag4Key {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub id: u32,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+/// Map key of `lb6_frags` (the fragment header's identification).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct Frag6Key {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub id: u32,
+    pub proto: u8,
+    pub pad: [u8; 3],
+}
+
+/// Map value of `lb4_frags` and `lb6_frags`: the ports of the datagram's first fragment, as
+/// it arrived (host order), and the flow it was translated with: the conntrack entry's
+/// backend and NAT port (both 0: it was not translated, so no later fragment is).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct FragEntry {
+    pub sport: u16,
+    pub dport: u16,
+    pub backend_id: u32,
+    pub nat_port: u16,
+    pub pad: u16,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -806,6 +852,21 @@ pub struct TraceRecord {
     /// `ct_flags` of the conntrack entry the packet met (established, reply, backend gone),
     /// before this packet changed them; 0 without one.
     pub ct_flags: u16,
+    /// `trace_frag` value: whether the packet was a fragment, and which.
+    pub frag: u8,
+    /// IPv6 extension headers walked to reach the L4 header.
+    pub ext_headers: u8,
+    pub pad: [u8; 2],
+}
+
+/// `TraceRecord::frag` values.
+pub mod trace_frag {
+    /// Not a fragment.
+    pub const NONE: u8 = 0;
+    /// The first fragment of a datagram (it has the ports; they were remembered).
+    pub const FIRST: u8 = 1;
+    /// A later fragment: its ports came from its first fragment.
+    pub const LATER: u8 = 2;
 }
 
 /// Per-CPU value of `lb_metrics` (key: a `metrics` index, `u32`).
@@ -916,8 +977,11 @@ const _: () = {
     assert!(size_of::<SkRevNat6Key>() == 32);
     assert!(size_of::<SkRevNat6Value>() == 24);
     assert!(size_of::<UdpGoneKey>() == 40);
+    assert!(size_of::<Frag4Key>() == 16);
+    assert!(size_of::<Frag6Key>() == 40);
+    assert!(size_of::<FragEntry>() == 12);
     assert!(size_of::<MetricValue>() == 16);
-    assert!(size_of::<TraceRecord>() == 28);
+    assert!(size_of::<TraceRecord>() == 32);
     assert!(size_of::<ClusterIp4Key>() == 4);
     assert!(size_of::<ClusterIp6Key>() == 16);
     assert!(size_of::<ClusterIpValue>() == 4);

@@ -95,12 +95,19 @@ pub const TC_ICMP_ERROR_REVNAT: u32 = 30;
 /// tc/XDP: an ICMP or ICMPv6 error quoting a reply lb reverse-NATed rewritten for its backend
 /// (the quote made backend → client again, sent to the backend).
 pub const TC_ICMP_ERROR_FORWARD: u32 = 31;
+/// tc/XDP: a later IPv4/IPv6 fragment whose first fragment lb has not seen (out of order, or
+/// its entry evicted): it has no ports to match a flow by, so it passes untouched.
+pub const TC_PASS_FRAGMENT_UNKNOWN: u32 = 32;
+/// tc/XDP: a later fragment of a datagram to a frontend whose first fragment created no flow
+/// (it was rejected or dropped, or its flow is gone): passed untouched, never balanced on its
+/// own.
+pub const TC_PASS_FRAGMENT_NO_FLOW: u32 = 33;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 32] = [
+pub const NAMES: [&str; 34] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -133,4 +140,6 @@ pub const NAMES: [&str; 32] = [
     "sock_drop_no_local_backend",
     "tc_icmp_error_reverse_nat",
     "tc_icmp_error_forward",
+    "tc_pass_fragment_unknown",
+    "tc_pass_fragment_no_flow",
 ];

@@ -507,3 +507,33 @@ pub fn related_service<A: Af>(q: &Packet<A::Addr>, out: &mut Flow<A::Addr>) -> b
     };
     true
 }
+
+/// The flow a first fragment `p` was just translated with (`frag`): its service entry's
+/// backend and NAT port when it went to a frontend, else its reply entry's when it was a
+/// reply; zero when it has neither (it was not translated).
+#[inline(never)]
+pub fn pin<A: Af>(p: &Packet<A::Addr>) -> crate::frag::Pin {
+    let now = now_secs();
+    for dir in [ct_dir::SERVICE, ct_dir::REPLY] {
+        let slot = if dir == ct_dir::SERVICE {
+            KeySlot::Service
+        } else {
+            KeySlot::Reply
+        };
+        let key = A::ct_key(slot, p.saddr, p.daddr, p.sport, p.dport, p.proto, dir);
+        if let Some(h) = key.and_then(A::ct_get) {
+            // SAFETY: pointer from a successful lookup, valid for this run (see `af`).
+            let v = unsafe { *h };
+            if v.expires > now {
+                return crate::frag::Pin {
+                    backend_id: v.backend_id,
+                    nat_port: v.nat_port,
+                };
+            }
+        }
+    }
+    crate::frag::Pin {
+        backend_id: 0,
+        nat_port: 0,
+    }
+}

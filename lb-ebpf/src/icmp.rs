@@ -32,7 +32,7 @@ use crate::{
     conntrack::Flow,
     ctx::{Error, PacketCtx},
     fwd::FwdAf,
-    parse::Packet,
+    parse::{FRAG_NONE, Packet},
     rewrite::Side,
 };
 
@@ -125,6 +125,9 @@ fn quoted_l4<C: PacketCtx, A>(
         l4_off,
         l4_len: 0,
         csum_off,
+        frag: FRAG_NONE,
+        ext_headers: 0,
+        frag_id: 0,
     };
     Ok(())
 }
@@ -144,6 +147,9 @@ fn outer<A>(saddr: A, daddr: A, proto: u8, ty: u8, l4_off: usize, l4_len: usize)
         l4_off,
         l4_len,
         csum_off: l4_off + 2,
+        frag: FRAG_NONE,
+        ext_headers: 0,
+        frag_id: 0,
     }
 }
 

@@ -20,7 +20,7 @@
 //!
 //! `nat` (masquerade: when, and which port) and `fwd` (forwarding masqueraded packets past
 //! the stack's routing) serve the tc hooks beside `conntrack`; `icmp` translates ICMP errors
-//! quoting the flows conntrack knows.
+//! quoting the flows conntrack knows; `frag` gives later fragments their first fragment's ports.
 //!
 //! Where what comes next goes: session affinity and Maglev in `select`; socket destroy of
 //! flows to removed backends as its own program.
@@ -31,6 +31,7 @@ mod af;
 mod conntrack;
 mod crc32c;
 mod ctx;
+mod frag;
 mod fwd;
 mod icmp;
 mod maglev;

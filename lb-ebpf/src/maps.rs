@@ -9,9 +9,9 @@ use aya_ebpf::{
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterCidr4,
     ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
-    SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, TraceRecord,
-    UdpGoneKey, map_sizes,
+    Frag4Key, Frag6Key, FragEntry, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
+    SvcCidrValue, SvcValue, TraceRecord, UdpGoneKey, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -149,6 +149,8 @@ pub struct Scratch {
     /// The FIB query and answer of a packet forwarded past the stack (`bpf_fib_lookup`, 64
     /// bytes), kept from the lookup before the rewrite to the redirect after it.
     pub fib: [u64; 8],
+    /// A later fragment's first fragment's flow (`frag::Pin`).
+    pub frag_pin: [u64; 1],
 }
 
 const _: () = assert!(size_of::<aya_ebpf::bindings::bpf_fib_lookup>() <= 64);
@@ -174,6 +176,14 @@ pub fn config() -> Option<&'static LbConfig> {
 /// Gone UDP (frontend, backend) pairs, written by `lb run` (not pinned).
 #[btf_map(name = "lb_udp_gone")]
 pub static UDP_GONE: LruHashMap<UdpGoneKey, u32, { map_sizes::UDP_GONE as usize }> =
+    LruHashMap::new();
+
+/// The ports of fragmented datagrams' first fragments (`frag`); each load owns its own.
+#[btf_map(name = "lb4_frags")]
+pub static FRAGS4: LruHashMap<Frag4Key, FragEntry, { map_sizes::FRAGS as usize }> =
+    LruHashMap::new();
+#[btf_map(name = "lb6_frags")]
+pub static FRAGS6: LruHashMap<Frag6Key, FragEntry, { map_sizes::FRAGS as usize }> =
     LruHashMap::new();
 
 #[btf_map(name = "lb_trace")]

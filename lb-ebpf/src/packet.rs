@@ -29,11 +29,12 @@ use crate::{
     af::{Af, Client, CtHead, Endpoint, V4, V6},
     conntrack,
     ctx::{Error, PacketCtx},
+    frag::{self, FragAf},
     fwd::{self, FwdAf, Route},
     icmp::{self, IcmpAf},
     maps::{config, count, scratch},
     nat,
-    parse::{self, L3, Packet, ParseAf},
+    parse::{self, FRAG_FIRST, FRAG_LATER, L3, Packet, ParseAf},
     reject::{self, RejectAf},
     rewrite,
     select::{self, Chosen, Origin, Service, Unserved},
@@ -92,11 +93,34 @@ fn finish<C: PacketCtx>(ctx: &C, result: Result<Decision, Error>) -> i32 {
 #[inline(always)]
 fn try_packet<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
     match parse::l3(ctx)? {
-        L3::V4 => handle::<C, V4>(ctx, hook),
-        L3::V6 => handle::<C, V6>(ctx, hook),
+        L3::V4 => decided::<V4>(handle::<C, V4>(ctx, hook)),
+        L3::V6 => decided::<V6>(handle::<C, V6>(ctx, hook)),
         L3::Icmp4 => icmp_error::<C, V4>(ctx, hook),
         L3::Icmp6 => icmp_error::<C, V6>(ctx, hook),
     }
+}
+
+/// After `handle` decided on a packet it parsed: a first fragment leaves its ports and the
+/// flow it got for the later ones (`frag`), and the trace record gets the packet's shape
+/// (fragment, IPv6 extension headers; traced loads only).
+#[inline(always)]
+fn decided<A: FragAf>(d: Result<Decision, Error>) -> Result<Decision, Error> {
+    if d.is_err() {
+        return d;
+    }
+    let Some(s) = scratch() else {
+        return d;
+    };
+    // SAFETY: the packet `handle` parsed, in this CPU's scratch (see `handle`).
+    let p = unsafe { &*(*s).packet.as_ptr().cast::<Packet<A::Addr>>() };
+    if p.frag == FRAG_FIRST {
+        frag::remember::<A>(p, conntrack::pin::<A>(p));
+    }
+    trace::amend(|r| {
+        r.frag = p.frag;
+        r.ext_headers = p.ext_headers;
+    });
+    d
 }
 
 const _: () = {
@@ -113,7 +137,7 @@ const _: () = {
 // and reply paths within them, in frames of their own: inlined together they overflow the
 // 512-byte stack, which the verifier counts along the deepest call chain.
 #[inline(never)]
-fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf>(
+fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf + FragAf>(
     ctx: &C,
     hook: Hook,
 ) -> Result<Decision, Error> {
@@ -128,6 +152,13 @@ fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf>(
         )
     };
     parse_into::<C, A>(ctx, p)?;
+    if p.frag == FRAG_LATER && !frag::recall::<A>(p) {
+        return Ok(untouched(
+            C::PASS,
+            trace_verdict::PASS,
+            metrics::TC_PASS_FRAGMENT_UNKNOWN,
+        ));
+    }
     let p: &Packet<A::Addr> = p;
     let origin = match hook {
         Hook::External => Some(Origin::External),
@@ -139,14 +170,27 @@ fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf>(
     {
         let now = conntrack::now_secs();
         match established::<A>(p, now, flow) {
-            conntrack::CT_ESTABLISHED => return established_flow::<C, A>(ctx, p, svc, flow),
+            conntrack::CT_ESTABLISHED if p.has_l4() => {
+                return established_flow::<C, A, true>(ctx, p, svc, flow);
+            }
+            conntrack::CT_ESTABLISHED if frag::follows_first(flow.backend_id, flow.nat.port) => {
+                return established_flow::<C, A, false>(ctx, p, svc, flow);
+            }
+            // A later fragment only ever follows its first fragment's flow.
+            _ if !p.has_l4() => {
+                return Ok(untouched(
+                    C::PASS,
+                    trace_verdict::PASS,
+                    metrics::TC_PASS_FRAGMENT_NO_FLOW,
+                ));
+            }
             conntrack::CT_BACKEND_GONE if !C::BUILDS_REPLIES => return Ok(to_tc::<C>()),
             conntrack::CT_BACKEND_GONE => return backend_gone::<C, A>(ctx, p, svc, flow),
             _ => {}
         }
         return new_flow::<C, A>(ctx, p, svc, now);
     }
-    if origin.is_some() {
+    if origin.is_some() && p.has_l4() {
         match unserved::<A>(p) {
             UNSERVED_CLUSTER_IP if !C::BUILDS_REPLIES => return Ok(to_tc::<C>()),
             UNSERVED_CLUSTER_IP => {
@@ -171,7 +215,17 @@ fn handle<C: PacketCtx, A: FwdAf + ParseAf + RejectAf>(
         }
     }
     if reply::<A>(p, flow) {
-        from_backend::<C, A>(ctx, p, flow, hook)
+        if p.has_l4() {
+            from_backend::<C, A, true>(ctx, p, flow, hook)
+        } else if frag::follows_first(flow.backend_id, flow.nat.port) {
+            from_backend::<C, A, false>(ctx, p, flow, hook)
+        } else {
+            Ok(untouched(
+                C::PASS,
+                trace_verdict::PASS,
+                metrics::TC_PASS_FRAGMENT_NO_FLOW,
+            ))
+        }
     } else {
         Ok(untouched(
             C::PASS,
@@ -337,13 +391,14 @@ fn parse_into<C: PacketCtx, A: ParseAf>(ctx: &C, out: &mut Packet<A::Addr>) -> R
 
 /// A packet of a flow conntrack knows: DNAT to its backend (and SNAT if it is masqueraded).
 #[inline(always)]
-fn established_flow<C: PacketCtx, A: FwdAf>(
+fn established_flow<C: PacketCtx, A: FwdAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     svc: &Service<A::Addr>,
     flow: &conntrack::Flow<A::Addr>,
 ) -> Result<Decision, Error> {
-    let Some(action) = to_backend::<C, A>(ctx, p, &flow.endpoint, &flow.nat, flow.masqueraded())?
+    let Some(action) =
+        to_backend::<C, A, L4>(ctx, p, &flow.endpoint, &flow.nat, flow.masqueraded())?
     else {
         return Ok(to_tc::<C>());
     };
@@ -465,7 +520,7 @@ fn new_flow<C: PacketCtx, A: FwdAf + RejectAf>(
     if midstream {
         count(metrics::TC_CT_MISS_MIDSTREAM, ctx.len());
     }
-    let Some(action) = to_backend::<C, A>(ctx, p, &c.backend, &snat, masq)? else {
+    let Some(action) = to_backend::<C, A, true>(ctx, p, &c.backend, &snat, masq)? else {
         // The flow is recorded: tc finds it established and sends it the same way.
         return Ok(to_tc::<C>());
     };
@@ -542,7 +597,7 @@ fn snat_port<C: PacketCtx, A: FwdAf>(
 /// the route to `backend` past the stack (`fwd`); returns the verdict, or `None` when the hook
 /// cannot send it on that route and left it untouched (XDP, next hop unresolved).
 #[inline(never)]
-fn to_backend<C: PacketCtx, A: FwdAf>(
+fn to_backend<C: PacketCtx, A: FwdAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     backend: &Endpoint<A::Addr>,
@@ -550,7 +605,7 @@ fn to_backend<C: PacketCtx, A: FwdAf>(
     masq: bool,
 ) -> Result<Option<i32>, Error> {
     if !masq {
-        rewrite::dnat::<C, A>(ctx, p, *backend)?;
+        rewrite::dnat::<C, A, L4>(ctx, p, *backend)?;
         return Ok(Some(C::PASS));
     }
     // The route is looked up after the rewrite where any route can be sent on (tc): a route
@@ -563,8 +618,8 @@ fn to_backend<C: PacketCtx, A: FwdAf>(
             _ => return Ok(None),
         }
     };
-    rewrite::dnat::<C, A>(ctx, p, *backend)?;
-    rewrite::snat::<C, A>(ctx, p, *to)?;
+    rewrite::dnat::<C, A, L4>(ctx, p, *backend)?;
+    rewrite::snat::<C, A, L4>(ctx, p, *to)?;
     count(metrics::TC_SNAT, ctx.len());
     let route = if C::RESOLVES_NEIGH {
         fwd::route::<C, A>(ctx, p, &to.addr, &backend.addr)
@@ -617,15 +672,15 @@ fn reply_client<A: Af>(p: &Packet<A::Addr>, flow: &conntrack::Flow<A::Addr>) -> 
 /// Rewrites a reply of `flow` to come from its frontend (and go back to the masqueraded
 /// client).
 #[inline(always)]
-fn reverse_rewrite<C: PacketCtx, A: FwdAf>(
+fn reverse_rewrite<C: PacketCtx, A: FwdAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     flow: &conntrack::Flow<A::Addr>,
 ) -> Result<(), Error> {
     if flow.masqueraded() {
-        rewrite::reverse_snat::<C, A>(ctx, p, flow.endpoint, flow.nat)
+        rewrite::reverse_snat::<C, A, L4>(ctx, p, flow.endpoint, flow.nat)
     } else {
-        rewrite::reverse_nat::<C, A>(ctx, p, flow.endpoint)
+        rewrite::reverse_nat::<C, A, L4>(ctx, p, flow.endpoint)
     }
 }
 
@@ -633,7 +688,7 @@ fn reverse_rewrite<C: PacketCtx, A: FwdAf>(
 /// restored to a local frontend (a NodePort) is forwarded past the stack, which would drop it
 /// as a martian.
 #[inline(never)]
-fn from_backend<C: PacketCtx, A: FwdAf>(
+fn from_backend<C: PacketCtx, A: FwdAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     flow: &conntrack::Flow<A::Addr>,
@@ -643,7 +698,7 @@ fn from_backend<C: PacketCtx, A: FwdAf>(
     let action = if C::RESOLVES_NEIGH {
         // tc can send on any route: rewrite first, so the verifier walks the rewrite once
         // rather than once per branch.
-        reverse_rewrite::<C, A>(ctx, p, flow)?;
+        reverse_rewrite::<C, A, L4>(ctx, p, flow)?;
         if forward {
             let route =
                 fwd::route::<C, A>(ctx, p, &flow.endpoint.addr, &reply_client::<A>(p, flow));
@@ -657,10 +712,10 @@ fn from_backend<C: PacketCtx, A: FwdAf>(
         if !sendable::<C>(route) {
             return Ok(to_tc::<C>());
         }
-        reverse_rewrite::<C, A>(ctx, p, flow)?;
+        reverse_rewrite::<C, A, L4>(ctx, p, flow)?;
         fwd::send::<C, A>(ctx, p, route)?
     } else {
-        reverse_rewrite::<C, A>(ctx, p, flow)?;
+        reverse_rewrite::<C, A, L4>(ctx, p, flow)?;
         C::PASS
     };
     trace::record(|r| {

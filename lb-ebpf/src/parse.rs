@@ -1,10 +1,14 @@
 //! Ethernet / IPv4 / IPv6 / TCP / UDP / SCTP parsing over any `PacketCtx`. Every read is
 //! checked against `data_end` first, which is also what the verifier needs to see.
 //!
-//! Only packets lb can translate completely parse: IPv4 fragments (later ones carry no ports),
-//! IPv6 extension headers (not walked), other L4 protocols, bad IHL or TCP data offset, and
-//! truncated headers (the IP header and the whole TCP, UDP or SCTP common header must be in
-//! the frame) are `Error::Unparsed`, which the caller passes untouched.
+//! IPv6 extension headers (hop-by-hop, routing with no segments left, destination options,
+//! authentication, fragment) are walked, at most `MAX_EXT_HEADERS`, to the L4 header.
+//! Fragments of TCP and UDP datagrams parse: a first one like any packet (it has the ports), a
+//! later one without an L4 header (`Frag::Later`: `frag` supplies the ports its first
+//! fragment had). Other L4 protocols (SCTP fragments too: their CRC32c spans the whole
+//! packet), bad IHL or TCP data offset, and truncated headers (the IP header and the whole
+//! TCP, UDP or SCTP common header must be in the frame) are `Error::Unparsed`, which the
+//! caller passes untouched.
 use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::{
@@ -32,6 +36,21 @@ pub const SCTP_SHUTDOWN_COMPLETE: u8 = 14;
 /// `Packet::sctp_chunk` of a packet that carries no chunk (a bare common header).
 pub const SCTP_NO_CHUNK: u8 = 0xff;
 
+/// `Packet::frag` values (`lb_common::trace_frag`, so the trace record takes them as they are).
+pub const FRAG_NONE: u8 = lb_common::trace_frag::NONE;
+/// The first fragment of a datagram: it has the L4 header.
+pub const FRAG_FIRST: u8 = lb_common::trace_frag::FIRST;
+/// A later fragment: no L4 header; `sport` and `dport` are zero until `frag::recall`.
+pub const FRAG_LATER: u8 = lb_common::trace_frag::LATER;
+
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+/// IPv6 extension headers walked before giving up (Cilium walks 4 too).
+const MAX_EXT_HEADERS: usize = 4;
+
 /// The parsed headers of a TCP, UDP or SCTP packet; addresses in network order, ports host
 /// order.
 pub struct Packet<A> {
@@ -51,6 +70,20 @@ pub struct Packet<A> {
     pub l4_len: usize,
     /// Offset of the L4 checksum field (SCTP: its CRC32c).
     pub csum_off: usize,
+    /// `FRAG_NONE`, `FRAG_FIRST` or `FRAG_LATER`.
+    pub frag: u8,
+    /// IPv6 extension headers in front of the L4 header.
+    pub ext_headers: u8,
+    /// The fragment's datagram identification (IPv4 header or IPv6 fragment header).
+    pub frag_id: u32,
+}
+
+impl<A> Packet<A> {
+    /// Whether the packet carries its L4 header (all but later fragments).
+    #[inline(always)]
+    pub fn has_l4(&self) -> bool {
+        self.frag != FRAG_LATER
+    }
 }
 
 /// The network layer of a frame lb can parse, ICMP apart (`icmp` parses its errors).
@@ -123,16 +156,69 @@ fn parse_ipv4<C: PacketCtx>(
     if ip[0] >> 4 != 4 || ihl < 20 {
         return Err(Error::Unparsed);
     }
-    if u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0 {
-        return Err(Error::Unparsed);
-    }
     let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
     if tot_len < ihl {
         return Err(Error::Unparsed);
     }
     let saddr = [ip[12], ip[13], ip[14], ip[15]];
     let daddr = [ip[16], ip[17], ip[18], ip[19]];
-    parse_l4(ctx, out, saddr, daddr, ip[9], l3_off, ihl, tot_len - ihl)
+    let frag_off = u16::from_be_bytes([ip[6], ip[7]]);
+    let frag = if frag_off & 0x1fff != 0 {
+        FRAG_LATER
+    } else if frag_off & 0x2000 != 0 {
+        FRAG_FIRST
+    } else {
+        FRAG_NONE
+    };
+    let id = u16::from_be_bytes([ip[4], ip[5]]) as u32;
+    let l4 = L4At {
+        proto: ip[9],
+        l3_off,
+        l3_len: ihl,
+        l4_len: tot_len - ihl,
+    };
+    if frag == FRAG_LATER {
+        return later_fragment(out, saddr, daddr, &l4, id, 0);
+    }
+    if frag == FRAG_FIRST && l4.proto == IPPROTO_SCTP {
+        return Err(Error::Unparsed);
+    }
+    parse_l4(ctx, out, saddr, daddr, &l4)?;
+    out.frag = frag;
+    out.frag_id = id;
+    Ok(())
+}
+
+/// A later fragment of a TCP or UDP datagram: addresses and where its data starts, no ports.
+#[inline(always)]
+fn later_fragment<A>(
+    out: &mut Packet<A>,
+    saddr: A,
+    daddr: A,
+    at: &L4At,
+    frag_id: u32,
+    ext_headers: u8,
+) -> Result<(), Error> {
+    if at.proto != IPPROTO_TCP && at.proto != IPPROTO_UDP {
+        return Err(Error::Unparsed);
+    }
+    *out = Packet {
+        saddr,
+        daddr,
+        sport: 0,
+        dport: 0,
+        proto: at.proto,
+        tcp_flags: 0,
+        sctp_chunk: 0,
+        l3_off: at.l3_off,
+        l4_off: at.l3_off + at.l3_len,
+        l4_len: at.l4_len,
+        csum_off: 0,
+        frag: FRAG_LATER,
+        ext_headers,
+        frag_id,
+    };
+    Ok(())
 }
 
 #[inline(always)]
@@ -149,28 +235,120 @@ fn parse_ipv6<C: PacketCtx>(
     let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
     let saddr = read::<C, [u8; 16]>(ctx, l3_off + 8)?;
     let daddr = read::<C, [u8; 16]>(ctx, l3_off + 24)?;
-    // A next header other than TCP/UDP/SCTP (extension headers included) fails in parse_l4.
-    parse_l4(ctx, out, saddr, daddr, ip[6], l3_off, 40, payload_len)
+    let walked = ext_headers(ctx, l3_off, ip[6]);
+    if walked == EXT_UNPARSED {
+        return Err(Error::Unparsed);
+    }
+    // Unpacked with masks: bounds the verifier keeps (see `ext_headers`).
+    let next = walked as u8;
+    let len = ((walked >> 8) & 0xfff) as usize;
+    let frag = ((walked >> 20) & 0x3) as u8;
+    let ext = ((walked >> 24) & 0xff) as u8;
+    let id = (walked >> 32) as u32;
+    if len < 40 || len - 40 > payload_len {
+        return Err(Error::Unparsed);
+    }
+    // A next header other than TCP/UDP/SCTP (more extension headers too) fails in parse_l4.
+    let l4 = L4At {
+        proto: next,
+        l3_off,
+        l3_len: len,
+        l4_len: payload_len + 40 - len,
+    };
+    if frag == FRAG_LATER {
+        return later_fragment(out, saddr, daddr, &l4, id, ext);
+    }
+    if frag == FRAG_FIRST && l4.proto == IPPROTO_SCTP {
+        return Err(Error::Unparsed);
+    }
+    parse_l4(ctx, out, saddr, daddr, &l4)?;
+    out.frag = frag;
+    out.frag_id = id;
+    out.ext_headers = ext;
+    Ok(())
 }
 
-/// Parses the TCP, UDP or SCTP header after an IP header of `l3_len` bytes at `l3_off`, of a packet
-/// whose IP payload is `l4_len` bytes.
+/// `ext_headers` found a header it cannot walk past.
+const EXT_UNPARSED: u64 = u64::MAX;
+
+/// Walks the IPv6 extension headers after the fixed header at `l3_off` (whose next header is
+/// `next`), at most `MAX_EXT_HEADERS`. Returns, packed: the L4 protocol (bits 0..8), the
+/// length of the IPv6 header with its extension headers (8..20), `FRAG_*` (20..22), how many
+/// extension headers (24..32) and the fragment identification (32..64); `EXT_UNPARSED` for a
+/// routing header with segments left (the destination is a waypoint, not the service) or a
+/// truncated header.
+// A subprogram: its one unknown return value is one state for the verifier to carry on with,
+// where the walk's branches inlined would each carry the whole pipeline after them.
+#[inline(never)]
+fn ext_headers<C: PacketCtx>(ctx: &C, l3_off: usize, next: u8) -> u64 {
+    let (mut next, mut len) = (next, 40usize);
+    let (mut frag, mut id, mut ext) = (FRAG_NONE, 0u32, 0u64);
+    for _ in 0..MAX_EXT_HEADERS {
+        match next {
+            NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST | NEXTHDR_AUTH => {
+                // Next header, length, and (routing) type and segments left.
+                let Ok(h) = ctx.load::<[u8; 4]>(l3_off + len) else {
+                    return EXT_UNPARSED;
+                };
+                if next == NEXTHDR_ROUTING && h[3] != 0 {
+                    return EXT_UNPARSED;
+                }
+                len += if next == NEXTHDR_AUTH {
+                    (h[1] as usize + 2) * 4
+                } else {
+                    (h[1] as usize + 1) * 8
+                };
+                next = h[0];
+            }
+            NEXTHDR_FRAGMENT => {
+                let Ok(h) = ctx.load::<[u8; 8]>(l3_off + len) else {
+                    return EXT_UNPARSED;
+                };
+                let off = u16::from_be_bytes([h[2], h[3]]);
+                frag = if off & 0xfff8 != 0 {
+                    FRAG_LATER
+                } else if off & 1 != 0 {
+                    FRAG_FIRST
+                } else {
+                    // An atomic fragment (RFC 6946): a whole datagram.
+                    FRAG_NONE
+                };
+                id = u32::from_be_bytes([h[4], h[5], h[6], h[7]]);
+                len += 8;
+                next = h[0];
+            }
+            _ => break,
+        }
+        ext += 1;
+    }
+    if len > 0xfff {
+        return EXT_UNPARSED;
+    }
+    u64::from(next) | (len as u64) << 8 | u64::from(frag) << 20 | ext << 24 | u64::from(id) << 32
+}
+
+/// Where the L4 header of a packet is: after an IP header (and extension headers) of
+/// `l3_len` bytes at `l3_off`, `l4_len` bytes of `proto` (the fragment's share of them, for
+/// a fragment).
+struct L4At {
+    proto: u8,
+    l3_off: usize,
+    l3_len: usize,
+    l4_len: usize,
+}
+
+/// Parses the TCP, UDP or SCTP header `at` says where to find (nothing of a later fragment's
+/// but its place). The caller fills in the fragment fields.
 #[inline(always)]
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the parsed fields of the IP header"
-)]
 fn parse_l4<C: PacketCtx, A>(
     ctx: &C,
     out: &mut Packet<A>,
     saddr: A,
     daddr: A,
-    proto: u8,
-    l3_off: usize,
-    l3_len: usize,
-    l4_len: usize,
+    at: &L4At,
 ) -> Result<(), Error> {
-    let l4_off = l3_off + l3_len;
+    let (proto, l3_off, l4_len) = (at.proto, at.l3_off, at.l4_len);
+    let l4_off = l3_off + at.l3_len;
     let (tcp_flags, sctp_chunk, csum_off) = match proto {
         IPPROTO_TCP => {
             let th = read::<C, [u8; 20]>(ctx, l4_off)?;
@@ -219,6 +397,9 @@ fn parse_l4<C: PacketCtx, A>(
         l4_off,
         l4_len,
         csum_off,
+        frag: FRAG_NONE,
+        ext_headers: 0,
+        frag_id: 0,
     };
     Ok(())
 }

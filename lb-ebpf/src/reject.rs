@@ -339,7 +339,9 @@ impl RejectAf for V6 {
     #[inline(always)]
     fn l4_len<C: PacketCtx>(ctx: &C, p: &Packet<[u8; 16]>) -> Result<usize, Error> {
         let h: [u8; 2] = ctx.load(p.l3_off + 4)?;
-        Ok(u16::from_be_bytes(h) as usize)
+        // The payload less the extension headers in front of the L4 header.
+        let ext = p.l4_off.saturating_sub(p.l3_off + IP6_HLEN);
+        Ok((u16::from_be_bytes(h) as usize).saturating_sub(ext))
     }
 
     #[inline(always)]
@@ -373,7 +375,8 @@ impl RejectAf for V6 {
         p: &Packet<[u8; 16]>,
         eth: &[u8; ETH_HLEN],
     ) -> Result<(), Error> {
-        let ip_len = IP6_HLEN + Self::l4_len(ctx, p)?;
+        // The whole IPv6 packet, extension headers included.
+        let ip_len = p.l4_off - p.l3_off + Self::l4_len(ctx, p)?;
         let quote = quote_len(ctx, p, ip_len, ICMP6_MAX - IP6_HLEN - ICMP_HLEN);
         make_room(ctx, p, eth, quote, IP6_HLEN + ICMP_HLEN)?;
         let icmp_len = ICMP_HLEN + quote;

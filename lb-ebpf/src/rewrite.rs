@@ -5,6 +5,11 @@
 //!
 //! SCTP has no pseudo-header: an address rewrite leaves its CRC32c alone, and a port rewrite
 //! updates it incrementally (`crc32c`).
+//!
+//! A later fragment has no L4 header: only its addresses change. The datagram's L4 checksum
+//! (in its first fragment, which got the same rewrite) covers the pseudo-header for all of
+//! them. Which of the two a rewrite is, is a const parameter (`L4`), not a branch on the
+//! packet: a branch at every rewrite site would double the verifier's paths at each.
 use aya_ebpf::helpers::bpf_csum_diff;
 use lb_common::{IPPROTO_SCTP, IPPROTO_UDP};
 
@@ -27,8 +32,9 @@ pub enum Side {
 
 /// Per-family address rewriting.
 pub trait RewriteAf: Af {
-    /// Replaces the `side` address `old` with `new`, fixing the checksums.
-    fn set_addr<C: PacketCtx>(
+    /// Replaces the `side` address `old` with `new`, fixing the checksums (the L4 one only
+    /// with `L4`: not for a later fragment, which has no L4 header).
+    fn set_addr<C: PacketCtx, const L4: bool>(
         ctx: &C,
         p: &Packet<Self::Addr>,
         side: Side,
@@ -39,7 +45,7 @@ pub trait RewriteAf: Af {
 
 impl RewriteAf for V4 {
     #[inline(always)]
-    fn set_addr<C: PacketCtx>(
+    fn set_addr<C: PacketCtx, const L4: bool>(
         ctx: &C,
         p: &Packet<[u8; 4]>,
         side: Side,
@@ -50,7 +56,7 @@ impl RewriteAf for V4 {
             u32::from_ne_bytes(old) as u64,
             u32::from_ne_bytes(new) as u64,
         );
-        if p.proto != IPPROTO_SCTP {
+        if L4 && p.proto != IPPROTO_SCTP {
             ctx.l4_csum_replace(
                 p.csum_off,
                 old_v,
@@ -69,7 +75,7 @@ impl RewriteAf for V4 {
 
 impl RewriteAf for V6 {
     #[inline(always)]
-    fn set_addr<C: PacketCtx>(
+    fn set_addr<C: PacketCtx, const L4: bool>(
         ctx: &C,
         p: &Packet<[u8; 16]>,
         side: Side,
@@ -77,7 +83,7 @@ impl RewriteAf for V6 {
         new: [u8; 16],
     ) -> Result<(), Error> {
         // IPv6 has no header checksum; only the L4 pseudo-header changes, and SCTP has none.
-        if p.proto != IPPROTO_SCTP {
+        if L4 && p.proto != IPPROTO_SCTP {
             // SAFETY: both buffers are 16 bytes on this program's stack; the helper only reads
             // them.
             let diff = unsafe {
@@ -118,14 +124,14 @@ fn mangled0(proto: u8) -> u64 {
 }
 
 #[inline(always)]
-fn set_port<C: PacketCtx, A>(
+fn set_port<C: PacketCtx, A, const L4: bool>(
     ctx: &C,
     p: &Packet<A>,
     side: Side,
     old: u16,
     new: u16,
 ) -> Result<(), Error> {
-    if old == new {
+    if !L4 || old == new {
         return Ok(());
     }
     let (old_be, new_be) = (old.to_be(), new.to_be());
@@ -180,46 +186,46 @@ fn sctp_crc_port_change<C: PacketCtx, A>(
 
 /// Sends the packet to `backend` instead of the frontend it was addressed to.
 #[inline(always)]
-pub fn dnat<C: PacketCtx, A: RewriteAf>(
+pub fn dnat<C: PacketCtx, A: RewriteAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     backend: Endpoint<A::Addr>,
 ) -> Result<(), Error> {
-    A::set_addr(ctx, p, Side::Destination, p.daddr, backend.addr)?;
-    set_port(ctx, p, Side::Destination, p.dport, backend.port)
+    A::set_addr::<C, L4>(ctx, p, Side::Destination, p.daddr, backend.addr)?;
+    set_port::<C, _, L4>(ctx, p, Side::Destination, p.dport, backend.port)
 }
 
 /// Makes a backend's reply come from `frontend`.
 #[inline(always)]
-pub fn reverse_nat<C: PacketCtx, A: RewriteAf>(
+pub fn reverse_nat<C: PacketCtx, A: RewriteAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     frontend: Endpoint<A::Addr>,
 ) -> Result<(), Error> {
-    A::set_addr(ctx, p, Side::Source, p.saddr, frontend.addr)?;
-    set_port(ctx, p, Side::Source, p.sport, frontend.port)
+    A::set_addr::<C, L4>(ctx, p, Side::Source, p.saddr, frontend.addr)?;
+    set_port::<C, _, L4>(ctx, p, Side::Source, p.sport, frontend.port)
 }
 
 /// Masquerades the packet: its source becomes `to` (the node IP and NAT port).
 #[inline(always)]
-pub fn snat<C: PacketCtx, A: RewriteAf>(
+pub fn snat<C: PacketCtx, A: RewriteAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     to: Endpoint<A::Addr>,
 ) -> Result<(), Error> {
-    A::set_addr(ctx, p, Side::Source, p.saddr, to.addr)?;
-    set_port(ctx, p, Side::Source, p.sport, to.port)
+    A::set_addr::<C, L4>(ctx, p, Side::Source, p.saddr, to.addr)?;
+    set_port::<C, _, L4>(ctx, p, Side::Source, p.sport, to.port)
 }
 
 /// Makes a backend's reply to a masqueraded flow come from `frontend` and go back to `client`.
 #[inline(always)]
-pub fn reverse_snat<C: PacketCtx, A: RewriteAf>(
+pub fn reverse_snat<C: PacketCtx, A: RewriteAf, const L4: bool>(
     ctx: &C,
     p: &Packet<A::Addr>,
     frontend: Endpoint<A::Addr>,
     client: Endpoint<A::Addr>,
 ) -> Result<(), Error> {
-    reverse_nat::<C, A>(ctx, p, frontend)?;
-    A::set_addr(ctx, p, Side::Destination, p.daddr, client.addr)?;
-    set_port(ctx, p, Side::Destination, p.dport, client.port)
+    reverse_nat::<C, A, L4>(ctx, p, frontend)?;
+    A::set_addr::<C, L4>(ctx, p, Side::Destination, p.daddr, client.addr)?;
+    set_port::<C, _, L4>(ctx, p, Side::Destination, p.dport, client.port)
 }

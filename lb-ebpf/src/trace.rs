@@ -29,3 +29,16 @@ pub fn record(fill: impl FnOnce(&mut TraceRecord)) {
         }
     }
 }
+
+/// Changes the record the decision wrote (no zeroing): details known only after it.
+#[inline(always)]
+pub fn amend(fill: impl FnOnce(&mut TraceRecord)) {
+    // SAFETY: as in `record`.
+    if unsafe { core::ptr::read_volatile(&LB_TRACE) } == 0 {
+        return;
+    }
+    if let Some(slot) = TRACE.get_ptr_mut(0) {
+        // SAFETY: as in `record`.
+        unsafe { fill(&mut *slot) }
+    }
+}

@@ -2,9 +2,18 @@
 //! the maps hold and its own parsing (nothing here calls datapath code):
 //!
 //! - the verdict is one the program may return;
-//! - a frame lb cannot parse completely (`parse` below: Ethernet II, IPv4 without fragmenting
-//!   and IHL ≥ 5, or IPv6 without extension headers, then a whole TCP, UDP or SCTP header
-//!   within the lengths the IP header declares) leaves untouched with the pass verdict;
+//! - a frame lb cannot parse completely (`parse` below: Ethernet II, IPv4 with IHL ≥ 5, or
+//!   IPv6 with at most four hop-by-hop, routing (no segments left), destination-options,
+//!   authentication or fragment headers, then a whole TCP, UDP or SCTP header within the
+//!   lengths the IP header declares; a later fragment of TCP or UDP instead, with no header)
+//!   leaves untouched with the pass verdict;
+//! - a later fragment takes the ports its first fragment had; it is never rejected or
+//!   dropped, may pass untouched, and when translated only its addresses change, to exactly
+//!   the backend (or frontend) its first fragment was sent to: a later fragment never gets a
+//!   translation its first did not get;
+//! - an ICMP/ICMPv6 error is translated only when it quotes a flow lb opened: the quote made
+//!   what the flow's other side sent, the outer addresses to match, every checksum as valid
+//!   as it came;
 //! - a frame to a frontend with backends is DNATed to one of them (masqueraded to the node IP
 //!   and a NAT port where the node says so), a reply from a backend to a flow lb opened is
 //!   reverse-NATed to that flow's frontend (and client), and in a rewritten frame nothing but
@@ -108,6 +117,27 @@ pub struct Parsed {
     pub dport: u16,
     pub tcp_flags: u8,
     pub ttl: u8,
+    pub frag: Frag,
+}
+
+/// Whether a frame is a fragment, and of which datagram (its IP identification).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frag {
+    None,
+    First(u32),
+    /// No L4 header: `sport`/`dport` are 0 until the first fragment's are filled in.
+    Later(u32),
+}
+
+/// A fragmented datagram as its first fragment came: (source, destination, protocol, id).
+pub type FragKey = (IpAddr, IpAddr, u8, u32);
+
+/// What the first fragment of a datagram had and got.
+#[derive(Clone, Debug, Default)]
+pub struct FirstFragment {
+    pub ports: (u16, u16),
+    /// The (source, destination) addresses any program translated it to.
+    pub translated: Vec<(IpAddr, IpAddr)>,
 }
 
 fn be16(f: &[u8], off: usize) -> u16 {
@@ -130,43 +160,99 @@ pub fn parse(f: &[u8]) -> Option<Parsed> {
     if f.len() < l3 {
         return None;
     }
-    let (v6, ihl, l4_len, proto, src, dst, ttl) = match be16(f, 12) {
+    let (v6, ihl, l4_len, proto, src, dst, ttl, frag) = match be16(f, 12) {
         0x0800 => {
             if f.len() < l3 + 20 || f[l3] >> 4 != 4 {
                 return None;
             }
             let ihl = usize::from(f[l3] & 0x0f) * 4;
             let tot = usize::from(be16(f, l3 + 2));
-            if ihl < 20 || be16(f, l3 + 6) & 0x3fff != 0 || tot < ihl {
+            if ihl < 20 || tot < ihl {
                 return None;
             }
+            let fo = be16(f, l3 + 6);
+            let id = u32::from(be16(f, l3 + 4));
+            let frag = if fo & 0x1fff != 0 {
+                Frag::Later(id)
+            } else if fo & 0x2000 != 0 {
+                Frag::First(id)
+            } else {
+                Frag::None
+            };
             let (s, d) = (addr(&f[l3 + 12..l3 + 16]), addr(&f[l3 + 16..l3 + 20]));
-            (false, ihl, tot - ihl, f[l3 + 9], s, d, f[l3 + 8])
+            (false, ihl, tot - ihl, f[l3 + 9], s, d, f[l3 + 8], frag)
         }
         0x86dd => {
             if f.len() < l3 + 40 || f[l3] >> 4 != 6 {
                 return None;
             }
             let (s, d) = (addr(&f[l3 + 8..l3 + 24]), addr(&f[l3 + 24..l3 + 40]));
-            (
-                true,
-                40,
-                usize::from(be16(f, l3 + 4)),
-                f[l3 + 6],
-                s,
-                d,
-                f[l3 + 7],
-            )
+            let payload = usize::from(be16(f, l3 + 4));
+            let (mut next, mut hl, mut frag) = (f[l3 + 6], 40usize, Frag::None);
+            for _ in 0..4 {
+                let at = l3 + hl;
+                match next {
+                    0 | 43 | 60 | 51 => {
+                        if f.len() < at + 4 || (next == 43 && f[at + 3] != 0) {
+                            return None;
+                        }
+                        hl += if next == 51 {
+                            (usize::from(f[at + 1]) + 2) * 4
+                        } else {
+                            (usize::from(f[at + 1]) + 1) * 8
+                        };
+                        next = f[at];
+                    }
+                    44 => {
+                        if f.len() < at + 8 {
+                            return None;
+                        }
+                        let fo = be16(f, at + 2);
+                        let id = be32(f, at + 4);
+                        frag = if fo & 0xfff8 != 0 {
+                            Frag::Later(id)
+                        } else if fo & 1 != 0 {
+                            Frag::First(id)
+                        } else {
+                            Frag::None
+                        };
+                        hl += 8;
+                        next = f[at];
+                    }
+                    _ => break,
+                }
+            }
+            if hl > 0xfff || hl - 40 > payload {
+                return None;
+            }
+            (true, hl, payload + 40 - hl, next, s, d, f[l3 + 7], frag)
         }
         _ => return None,
     };
     let l4 = l3 + ihl;
+    if let Frag::Later(_) = frag {
+        return matches!(proto, TCP | UDP).then_some(Parsed {
+            v6,
+            l3,
+            ihl,
+            l4,
+            l4_len,
+            proto,
+            src,
+            dst,
+            sport: 0,
+            dport: 0,
+            tcp_flags: 0,
+            ttl,
+            frag,
+        });
+    }
     let holds = |n: usize| f.len() >= l4 + n;
     let tcp_flags = match proto {
         TCP if holds(20) && f[l4 + 12] >> 4 >= 5 && l4_len >= 20 => f[l4 + 13],
         UDP if holds(8) && l4_len >= 8 => 0,
-        // SCTP's CRC covers the whole packet: all of it must be there.
-        SCTP if holds(12) && l4_len >= 12 && f.len() >= l4 + l4_len => 0,
+        // SCTP's CRC covers the whole packet: all of it must be there (and no fragment).
+        SCTP if holds(12) && l4_len >= 12 && f.len() >= l4 + l4_len && frag == Frag::None => 0,
         _ => return None,
     };
     Some(Parsed {
@@ -182,6 +268,7 @@ pub fn parse(f: &[u8]) -> Option<Parsed> {
         dport: be16(f, l4 + 2),
         tcp_flags,
         ttl,
+        frag,
     })
 }
 
@@ -206,6 +293,8 @@ pub struct Reverse {
 #[derive(Default)]
 pub struct Flows {
     map: HashMap<ReplyKey, Vec<(Reverse, Instant)>>,
+    /// First fragments seen, by datagram.
+    pub frags: HashMap<FragKey, FirstFragment>,
     /// In the order first seen, for the generator.
     pub keys: Vec<ReplyKey>,
 }
@@ -215,6 +304,11 @@ pub struct Flows {
 const SURELY_ALIVE: Duration = Duration::from_secs(1);
 
 impl Flows {
+    /// The first reverse translation recorded for `key`.
+    pub fn reverse_of(&self, key: &ReplyKey) -> Option<Reverse> {
+        self.map.get(key).and_then(|r| r.first()).map(|(r, _)| *r)
+    }
+
     fn record(&mut self, key: ReplyKey, rev: Reverse) {
         let now = Instant::now();
         let recs = self.map.entry(key).or_insert_with(|| {
@@ -245,6 +339,10 @@ pub enum Outcome {
     ReverseNat,
     Reject,
     Drop,
+    /// A later fragment translated as its first fragment was.
+    LaterFragment,
+    /// An ICMP error rewritten for the flow it quotes.
+    IcmpError,
 }
 
 /// What the model says may happen to a parsed frame.
@@ -281,7 +379,7 @@ pub fn check(
     verdict: u32,
     out: &[u8],
 ) -> Result<Outcome, String> {
-    let (pass, drop, fwd) = verdicts(prog);
+    let (pass, _, _) = verdicts(prog);
     let allowed: &[u32] = match prog {
         Prog::Xdp => &[XDP_PASS, XDP_DROP, XDP_TX, XDP_REDIRECT],
         Prog::TcIngress | Prog::TcPod => &[TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT],
@@ -293,6 +391,9 @@ pub fn check(
         ));
     }
     let untouched = verdict == pass && out == input;
+    if let Some(e) = parse_icmp_error(input) {
+        return check_icmp(flows, prog, &e, input, verdict, out, untouched);
+    }
     let Some(p) = parse(input) else {
         return if untouched {
             Ok(Outcome::Unparsed)
@@ -300,6 +401,51 @@ pub fn check(
             Err("a frame lb cannot parse was not passed untouched".into())
         };
     };
+    match p.frag {
+        Frag::Later(id) => return check_later(flows, prog, &p, id, input, verdict, out, untouched),
+        Frag::First(id) => {
+            let first = flows.frags.entry((p.src, p.dst, p.proto, id)).or_default();
+            if first.ports != (p.sport, p.dport) {
+                *first = FirstFragment {
+                    ports: (p.sport, p.dport),
+                    translated: Vec::new(),
+                };
+            }
+        }
+        Frag::None => {}
+    }
+    let outcome = check_parsed(model, flows, prog, &p, input, verdict, out, untouched)?;
+    let translation = matches!(
+        outcome,
+        Outcome::Dnat | Outcome::DnatSnat | Outcome::Forwarded | Outcome::ReverseNat
+    );
+    if let Frag::First(id) = p.frag
+        && translation
+        && let Some(q) = parse(out)
+        && let Some(first) = flows.frags.get_mut(&(p.src, p.dst, p.proto, id))
+    {
+        first.translated.push((q.src, q.dst));
+    }
+    Ok(outcome)
+}
+
+/// `check` of a frame `parse` read (not an ICMP error, not a later fragment).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "check's own arguments, passed on"
+)]
+fn check_parsed(
+    model: &Model,
+    flows: &mut Flows,
+    prog: Prog,
+    p: &Parsed,
+    input: &[u8],
+    verdict: u32,
+    out: &[u8],
+    untouched: bool,
+) -> Result<Outcome, String> {
+    let (pass, drop, fwd) = verdicts(prog);
+    let p = p.clone();
     let expect = expectation(model, flows, prog, &p);
     match expect {
         Expect::Untouched => {
@@ -652,4 +798,294 @@ fn reject_reply(p: &Parsed, input: &[u8], out: &[u8]) -> Result<(), String> {
         return Err("port unreachable: bad ICMP checksum".into());
     }
     Ok(())
+}
+
+/// A later fragment: untouched, or translated (addresses only) exactly as its first fragment
+/// was by some program; never before its first fragment was seen.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "check's own arguments, passed on"
+)]
+fn check_later(
+    flows: &Flows,
+    prog: Prog,
+    p: &Parsed,
+    id: u32,
+    input: &[u8],
+    verdict: u32,
+    out: &[u8],
+    untouched: bool,
+) -> Result<Outcome, String> {
+    let (pass, _, fwd) = verdicts(prog);
+    let Some(first) = flows.frags.get(&(p.src, p.dst, p.proto, id)) else {
+        return if untouched {
+            Ok(Outcome::Unparsed)
+        } else {
+            Err(
+                "a later fragment whose first fragment was never seen was not passed untouched"
+                    .into(),
+            )
+        };
+    };
+    if untouched {
+        return Ok(Outcome::Untouched);
+    }
+    if verdict != pass && !fwd.contains(&verdict) {
+        return Err(format!("unexpected verdict {verdict} for a later fragment"));
+    }
+    if out.len() != input.len() {
+        return Err("a later fragment changed its length".into());
+    }
+    let l3 = p.l3;
+    let mut fields: Vec<Range<usize>> = vec![if p.v6 {
+        l3 + 8..l3 + 40
+    } else {
+        l3 + 10..l3 + 20
+    }];
+    if fwd.contains(&verdict) {
+        fields.push(0..12);
+        fields.push(if p.v6 { l3 + 7..l3 + 8 } else { l3 + 8..l3 + 9 });
+    }
+    if let Some(i) =
+        (0..input.len()).find(|&i| input[i] != out[i] && !fields.iter().any(|r| r.contains(&i)))
+    {
+        return Err(format!(
+            "later fragment: byte {i} changed, which is no address (its data must stay as it came)"
+        ));
+    }
+    if !p.v6 {
+        let h = |f: &[u8]| word_sum(&f[l3..l3 + p.ihl]) % 0xffff;
+        if h(input) != h(out) {
+            return Err("later fragment: IPv4 header checksum".into());
+        }
+    }
+    let q = parse(out).ok_or("the translated later fragment does not parse")?;
+    if !first.translated.contains(&(q.src, q.dst)) {
+        return Err(format!(
+            "a later fragment went {} -> {}, a translation its first fragment never got ({:?})",
+            q.src, q.dst, first.translated
+        ));
+    }
+    Ok(Outcome::LaterFragment)
+}
+
+/// An ICMP/ICMPv6 error as lb reads one (`icmp` in lb-ebpf): the error's addresses, where
+/// its ICMP message and the packet it quotes are, and the quote's addresses and ports.
+#[derive(Debug)]
+pub struct IcmpError {
+    v6: bool,
+    ihl: usize,
+    icmp: usize,
+    src: IpAddr,
+    dst: IpAddr,
+    quote: usize,
+    quote_ihl: usize,
+    proto: u8,
+    qsrc: (IpAddr, u16),
+    qdst: (IpAddr, u16),
+    /// The quoted TCP/UDP checksum, where lb updates it.
+    qcsum: Option<usize>,
+}
+
+pub fn parse_icmp_error(f: &[u8]) -> Option<IcmpError> {
+    let l3 = 14;
+    if f.len() < l3 + 10 {
+        return None;
+    }
+    let (v6, ihl, icmp, src, dst, quote, quote_ihl, proto) = match be16(f, 12) {
+        0x0800 => {
+            if f[l3 + 9] != ICMP || f.len() < l3 + 20 {
+                return None;
+            }
+            let ihl = usize::from(f[l3] & 0x0f) * 4;
+            if f[l3] >> 4 != 4 || ihl < 20 || be16(f, l3 + 6) & 0x3fff != 0 {
+                return None;
+            }
+            let tot = usize::from(be16(f, l3 + 2));
+            let icmp = l3 + ihl;
+            if f.len() < icmp + 4 || !matches!(f[icmp], 3 | 11 | 12) || tot < ihl + 8 + 28 {
+                return None;
+            }
+            let q = icmp + 8;
+            if f.len() < q + 20 {
+                return None;
+            }
+            let qihl = usize::from(f[q] & 0x0f) * 4;
+            if f[q] >> 4 != 4 || qihl < 20 || be16(f, q + 6) & 0x1fff != 0 {
+                return None;
+            }
+            let (s, d) = (addr(&f[l3 + 12..l3 + 16]), addr(&f[l3 + 16..l3 + 20]));
+            (false, ihl, icmp, s, d, q, qihl, f[q + 9])
+        }
+        0x86dd => {
+            if f[l3 + 6] != ICMPV6 || f.len() < l3 + 40 || f[l3] >> 4 != 6 {
+                return None;
+            }
+            let payload = usize::from(be16(f, l3 + 4));
+            let icmp = l3 + 40;
+            if f.len() < icmp + 4 || !(1..=4).contains(&f[icmp]) || payload < 8 + 48 {
+                return None;
+            }
+            let q = icmp + 8;
+            if f.len() < q + 40 || f[q] >> 4 != 6 {
+                return None;
+            }
+            let (s, d) = (addr(&f[l3 + 8..l3 + 24]), addr(&f[l3 + 24..l3 + 40]));
+            (true, 40, icmp, s, d, q, 40, f[q + 6])
+        }
+        _ => return None,
+    };
+    let l4 = quote + quote_ihl;
+    if f.len() < l4 + 8 {
+        return None;
+    }
+    let qcsum = match proto {
+        TCP if f.len() >= l4 + 18 => Some(l4 + 16),
+        TCP | SCTP => None,
+        UDP if !v6 && be16(f, l4 + 6) == 0 => None,
+        UDP => Some(l4 + 6),
+        _ => return None,
+    };
+    let (qs, qd) = if v6 {
+        (
+            addr(&f[quote + 8..quote + 24]),
+            addr(&f[quote + 24..quote + 40]),
+        )
+    } else {
+        (
+            addr(&f[quote + 12..quote + 16]),
+            addr(&f[quote + 16..quote + 20]),
+        )
+    };
+    Some(IcmpError {
+        v6,
+        ihl,
+        icmp,
+        src,
+        dst,
+        quote,
+        quote_ihl,
+        proto,
+        qsrc: (qs, be16(f, l4)),
+        qdst: (qd, be16(f, l4 + 2)),
+        qcsum,
+    })
+}
+
+/// What a translated error may look like: (outer source, outer destination, quote source,
+/// quote destination).
+type IcmpShape = (IpAddr, IpAddr, (IpAddr, u16), (IpAddr, u16));
+
+/// An ICMP error: untouched, or translated for a flow lb opened that it quotes (towards that
+/// flow's client, or towards its backend from an ingress program) with nothing else changed
+/// and every checksum as valid as it came.
+fn check_icmp(
+    flows: &Flows,
+    prog: Prog,
+    e: &IcmpError,
+    input: &[u8],
+    verdict: u32,
+    out: &[u8],
+    untouched: bool,
+) -> Result<Outcome, String> {
+    let (pass, _, fwd) = verdicts(prog);
+    let mut allowed: Vec<IcmpShape> = Vec::new();
+    // Towards the client: the quote is what lb sent to a backend; its reply entry knows it.
+    let rkey = ReplyKey {
+        proto: e.proto,
+        backend: e.qdst,
+        to: e.qsrc,
+    };
+    for (r, _) in flows.map.get(&rkey).into_iter().flatten() {
+        let client = r.client.unwrap_or(e.qsrc);
+        let osrc = if e.src == e.qdst.0 {
+            r.frontend.0
+        } else {
+            e.src
+        };
+        let odst = if r.client.is_some() { client.0 } else { e.dst };
+        allowed.push((osrc, odst, client, r.frontend));
+    }
+    // Towards the backend: the quote is a reply lb reverse-NATed (frontend -> client).
+    if prog != Prog::TcEgress {
+        for (k, recs) in &flows.map {
+            for (r, _) in recs {
+                let client = r.client.unwrap_or(k.to);
+                if k.proto == e.proto && r.frontend == e.qsrc && client == e.qdst {
+                    let masq = r.client.is_some();
+                    let osrc = if masq { k.to.0 } else { e.src };
+                    let qdst = if masq { k.to } else { e.qdst };
+                    allowed.push((osrc, k.backend.0, k.backend, qdst));
+                }
+            }
+        }
+    }
+    if untouched {
+        return Ok(Outcome::Untouched);
+    }
+    if allowed.is_empty() {
+        return Err("an ICMP error quoting no flow lb opened was changed".into());
+    }
+    if verdict != pass && !fwd.contains(&verdict) {
+        return Err(format!("unexpected verdict {verdict} for an ICMP error"));
+    }
+    if out.len() != input.len() {
+        return Err("a translated ICMP error changed its length".into());
+    }
+    let o = parse_icmp_error(out).ok_or("the translated ICMP error does not parse")?;
+    let got = (o.src, o.dst, o.qsrc, o.qdst);
+    if !allowed.contains(&got) {
+        return Err(format!(
+            "ICMP error translated to {got:?}, which none of its flows allows ({allowed:?})"
+        ));
+    }
+    let (l3, q) = (14, e.quote);
+    let ql4 = q + e.quote_ihl;
+    let mut fields: Vec<Range<usize>> = vec![
+        if e.v6 {
+            l3 + 8..l3 + 40
+        } else {
+            l3 + 10..l3 + 20
+        },
+        e.icmp + 2..e.icmp + 4,
+        if e.v6 { q + 8..q + 40 } else { q + 10..q + 20 },
+        ql4..ql4 + 4,
+    ];
+    if let Some(c) = e.qcsum {
+        fields.push(c..c + 2);
+    }
+    if fwd.contains(&verdict) {
+        fields.push(0..12);
+        fields.push(if e.v6 { l3 + 7..l3 + 8 } else { l3 + 8..l3 + 9 });
+    }
+    if let Some(i) =
+        (0..input.len()).find(|&i| input[i] != out[i] && !fields.iter().any(|r| r.contains(&i)))
+    {
+        return Err(format!(
+            "ICMP error: byte {i} changed, which lb does not translate"
+        ));
+    }
+    // Every checksum exactly as valid as it came: the outer IPv4 header's, the ICMP
+    // message's (with ICMPv6's pseudo-header), the quoted IPv4 header's.
+    let msg = |f: &[u8], src: IpAddr, dst: IpAddr| {
+        let pseudo = if e.v6 {
+            pseudo_sum(src, dst, ICMPV6, f.len() - e.icmp)
+        } else {
+            0
+        };
+        (pseudo + word_sum(&f[e.icmp..])) % 0xffff
+    };
+    if msg(input, e.src, e.dst) != msg(out, o.src, o.dst) {
+        return Err("ICMP error: the ICMP checksum is not as valid as it came".into());
+    }
+    if !e.v6 {
+        let h = |f: &[u8], at: usize, len: usize| word_sum(&f[at..at + len]) % 0xffff;
+        if h(input, l3, e.ihl) != h(out, l3, e.ihl) {
+            return Err("ICMP error: outer IPv4 header checksum".into());
+        }
+        if h(input, q, e.quote_ihl) != h(out, q, e.quote_ihl) {
+            return Err("ICMP error: quoted IPv4 header checksum".into());
+        }
+    }
+    Ok(Outcome::IcmpError)
 }

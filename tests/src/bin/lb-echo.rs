@@ -37,6 +37,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 /// The request every client sends.
 const HELLO: &[u8] = b"hello\n";
+/// What pads a UDP reply after its line (to answer a large request with a large datagram).
+const PAD: u8 = b'#';
 /// Longest reply line the client accepts.
 const MAX_REPLY: u64 = 4096;
 
@@ -78,8 +80,9 @@ enum Cmd {
         /// fresh socket each; a reset or stall fails the rest.
         #[arg(long)]
         keep_connection: bool,
-        /// TCP: this many bytes of padding in every request line (a bulk upload; the echo
-        /// server answers once the whole line is in).
+        /// This many bytes of padding in every request line: a bulk upload over TCP (the echo
+        /// server answers once the whole line is in); over UDP a datagram that large, which
+        /// the server answers with one as large (beyond the MTU: fragments both ways).
         #[arg(long, default_value_t = 0)]
         payload_bytes: usize,
         /// Before every request after the first, wait until this file exists (a test
@@ -261,8 +264,13 @@ fn serve_udp(sock: &UdpSocket, name: &str) {
     let mut buf = [0u8; 65536];
     loop {
         match sock.recv_from(&mut buf) {
-            Ok((_, peer)) => {
-                if let Err(err) = sock.send_to(&reply_for(name, peer), peer) {
+            Ok((n, peer)) => {
+                // A large request gets an answer as large: the reply line, then padding.
+                let mut reply = reply_for(name, peer);
+                if n > reply.len() {
+                    reply.resize(n, PAD);
+                }
+                if let Err(err) = sock.send_to(&reply, peer) {
                     eprintln!("lb-echo: UDP send_to {peer}: {err}");
                 }
             }
@@ -370,8 +378,8 @@ fn client(
                 request_kept(&mut kept, target, timeout, &req.line)
             }
             Proto::Tcp => request_tcp(target, timeout, &req.line),
-            Proto::Udp if connected_udp => request_udp_connected(target, timeout),
-            Proto::Udp => request_udp(target, timeout),
+            Proto::Udp if connected_udp => request_udp_connected(target, timeout, &req.line),
+            Proto::Udp => request_udp(target, timeout, &req.line),
         };
         let line = match result {
             Ok(r) => serde_json::json!({
@@ -471,11 +479,15 @@ fn udp_socket(target: SocketAddr, timeout: Duration) -> anyhow::Result<UdpSocket
     Ok(sock)
 }
 
-fn request_udp_connected(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
+fn request_udp_connected(
+    target: SocketAddr,
+    timeout: Duration,
+    request: &[u8],
+) -> anyhow::Result<Reply> {
     let sock = udp_socket(target, timeout)?;
     sock.connect(target).context("connect")?;
-    sock.send(HELLO).context("send")?;
-    let mut buf = [0u8; 4096];
+    sock.send(request).context("send")?;
+    let mut buf = vec![0u8; 65536];
     let n = sock.recv(&mut buf).map_err(timeout_err).context("recv")?;
     let (backend, seen) = parse_reply(&buf[..n])?;
     Ok(Reply {
@@ -486,15 +498,15 @@ fn request_udp_connected(target: SocketAddr, timeout: Duration) -> anyhow::Resul
     })
 }
 
-fn request_udp(target: SocketAddr, timeout: Duration) -> anyhow::Result<Reply> {
+fn request_udp(target: SocketAddr, timeout: Duration, request: &[u8]) -> anyhow::Result<Reply> {
     let sock = udp_socket(target, timeout)?;
     match target {
         SocketAddr::V4(_) => setsockopt_int(&sock, libc::IPPROTO_IP, libc::IP_PKTINFO, 1),
         SocketAddr::V6(_) => setsockopt_int(&sock, libc::IPPROTO_IPV6, libc::IPV6_RECVPKTINFO, 1),
     }
     .context("enable PKTINFO")?;
-    sock.send_to(HELLO, target).context("send_to")?;
-    let mut buf = [0u8; 4096];
+    sock.send_to(request, target).context("send_to")?;
+    let mut buf = vec![0u8; 65536];
     let (n, peer, dst) = recv_with_dst(&sock, &mut buf)
         .map_err(timeout_err)
         .context("recv_from")?;
@@ -657,6 +669,11 @@ fn timeout_err(err: io::Error) -> io::Error {
 
 /// Splits a reply line `NAME PEER` into the backend's name and the address it saw.
 fn parse_reply(reply: &[u8]) -> anyhow::Result<(String, String)> {
+    // A UDP reply may carry padding after its line.
+    let reply = match reply.iter().position(|&b| b == b'\n') {
+        Some(end) if reply[end + 1..].iter().all(|&b| b == PAD) => &reply[..=end],
+        _ => reply,
+    };
     let text = std::str::from_utf8(reply).context("reply is not UTF-8")?;
     let line = text.trim_end_matches(['\n', '\r']);
     match line.split_once(' ') {
