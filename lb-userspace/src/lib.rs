@@ -10,6 +10,7 @@
 //! `privileges` checks at start that `lb run` has the capabilities it needs; `conntrack` sizes
 //! the conntrack maps, sets their lifetimes and garbage-collects them.
 pub mod cli;
+pub mod config;
 pub mod conntrack;
 pub mod controller;
 pub mod datapath;

@@ -73,7 +73,7 @@ pub struct RunOptions {
     /// `timeoutSeconds` of the Kubernetes watches (`--watch-timeout`).
     pub watch_timeout: std::time::Duration,
     /// `--lb-algorithm`, `--maglev-table-size`, `--bpf-maglev-tables`.
-    pub algorithm: crate::cli::AlgorithmArgs,
+    pub algorithm: crate::config::AlgorithmArgs,
     /// Conntrack lifetimes (`--bpf-ct-timeout-regular-*`).
     pub ct_timeouts: crate::conntrack::CtTimeouts,
     /// Between conntrack GC passes (`--ct-gc-interval`).
@@ -136,7 +136,12 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let maps = datapath.take_lb_maps()?;
     datapath.export_metrics(&metrics)?;
     // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
-    let ct_gc = crate::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, metrics.clone())?;
+    let ct_gc = {
+        let metrics = metrics.clone();
+        crate::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, move |r| {
+            metrics.observe_ct_gc(r)
+        })?
+    };
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
     let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
