@@ -8,7 +8,11 @@
 //! daemon's `state_dir`; `metrics` serves Prometheus and health;
 //! `healthcheck` runs the health check node ports of `externalTrafficPolicy: Local` services;
 //! `privileges` checks at start that `lb run` has the capabilities it needs; `conntrack` sizes
-//! the conntrack maps, sets their lifetimes and garbage-collects them.
+//! the conntrack maps, sets their lifetimes and garbage-collects them. `config` holds the option
+//! types several of them share, and imports nothing of lb but `model`.
+//!
+//! Imports run one way, with no circles (tests/layout.rs checks): an option or type two
+//! modules share lives below both.
 pub mod cli;
 pub mod config;
 pub mod conntrack;
