@@ -1,7 +1,7 @@
 //! The plain option types more than one layer uses: `lb run`'s and `lb trace`'s shared flags
 //! (devices and XDP, the load-balancing algorithm, conntrack sizes and lifetimes) and their
 //! parsers. The ground of lb-userspace: it imports nothing of lb's but `model`, so the command
-//! line (`cli`), the daemon (`controller::daemon`) and the loader (`datapath::load`) all take
+//! line (`cli`), the daemon (`daemon`) and the loader (`datapath::load`) all take
 //! their options from here and no one of them imports another for a type.
 use std::path::Path;
 

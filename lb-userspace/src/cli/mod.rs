@@ -1,5 +1,5 @@
 //! The `lb` command line: the clap definitions and what each command runs. `lb run` is the
-//! daemon (`controller::daemon`); the other commands only read a running lb's pinned maps
+//! daemon (`daemon`); the other commands only read a running lb's pinned maps
 //! (`inspect`, `trace`).
 pub mod inspect;
 pub mod trace;
@@ -12,10 +12,8 @@ use lb_common::DEFAULT_PIN_DIR;
 
 use crate::{
     config::DeviceArgs,
-    controller::{
-        daemon::{self, RunOptions, SourceConfig},
-        k8s,
-    },
+    controller::k8s,
+    daemon::{self, RunOptions, SourceConfig},
     datapath::cgroup::cgroup2_root,
 };
 

@@ -817,15 +817,16 @@ impl Datapath {
         LpmTrie::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
     }
 
-    /// Hands the datapath counters to `metrics`, read at scrape time (the conntrack series
-    /// come from the GC's walks: `conntrack::Gc`).
-    pub fn export_metrics(&mut self, metrics: &crate::metrics::Metrics) -> anyhow::Result<()> {
+    /// Takes the datapath counters (`lb_metrics`), for `Metrics::set_datapath_counters` to read
+    /// at scrape time (the conntrack series come from the GC's walks: `conntrack::Gc`).
+    pub fn take_counters(
+        &mut self,
+    ) -> anyhow::Result<aya::maps::PerCpuArray<MapData, MetricValue>> {
         let counters = self
             .ebpf
             .take_map(map_names::METRICS)
             .context("map lb_metrics missing")?;
-        metrics.set_datapath_counters(aya::maps::PerCpuArray::try_from(counters)?);
-        Ok(())
+        Ok(aya::maps::PerCpuArray::try_from(counters)?)
     }
 
     /// Starts forwarding kernel-side aya-log records (rare events only) to `tracing`.

@@ -7,14 +7,15 @@ use tokio::{
     sync::Notify,
 };
 
-use super::{
-    incremental::{IncrementalTranslator, Update},
-    k8s,
-    reconcile::{ApplyReport, Reconciler},
-    source::{self, Snapshot},
-    translate::{self, NodeInfo},
-};
 use crate::{
+    controller::{
+        incremental::{IncrementalTranslator, Update},
+        k8s,
+        reconcile::{ApplyReport, Reconciler},
+        resteer::{PairTracker, Resteer},
+        source::{self, Snapshot},
+        translate::{self, NodeInfo},
+    },
     datapath::{
         linkwatch::{self, Link, LinkEvent},
         load::{Datapath, LoadOptions, TcHook, XdpMode},
@@ -134,7 +135,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     );
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;
-    datapath.export_metrics(&metrics)?;
+    metrics.set_datapath_counters(datapath.take_counters()?);
     // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
     let ct_gc = {
         let metrics = metrics.clone();
@@ -145,16 +146,14 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
     let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
-        (Some(cg), Ok(gone)) => {
-            super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), gone, metrics.clone())
-        }
+        (Some(cg), Ok(gone)) => Resteer::start(&opts.pin_dir, cg.clone(), gone, metrics.clone()),
         (Some(_), Err(e)) => {
             tracing::warn!(error = format!("{e:#}"), "no connected UDP re-steering");
             None
         }
         (None, _) => None,
     };
-    let mut udp_pairs = super::resteer::PairTracker::default();
+    let mut udp_pairs = PairTracker::default();
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
         services = reconciler.service_count(),
@@ -305,8 +304,8 @@ fn after_sync(
     synced: &Synced,
     state: &crate::model::DesiredState,
     ct_gc: &Notify,
-    resteer: Option<&super::resteer::Resteer>,
-    udp_pairs: &mut super::resteer::PairTracker,
+    resteer: Option<&Resteer>,
+    udp_pairs: &mut PairTracker,
 ) {
     if synced.report.backends_deleted > 0 {
         ct_gc.notify_one();
