@@ -146,7 +146,15 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
     let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
-        (Some(cg), Ok(gone)) => Resteer::start(&opts.pin_dir, cg.clone(), gone, metrics.clone()),
+        (Some(cg), Ok(gone)) => {
+            let m = metrics.clone();
+            Resteer::start(
+                &opts.pin_dir,
+                cg.clone(),
+                gone,
+                Arc::new(move |d, n, ok| m.udp.observe_pass(d, n, ok)),
+            )
+        }
         (Some(_), Err(e)) => {
             tracing::warn!(error = format!("{e:#}"), "no connected UDP re-steering");
             None
