@@ -23,12 +23,12 @@ use std::{
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use lb::{
     controller::{
-        daemon::{self, SyncKind},
         incremental::{IncrementalTranslator, Update},
         reconcile::Reconciler,
         source::Snapshot,
         translate::{NodeInfo, desired_state},
     },
+    daemon::{self, SyncKind},
     datapath::maps::{AffMatch, Dump, LbMaps, MaglevGeometry, MapOpError, MemMaps, Table, render},
     metrics::Metrics,
     model::{Backend, Cidr, Family, Frontend, LbAlgorithm},

@@ -40,10 +40,10 @@ use kube::{
 };
 use lb::{
     controller::{
-        daemon,
         reconcile::Reconciler,
         source::{self, Snapshot, SnapshotReceiver},
     },
+    daemon,
     datapath::maps::{MemMaps, render},
     metrics::Metrics,
 };

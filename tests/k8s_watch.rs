@@ -10,11 +10,11 @@ use std::{collections::BTreeSet, sync::Arc, time::Duration};
 use k8s_openapi::api::core::v1::Service;
 use kube::{Api, api::ListParams};
 use lb::{
-    controller::daemon,
     controller::k8s,
     controller::reconcile::Reconciler,
     controller::source::{self, Snapshot, SnapshotReceiver},
     controller::translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
+    daemon,
     datapath::maps::{MemMaps, render},
     metrics::Metrics,
 };

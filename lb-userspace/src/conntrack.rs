@@ -24,119 +24,12 @@ use anyhow::Context as _;
 use aya::maps::{HashMap, IterableMap as _, MapData, MapError};
 use lb_common::{
     Backend4, Backend6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
-    ct_dir, ct_flags, ct_timeouts, map_names, map_sizes,
+    ct_dir, ct_flags, map_names,
 };
 
 use crate::datapath::pinned::open_hash;
 
-/// The conntrack flags of `lb run` and `lb trace --manifests` (Cilium's names).
-#[derive(Clone, Debug, clap::Args)]
-pub struct CtArgs {
-    /// Entries of each family's TCP conntrack map (`lb4_ct_tcp`, `lb6_ct_tcp`). A pinned map of
-    /// another size is refused: resizing needs a fresh pin directory.
-    #[arg(long, default_value_t = map_sizes::CT_TCP, value_parser = clap::value_parser!(u32).range(1..))]
-    pub bpf_ct_global_tcp_max: u32,
-    /// Entries of each family's conntrack map for UDP, SCTP and the rest (`lb4_ct_any`,
-    /// `lb6_ct_any`).
-    #[arg(long, default_value_t = map_sizes::CT_ANY, value_parser = clap::value_parser!(u32).range(1..))]
-    pub bpf_ct_global_any_max: u32,
-    /// Seconds a TCP (or SCTP) flow lives until the backend answers.
-    #[arg(long, default_value_t = ct_timeouts::TCP_SYN, value_parser = timeout_secs)]
-    pub bpf_ct_timeout_regular_tcp_syn: u32,
-    /// Seconds an established TCP (or SCTP) flow lives without packets.
-    #[arg(long, default_value_t = ct_timeouts::TCP_ESTABLISHED, value_parser = timeout_secs)]
-    pub bpf_ct_timeout_regular_tcp: u32,
-    /// Seconds a TCP (or SCTP) flow lives after a FIN or RST from either side.
-    #[arg(long, default_value_t = ct_timeouts::TCP_CLOSING, value_parser = timeout_secs)]
-    pub bpf_ct_timeout_regular_tcp_fin: u32,
-    /// Seconds a UDP (or other connectionless) flow lives without packets.
-    #[arg(long, default_value_t = ct_timeouts::NON_TCP, value_parser = timeout_secs)]
-    pub bpf_ct_timeout_regular_any: u32,
-}
-
-impl Default for CtArgs {
-    fn default() -> Self {
-        Self {
-            bpf_ct_global_tcp_max: map_sizes::CT_TCP,
-            bpf_ct_global_any_max: map_sizes::CT_ANY,
-            bpf_ct_timeout_regular_tcp_syn: ct_timeouts::TCP_SYN,
-            bpf_ct_timeout_regular_tcp: ct_timeouts::TCP_ESTABLISHED,
-            bpf_ct_timeout_regular_tcp_fin: ct_timeouts::TCP_CLOSING,
-            bpf_ct_timeout_regular_any: ct_timeouts::NON_TCP,
-        }
-    }
-}
-
-/// The longest lifetime accepted: a year. Expiries are `u32` seconds of uptime, so anything
-/// near 2^32 would wrap into the past.
-pub const MAX_TIMEOUT: u32 = 365 * 24 * 3600;
-
-fn timeout_secs(s: &str) -> Result<u32, String> {
-    let n: u32 = s
-        .parse()
-        .map_err(|e| format!("{s:?} is not a number of seconds: {e}"))?;
-    if n == 0 || n > MAX_TIMEOUT {
-        return Err(format!(
-            "{n} s: a conntrack lifetime must be 1..={MAX_TIMEOUT} seconds"
-        ));
-    }
-    Ok(n)
-}
-
-impl CtArgs {
-    /// The lifetimes the datapath gets.
-    pub fn timeouts(&self) -> CtTimeouts {
-        CtTimeouts {
-            tcp_syn: self.bpf_ct_timeout_regular_tcp_syn,
-            tcp: self.bpf_ct_timeout_regular_tcp,
-            tcp_fin: self.bpf_ct_timeout_regular_tcp_fin,
-            any: self.bpf_ct_timeout_regular_any,
-        }
-    }
-
-    /// max_entries of the four conntrack maps, as `LoadOptions::max_entries` takes them.
-    pub fn map_sizes(&self) -> [(&'static str, u32); 4] {
-        [
-            (map_names::CT_TCP4, self.bpf_ct_global_tcp_max),
-            (map_names::CT_TCP6, self.bpf_ct_global_tcp_max),
-            (map_names::CT_ANY4, self.bpf_ct_global_any_max),
-            (map_names::CT_ANY6, self.bpf_ct_global_any_max),
-        ]
-    }
-}
-
-/// Conntrack lifetimes in seconds, set as the datapath's read-only globals at load
-/// (`lb_common::globals::CT_TIMEOUT_*`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CtTimeouts {
-    pub tcp_syn: u32,
-    pub tcp: u32,
-    pub tcp_fin: u32,
-    pub any: u32,
-}
-
-impl Default for CtTimeouts {
-    fn default() -> Self {
-        CtArgs::default().timeouts()
-    }
-}
-
-impl CtTimeouts {
-    /// Refuses lifetimes the datapath cannot use (zero, or long enough to wrap).
-    pub fn validate(&self) -> anyhow::Result<()> {
-        for (flag, v) in [
-            ("--bpf-ct-timeout-regular-tcp-syn", self.tcp_syn),
-            ("--bpf-ct-timeout-regular-tcp", self.tcp),
-            ("--bpf-ct-timeout-regular-tcp-fin", self.tcp_fin),
-            ("--bpf-ct-timeout-regular-any", self.any),
-        ] {
-            if v == 0 || v > MAX_TIMEOUT {
-                anyhow::bail!("{flag} {v}: a conntrack lifetime must be 1..={MAX_TIMEOUT} seconds");
-            }
-        }
-        Ok(())
-    }
-}
+pub use crate::config::{CtArgs, CtTimeouts, MAX_TIMEOUT};
 
 /// `CLOCK_MONOTONIC` in whole seconds: the datapath's clock (`bpf_ktime_get_ns() / 1e9`).
 pub fn monotonic_secs() -> u32 {
@@ -554,11 +447,12 @@ fn sweep<F: Family>(
 }
 
 /// Runs the GC of the maps pinned in `pin_dir` every `interval`, and as soon as `kick` is
-/// notified (a sync deleted backends), on a blocking thread; reports to `metrics`.
+/// notified (a sync deleted backends), on a blocking thread; hands each pass's report to
+/// `observe` (`lb run`: the metrics).
 pub fn spawn(
     pin_dir: &Path,
     interval: Duration,
-    metrics: Arc<crate::metrics::Metrics>,
+    observe: impl Fn(&GcReport) + Send + 'static,
 ) -> anyhow::Result<Arc<tokio::sync::Notify>> {
     let gc = Gc::open(pin_dir).context("opening the conntrack maps for the GC")?;
     let kick = Arc::new(tokio::sync::Notify::new());
@@ -586,7 +480,7 @@ pub fn spawn(
                 return;
             };
             gc = Some(g);
-            metrics.observe_ct_gc(&report);
+            observe(&report);
             if report.total_deleted() > 0 || report.errors > 0 {
                 tracing::info!(
                     entries = report.total_entries(),
@@ -612,21 +506,6 @@ pub fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn timeouts_refuse_zero_and_wrapping_values() {
-        assert!(timeout_secs("0").is_err());
-        assert!(timeout_secs("-1").is_err());
-        assert!(timeout_secs(&(MAX_TIMEOUT + 1).to_string()).is_err());
-        assert_eq!(timeout_secs("10"), Ok(10));
-        assert!(CtTimeouts::default().validate().is_ok());
-        let zero = CtTimeouts {
-            tcp_fin: 0,
-            ..CtTimeouts::default()
-        };
-        let e = zero.validate().unwrap_err().to_string();
-        assert!(e.contains("--bpf-ct-timeout-regular-tcp-fin"), "{e}");
-    }
 
     #[test]
     fn states_and_protocols_have_names() {

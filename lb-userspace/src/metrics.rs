@@ -976,6 +976,25 @@ impl UdpResteerMetrics {
     }
 }
 
+/// The Kubernetes source reports here (`lb run` hands it its `Metrics`).
+impl crate::controller::k8s::ApiObserver for Metrics {
+    fn watch_api_server(&self) {
+        Metrics::watch_api_server(self);
+    }
+    fn api_server_contact(&self) {
+        Metrics::api_server_contact(self);
+    }
+    fn api_server_unreachable(&self, error: &str) {
+        Metrics::api_server_unreachable(self, error);
+    }
+    fn inc_watch_errors(&self, kind: &'static str) {
+        Metrics::inc_watch_errors(self, kind);
+    }
+    fn inc_watch_relists(&self, kind: &'static str) {
+        Metrics::inc_watch_relists(self, kind);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

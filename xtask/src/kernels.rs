@@ -425,7 +425,7 @@ const TABLE_BEGIN: &str =
     "<!-- kernel-matrix:begin (written by `cargo xtask test --kernel all`) -->";
 const TABLE_END: &str = "<!-- kernel-matrix:end -->";
 
-/// The README's kernel table: kernel × suite, and what lb chose on each kernel.
+/// The kernel table of docs/datapath.md: kernel × suite, and what lb chose on each kernel.
 pub fn table(results: &[KernelResult]) -> String {
     let mut t = String::new();
     t.push_str("| kernel | release |");
@@ -456,7 +456,7 @@ pub fn table(results: &[KernelResult]) -> String {
     t
 }
 
-/// The features `lb features` found missing (each selects the fallback the README's feature
+/// The features `lb features` found missing (each selects the fallback docs/datapath.md's feature
 /// table names), joined; `none` when everything runs the preferred way.
 fn fallbacks(features: &serde_json::Value) -> String {
     let Some(list) = features["features"].as_array() else {
@@ -474,14 +474,14 @@ fn fallbacks(features: &serde_json::Value) -> String {
     }
 }
 
-/// Replaces the README's table with `table`.
-pub fn write_readme_table(table: &str) -> Result<()> {
-    let path = workspace_root().join("README.md");
-    let readme = fs::read_to_string(&path)?;
-    let (Some(b), Some(e)) = (readme.find(TABLE_BEGIN), readme.find(TABLE_END)) else {
-        bail!("README.md has no kernel-matrix markers");
+/// Replaces the kernel table of docs/datapath.md (its "Kernels" section) with `table`.
+pub fn write_kernel_table(table: &str) -> Result<()> {
+    let path = workspace_root().join("docs/datapath.md");
+    let doc = fs::read_to_string(&path)?;
+    let (Some(b), Some(e)) = (doc.find(TABLE_BEGIN), doc.find(TABLE_END)) else {
+        bail!("docs/datapath.md has no kernel-matrix markers");
     };
-    let new = format!("{}{TABLE_BEGIN}\n{table}{}", &readme[..b], &readme[e..]);
+    let new = format!("{}{TABLE_BEGIN}\n{table}{}", &doc[..b], &doc[e..]);
     fs::write(&path, new)?;
     println!("wrote the kernel table into {}", path.display());
     Ok(())

@@ -44,7 +44,8 @@ enum Task {
     Test {
         /// Run the kernel-dependent suites (datapath, netns, trace, northsouth) on these kernels
         /// instead: `host` (native), `5.10`, `6.1`, `6.12`, `newest` (comma-separated), or
-        /// `all`, which also rewrites the README's kernel table. Without a name: list them.
+        /// `all`, which also rewrites the kernel table in docs/datapath.md. Without a name: list
+        /// them.
         #[arg(long, num_args = 0..=1, default_missing_value = "")]
         kernel: Option<String>,
         /// Extra arguments for `cargo test`, e.g. `-- -p lb-tests --test netns -- --nocapture`;
@@ -304,7 +305,7 @@ fn test_phases(
     println!("\n{table}");
     // A filtered run is not the whole matrix.
     if matches!(selection, Some(Selection::All)) && test_args.is_empty() {
-        kernels::write_readme_table(&table)?;
+        kernels::write_kernel_table(&table)?;
     }
     if !failures.is_empty() {
         bail!("kernel-dependent suites failed on: {}", failures.join(", "));

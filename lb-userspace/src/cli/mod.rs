@@ -1,5 +1,5 @@
 //! The `lb` command line: the clap definitions and what each command runs. `lb run` is the
-//! daemon (`controller::daemon`); the other commands only read a running lb's pinned maps
+//! daemon (`daemon`); the other commands only read a running lb's pinned maps
 //! (`inspect`, `trace`).
 pub mod inspect;
 pub mod trace;
@@ -11,12 +11,10 @@ use clap::{Parser, Subcommand};
 use lb_common::DEFAULT_PIN_DIR;
 
 use crate::{
-    controller::{
-        daemon::{self, RunOptions, SourceConfig},
-        k8s,
-    },
-    datapath::{cgroup::cgroup2_root, load::XdpMode},
-    model::LbAlgorithm,
+    config::DeviceArgs,
+    controller::k8s,
+    daemon::{self, RunOptions, SourceConfig},
+    datapath::cgroup::cgroup2_root,
 };
 
 #[derive(Parser)]
@@ -131,7 +129,7 @@ struct RunArgs {
     #[command(flatten)]
     node_facts: crate::node_facts::NodeFactsArgs,
     #[command(flatten)]
-    algorithm: AlgorithmArgs,
+    algorithm: crate::config::AlgorithmArgs,
     /// Seconds each Kubernetes watch request lasts (`timeoutSeconds`; kube-rs' default) before
     /// it is resumed; a silent connection counts as dead 5-10 s after that.
     #[arg(long, default_value_t = 290, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -212,51 +210,6 @@ fn parse_interval(s: &str) -> Result<std::time::Duration, String> {
         _ => return Err(format!("{s:?}: the unit is s, m or h")),
     };
     Ok(std::time::Duration::from_secs(secs))
-}
-
-/// The external devices and how XDP runs on them; `lb run` attaches there, `lb trace` runs
-/// external packets through the same programs.
-#[derive(Clone, Debug, Default, clap::Args)]
-pub struct DeviceArgs {
-    /// External devices (comma-separated or repeated): `lb_xdp` (per --xdp) and tc ingress
-    /// balance NodePort, LoadBalancer and external-IP traffic arriving there [default: the
-    /// devices holding the node IPs, unless any --tc-* device is given].
-    #[arg(long, value_delimiter = ',')]
-    pub devices: Vec<String>,
-    /// XDP on the external devices; a device where native XDP cannot attach keeps tc only.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub xdp: XdpMode,
-}
-
-/// The load-balancing algorithm and Maglev's table shape; `lb run` programs with them, and
-/// `lb trace --manifests` builds the same state.
-#[derive(Clone, Debug, clap::Args)]
-pub struct AlgorithmArgs {
-    /// How a frontend picks the backend of a new flow, unless its Service's
-    /// `lb.io/lb-algorithm` annotation (`random` or `maglev`) says otherwise.
-    #[arg(long, value_enum, default_value = "random")]
-    pub lb_algorithm: LbAlgorithm,
-    /// Cells (M) of each Maglev table, one of the primes 251, 509, 1021, 2039, 4093, 8191,
-    /// 16381, 32749, 65521, 131071; keep it above 100 × a frontend's backends. A pinned
-    /// lb_maglev of another M is refused.
-    #[arg(long, default_value_t = lb_common::maglev::DEFAULT_TABLE_SIZE,
-          value_parser = crate::controller::maglev::parse_table_size)]
-    pub maglev_table_size: u32,
-    /// Maglev tables in lb_maglev, one per Maglev frontend (and scope); each costs M × 8
-    /// bytes (128 KiB at the default M). Frontends beyond it fall back to random
-    /// [default: what the pinned lb_maglev holds, else 256 with --lb-algorithm maglev, else 16].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub bpf_maglev_tables: Option<u32>,
-}
-
-impl AlgorithmArgs {
-    /// `--bpf-maglev-tables`, or the default for the node's algorithm.
-    pub fn tables(&self) -> u32 {
-        self.bpf_maglev_tables.unwrap_or(match self.lb_algorithm {
-            LbAlgorithm::Maglev => lb_common::maglev::DEFAULT_TABLES,
-            LbAlgorithm::Random => lb_common::maglev::DEFAULT_TABLES_RANDOM,
-        })
-    }
 }
 
 fn parse_map_max(s: &str) -> Result<(String, u32), String> {

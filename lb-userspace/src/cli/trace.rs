@@ -25,8 +25,8 @@ use lb_common::{
 };
 use serde::Serialize;
 
-use super::AlgorithmArgs;
 use crate::{
+    config::AlgorithmArgs,
     conntrack::CtTimeouts,
     controller::{
         manifests,
@@ -1019,7 +1019,7 @@ pub struct TraceArgs {
     /// External devices and XDP, as `lb run` takes them: with --xdp native or generic (or
     /// auto and a physical device among --devices) external packets meet lb_xdp first.
     #[command(flatten)]
-    pub devices: super::DeviceArgs,
+    pub devices: crate::config::DeviceArgs,
     /// The algorithm flags, as `lb run` takes them (--manifests only: a live trace uses the
     /// running lb's tables).
     #[command(flatten)]

@@ -18,11 +18,7 @@
 //!
 //! Per service only its frontend keys, its skipped entries and its no-local counts are kept;
 //! the entries live once, in the desired state.
-use std::{
-    collections::BTreeMap,
-    hash::{BuildHasherDefault, Hasher},
-    sync::Arc,
-};
+use std::{collections::BTreeMap, hash::BuildHasherDefault, sync::Arc};
 
 use foldhash::{HashMap, HashSet, HashSetExt as _};
 
@@ -31,14 +27,14 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-use super::translate::{
-    self, LABEL_SERVICE_NAME, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped,
-    Translation,
+use super::{
+    source::{PtrHasher, same},
+    translate::{
+        self, LABEL_SERVICE_NAME, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped,
+        Translation,
+    },
 };
-use crate::{
-    metrics::kubeproxy::same,
-    model::{DesiredState, Frontend, ServiceEntry},
-};
+use crate::model::{DesiredState, Frontend, ServiceEntry};
 
 /// What an update changed in the desired state.
 #[derive(Debug, PartialEq)]
@@ -79,27 +75,6 @@ fn group_of(slice: &EndpointSlice) -> Option<Key> {
     }
     let ns = slice.metadata.namespace.clone();
     Some((ns.unwrap_or_else(|| "default".into()), service.clone()))
-}
-
-/// Hashes object addresses (a multiply and a fold: they are aligned and distinct).
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct PtrHasher(u64);
-
-impl Hasher for PtrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        let h = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = h ^ (h >> 29);
-    }
 }
 
 type PtrMap = std::collections::HashMap<usize, u32, BuildHasherDefault<PtrHasher>>;

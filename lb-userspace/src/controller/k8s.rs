@@ -31,8 +31,6 @@ use kube::{
     runtime::{WatchStreamExt as _, reflector, watcher},
 };
 
-use crate::metrics::Metrics;
-
 use super::{
     source::{Snapshot, SnapshotSender},
     translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
@@ -143,7 +141,7 @@ pub async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<Client> {
 pub async fn watch_client(
     kubeconfig: Option<&Path>,
     watch_timeout: Duration,
-    metrics: Arc<Metrics>,
+    metrics: Arc<dyn ApiObserver>,
 ) -> anyhow::Result<Client> {
     let mut config = config(kubeconfig).await?;
     config.read_timeout = Some(watch_timeout + READ_TIMEOUT_MARGIN);
@@ -205,6 +203,21 @@ impl Kind {
     }
 }
 
+/// What the Kubernetes source reports about the API server and its watches; `lb run` hands
+/// its `Metrics`, which implements this, so the source needs nothing of the metrics module.
+pub trait ApiObserver: Send + Sync + std::fmt::Debug {
+    /// The source starts watching an API server.
+    fn watch_api_server(&self);
+    /// The server answered (any HTTP status).
+    fn api_server_contact(&self);
+    /// A request failed in transport: the server is not reachable.
+    fn api_server_unreachable(&self, error: &str);
+    /// A watch of `kind` failed and is retried.
+    fn inc_watch_errors(&self, kind: &'static str);
+    /// A watch of `kind` listed again (after the first list).
+    fn inc_watch_relists(&self, kind: &'static str);
+}
+
 /// How [`watch_with`] watches.
 #[derive(Clone, Debug)]
 pub struct WatchOptions {
@@ -212,7 +225,7 @@ pub struct WatchOptions {
     /// watcher resumes from its resourceVersion.
     pub timeout: Duration,
     /// Where watch errors, relists and API-server contact are reported.
-    pub metrics: Option<Arc<Metrics>>,
+    pub metrics: Option<Arc<dyn ApiObserver>>,
 }
 
 impl Default for WatchOptions {

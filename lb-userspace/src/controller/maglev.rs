@@ -16,29 +16,6 @@ use crate::model::L4Addr;
 const SEED_OFFSET: u64 = 0x6c62_2d6d_676c_7631; // "lb-mglv1"
 const SEED_SKIP: u64 = 0x6c62_2d6d_676c_7632; // "lb-mglv2"
 
-/// Whether `m` is a table size lb accepts (`lb_common::maglev::TABLE_SIZES`).
-pub fn valid_table_size(m: u32) -> bool {
-    lb_common::maglev::TABLE_SIZES.contains(&m)
-}
-
-/// Parses `--maglev-table-size`: one of the allowed primes, else an error listing them.
-pub fn parse_table_size(s: &str) -> Result<u32, String> {
-    let sizes = || {
-        lb_common::maglev::TABLE_SIZES
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    match s.parse::<u32>() {
-        Ok(m) if valid_table_size(m) => Ok(m),
-        _ => Err(format!(
-            "{s:?} is not an allowed Maglev table size (a prime): {}",
-            sizes()
-        )),
-    }
-}
-
 /// The bytes a backend's permutation is derived from: address, port (big-endian), protocol.
 fn identity(b: &L4Addr) -> Vec<u8> {
     let mut out = match b.addr {
@@ -205,21 +182,6 @@ mod tests {
             assert!(
                 (moved_others as f64) / f64::from(m) <= 0.02,
                 "{moved_others} cells of remaining backends moved"
-            );
-        }
-    }
-
-    #[test]
-    fn table_sizes_are_checked() {
-        assert_eq!(parse_table_size("16381"), Ok(16381));
-        assert_eq!(parse_table_size("251"), Ok(251));
-        let e = parse_table_size("16384").unwrap_err();
-        assert!(e.contains("16381") && e.contains("not an allowed"), "{e}");
-        assert!(parse_table_size("x").is_err());
-        for m in lb_common::maglev::TABLE_SIZES {
-            assert!(
-                (2..m).take_while(|d| d * d <= m).all(|d| m % d != 0),
-                "{m} is prime"
             );
         }
     }

@@ -6,9 +6,8 @@
 //! `incremental` keeps a translation up to date by recomputing only the services a snapshot
 //! changed (the same result as `translate`); `maglev` builds Maglev lookup tables (pure);
 //! `reconcile` writes the difference into the maps in an order no packet can see half-done;
-//! `resteer` destroys connected UDP sockets pinned to backends a sync removed; `daemon` is
-//! `lb run`, which wires them together.
-pub mod daemon;
+//! `resteer` destroys connected UDP sockets pinned to backends a sync removed. The daemon
+//! (`crate::daemon`, `lb run`) wires them together from above.
 pub mod incremental;
 pub mod k8s;
 pub mod maglev;

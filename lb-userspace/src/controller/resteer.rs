@@ -24,13 +24,12 @@ use std::{
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
     sync::{Arc, mpsc},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use crate::{
     controller::{incremental::Update, reconcile::ApplyReport},
     datapath::sockterm::{DestroyKey, Destroyer, GoneMap, netns_in_cgroup},
-    metrics::Metrics,
     model::{DesiredState, L4Addr, Proto},
     privileges,
 };
@@ -224,6 +223,10 @@ pub struct Resteer {
     tx: mpsc::Sender<Changes>,
 }
 
+/// Where each pass is reported: its duration, the sockets it destroyed, and whether it walked
+/// every namespace (`lb run`: the metrics' `udp` family).
+pub type PassObserver = Arc<dyn Fn(Duration, u64, bool) + Send + Sync>;
+
 impl Resteer {
     /// Starts the worker: `gone` is the datapath's `lb_udp_gone`; the iterator is loaded where
     /// the kernel can (`LB_NO_SOCK_DESTROY=1` leaves it out, for tests of the fallback).
@@ -233,7 +236,7 @@ impl Resteer {
         pin_dir: &Path,
         cgroup: PathBuf,
         gone: GoneMap,
-        metrics: Arc<Metrics>,
+        observe: PassObserver,
     ) -> Option<Self> {
         let destroyer = if std::env::var_os("LB_NO_SOCK_DESTROY").is_some_and(|v| v == "1") {
             tracing::info!("LB_NO_SOCK_DESTROY=1: no socket destroy iterator");
@@ -270,7 +273,7 @@ impl Resteer {
         let cgroup = other_netns.then_some(cgroup);
         let spawned = std::thread::Builder::new()
             .name("lb-udp-resteer".into())
-            .spawn(move || worker(destroyer.as_ref(), &gone, cgroup.as_deref(), &rx, &metrics));
+            .spawn(move || worker(destroyer.as_ref(), &gone, cgroup.as_deref(), &rx, &*observe));
         match spawned {
             Ok(_) => Some(Self { tx }),
             Err(e) => {
@@ -297,7 +300,7 @@ fn worker(
     gone: &GoneMap,
     cgroup: Option<&Path>,
     rx: &mpsc::Receiver<Changes>,
-    metrics: &Metrics,
+    observe: &(dyn Fn(Duration, u64, bool) + Send + Sync),
 ) {
     // Opened before any setns: this thread's namespace is lb's.
     let home = match File::open("/proc/thread-self/ns/net") {
@@ -330,7 +333,7 @@ fn worker(
             let report = destroyer.pass(&changes.gone, &netns, &home);
             let elapsed = start.elapsed();
             let ok = report.failed.is_empty() && unreadable == 0;
-            metrics.udp.observe_pass(elapsed, report.destroyed, ok);
+            observe(elapsed, report.destroyed, ok);
             tracing::debug!(
                 pairs = changes.gone.len(),
                 netns = report.netns,

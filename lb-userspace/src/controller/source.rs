@@ -2,14 +2,19 @@
 //! channel keeps only the newest snapshot, so a burst of changes that arrives while the daemon
 //! is applying one is coalesced into a single next sync.
 use std::{
+    hash::Hasher,
     path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    Metadata,
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use tokio::sync::{Notify, watch};
 
@@ -103,5 +108,41 @@ pub async fn watch_manifests(
             _ = reload.notified() => forced = true,
             _ = tx.closed() => return,
         }
+    }
+}
+
+/// Whether two versions of an object are the same: one `Arc` (an unchanged reflector entry), the
+/// same non-empty resourceVersion, or equal contents (manifests carry no resourceVersion).
+pub(crate) fn same<T: PartialEq + Metadata<Ty = ObjectMeta>>(a: &Arc<T>, b: &Arc<T>) -> bool {
+    if Arc::ptr_eq(a, b) {
+        return true;
+    }
+    match (
+        &a.metadata().resource_version,
+        &b.metadata().resource_version,
+    ) {
+        (Some(x), Some(y)) if !x.is_empty() => x == y,
+        _ => a == b,
+    }
+}
+
+/// Hashes object addresses (a multiply and a fold: they are aligned and distinct).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct PtrHasher(u64);
+
+impl Hasher for PtrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        let h = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = h ^ (h >> 29);
     }
 }

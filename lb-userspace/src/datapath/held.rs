@@ -22,10 +22,19 @@ use lb_common::{
     Svc6Key, SvcValue, map_names,
 };
 
-use super::{
-    batch,
-    maps::{BpfMaps, MapOpError},
-};
+use super::{batch, error::MapOpError};
+
+/// The maps [`Held`] writes to, borrowed only to duplicate their descriptors.
+pub(crate) struct HeldMaps<'a> {
+    pub(crate) cluster_ips4: &'a HashMap<MapData, ClusterIp4Key, ClusterIpValue>,
+    pub(crate) cluster_ips6: &'a HashMap<MapData, ClusterIp6Key, ClusterIpValue>,
+    pub(crate) backends4: &'a HashMap<MapData, u32, Backend4>,
+    pub(crate) backends6: &'a HashMap<MapData, u32, Backend6>,
+    pub(crate) revnat4: &'a HashMap<MapData, u32, RevNat4>,
+    pub(crate) revnat6: &'a HashMap<MapData, u32, RevNat6>,
+    pub(crate) services4: &'a HashMap<MapData, Svc4Key, SvcValue>,
+    pub(crate) services6: &'a HashMap<MapData, Svc6Key, SvcValue>,
+}
 
 /// A batch for a writer thread.
 type Job = Box<dyn FnOnce() -> Result<(), MapOpError> + Send>;
@@ -157,16 +166,16 @@ pub(crate) struct Held {
 
 impl Held {
     /// Starts holding writes to `maps` (its writer threads and descriptors of its maps).
-    pub(crate) fn new(maps: &BpfMaps) -> io::Result<Self> {
+    pub(crate) fn new(maps: &HeldMaps<'_>) -> io::Result<Self> {
         Ok(Self {
-            cluster_ips4: Queue::new(map_names::CLUSTER_IPS4, &maps.cluster_ips4)?,
-            cluster_ips6: Queue::new(map_names::CLUSTER_IPS6, &maps.cluster_ips6)?,
-            backends4: Queue::new(map_names::BACKENDS4, &maps.backends4)?,
-            backends6: Queue::new(map_names::BACKENDS6, &maps.backends6)?,
-            revnat4: Queue::new(map_names::REVNAT4, &maps.revnat4)?,
-            revnat6: Queue::new(map_names::REVNAT6, &maps.revnat6)?,
-            slots4: Queue::new(map_names::SERVICES4, &maps.services4)?,
-            slots6: Queue::new(map_names::SERVICES6, &maps.services6)?,
+            cluster_ips4: Queue::new(map_names::CLUSTER_IPS4, maps.cluster_ips4)?,
+            cluster_ips6: Queue::new(map_names::CLUSTER_IPS6, maps.cluster_ips6)?,
+            backends4: Queue::new(map_names::BACKENDS4, maps.backends4)?,
+            backends6: Queue::new(map_names::BACKENDS6, maps.backends6)?,
+            revnat4: Queue::new(map_names::REVNAT4, maps.revnat4)?,
+            revnat6: Queue::new(map_names::REVNAT6, maps.revnat6)?,
+            slots4: Queue::new(map_names::SERVICES4, maps.services4)?,
+            slots6: Queue::new(map_names::SERVICES6, maps.services6)?,
             others: Writer::spawn("lb-map-writer")?,
             slot_writer: Writer::spawn("lb-slot-writer")?,
             masters: Masters {

@@ -33,7 +33,8 @@ use super::{
     links,
     maps::{BpfMaps, MaglevGeometry, Table},
 };
-use crate::{model::Family, node_facts::NodeFacts};
+pub use crate::config::XdpMode;
+use crate::{config::valid_table_size, model::Family, node_facts::NodeFacts};
 
 /// The eBPF object, built from lb-ebpf by build.rs on every build.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
@@ -149,41 +150,6 @@ const MAP_SPECS: [MapSpec; 28] = [
     spec::<u32, u32>(map_names::MAGLEV, MapType::Array, 0),
 ];
 
-/// How `lb_xdp` is attached to external devices (`--xdp`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum XdpMode {
-    /// Native on physical devices, none (tc only) on virtual ones such as veth, where an XDP
-    /// redirect or TX only arrives if the peer has NAPI (GRO on, or an XDP program of its
-    /// own), which lb cannot see.
-    #[default]
-    Auto,
-    /// In the driver (the fast path; veth, virtio-net and most NICs have it).
-    Native,
-    /// On the skb, for devices without native XDP (no faster than tc, but the same code).
-    Generic,
-    /// No XDP: tc ingress alone.
-    Off,
-}
-
-impl XdpMode {
-    /// The mode `iface` gets: `Auto` is native on a physical device (one sysfs links to a
-    /// bus device), off on a virtual one.
-    pub fn resolve(self, iface: &str) -> XdpMode {
-        match self {
-            XdpMode::Auto
-                if Path::new("/sys/class/net")
-                    .join(iface)
-                    .join("device")
-                    .exists() =>
-            {
-                XdpMode::Native
-            }
-            XdpMode::Auto => XdpMode::Off,
-            m => m,
-        }
-    }
-}
-
 /// Where a tc program is attached, which decides the frontends' scope it uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TcHook {
@@ -221,7 +187,7 @@ pub struct LoadOptions {
     /// conntrack maps' `--bpf-ct-global-*-max`).
     pub max_entries: BTreeMap<String, u32>,
     /// Conntrack lifetimes (`--bpf-ct-timeout-regular-*`), the datapath's read-only globals.
-    pub ct_timeouts: crate::conntrack::CtTimeouts,
+    pub ct_timeouts: crate::config::CtTimeouts,
     /// The tc programs write each packet's decision into `lb_trace` (a `TraceRecord`), for
     /// `lb trace` and tests. `lb_trace` is never pinned, so each load reads only its own.
     pub trace: bool,
@@ -265,7 +231,7 @@ impl LoadOptions {
     /// Rejects unknown map names and sizes the kernel would refuse.
     pub fn validate(&self) -> anyhow::Result<()> {
         let g = self.maglev_geometry();
-        if !crate::controller::maglev::valid_table_size(g.table_size) {
+        if !valid_table_size(g.table_size) {
             bail!(
                 "Maglev table size {} is not one of the allowed primes {:?}",
                 g.table_size,
@@ -851,15 +817,16 @@ impl Datapath {
         LpmTrie::try_from(map).with_context(|| format!("map {name} has an unexpected type"))
     }
 
-    /// Hands the datapath counters to `metrics`, read at scrape time (the conntrack series
-    /// come from the GC's walks: `conntrack::Gc`).
-    pub fn export_metrics(&mut self, metrics: &crate::metrics::Metrics) -> anyhow::Result<()> {
+    /// Takes the datapath counters (`lb_metrics`), for `Metrics::set_datapath_counters` to read
+    /// at scrape time (the conntrack series come from the GC's walks: `conntrack::Gc`).
+    pub fn take_counters(
+        &mut self,
+    ) -> anyhow::Result<aya::maps::PerCpuArray<MapData, MetricValue>> {
         let counters = self
             .ebpf
             .take_map(map_names::METRICS)
             .context("map lb_metrics missing")?;
-        metrics.set_datapath_counters(aya::maps::PerCpuArray::try_from(counters)?);
-        Ok(())
+        Ok(aya::maps::PerCpuArray::try_from(counters)?)
     }
 
     /// Starts forwarding kernel-side aya-log records (rare events only) to `tracing`.

@@ -15,6 +15,7 @@ use lb_common::{
     map_names, svc_flags,
 };
 
+pub use super::error::MapOpError;
 use crate::{
     model::{Backend, BackendState, Family, Frontend, L4Addr, Proto, Scope, flag_names},
     node_facts::Cidr,
@@ -59,30 +60,6 @@ impl Table {
             (Table::AffinityMatch, Family::V4) => map_names::AFF_MATCH4,
             (Table::AffinityMatch, Family::V6) => map_names::AFF_MATCH6,
         }
-    }
-}
-
-/// A failed map write or delete.
-#[derive(Debug, thiserror::Error)]
-pub enum MapOpError {
-    #[error("map {map} is full")]
-    Full { map: &'static str },
-    #[error("map {map}: {source}")]
-    Other {
-        map: &'static str,
-        #[source]
-        source: MapError,
-    },
-}
-
-impl MapOpError {
-    pub(crate) fn from_aya(map: &'static str, source: MapError) -> Self {
-        if let MapError::SyscallError(e) = &source
-            && e.io_error.raw_os_error() == Some(libc::E2BIG)
-        {
-            return MapOpError::Full { map };
-        }
-        MapOpError::Other { map, source }
     }
 }
 
@@ -707,7 +684,17 @@ impl LbMaps for BpfMaps {
             return;
         }
         // Without its threads or descriptors, writes go entry by entry as usual.
-        match super::held::Held::new(self) {
+        let maps = super::held::HeldMaps {
+            cluster_ips4: &self.cluster_ips4,
+            cluster_ips6: &self.cluster_ips6,
+            backends4: &self.backends4,
+            backends6: &self.backends6,
+            revnat4: &self.revnat4,
+            revnat6: &self.revnat6,
+            services4: &self.services4,
+            services6: &self.services6,
+        };
+        match super::held::Held::new(&maps) {
             Ok(h) => self.held = Some(Box::new(h)),
             Err(e) => tracing::debug!(error = %e, "cannot hold map writes; writing entry by entry"),
         }

@@ -44,7 +44,7 @@ pub fn read(dir: &Path) -> anyhow::Result<Option<PinMeta>> {
     if !path.exists() {
         return Ok(None);
     }
-    let data = MapData::from_pin(&path).map_err(|e| super::pinned::pin_error(&path, e))?;
+    let data = MapData::from_pin(&path).map_err(|e| pin_error(&path, e))?;
     let array = Array::<_, PinMeta>::try_from(Map::Array(data)).with_context(|| {
         format!(
             "pinned map {} is not the lb_meta this lb reads (made by an incompatible lb?)",
@@ -119,6 +119,19 @@ pub fn check_maglev(dir: &Path, meta: Option<&PinMeta>, want: u32) -> anyhow::Re
         dir.join(map_names::MAGLEV).display(),
         dir.join(map_names::MAGLEV).display()
     )
+}
+
+/// `e` from opening the pin at `path`, with a hint when it is a permission problem.
+pub fn pin_error(path: &Path, e: aya::maps::MapError) -> anyhow::Error {
+    let hint = match &e {
+        aya::maps::MapError::SyscallError(s)
+            if matches!(s.io_error.raw_os_error(), Some(libc::EPERM | libc::EACCES)) =>
+        {
+            " (lb's pins are readable by root only)"
+        }
+        _ => "",
+    };
+    anyhow::Error::new(e).context(format!("opening pinned map {}{hint}", path.display()))
 }
 
 #[cfg(test)]

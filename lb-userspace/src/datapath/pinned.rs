@@ -11,6 +11,7 @@ use lb_common::{
 };
 
 use super::maps::{BpfMaps, MaglevGeometry, Table, read_counter};
+pub use super::meta::pin_error;
 use crate::model::Family;
 
 impl BpfMaps {
@@ -79,19 +80,6 @@ pub fn check_pin_dir(dir: &Path) -> anyhow::Result<()> {
             dir.display()
         ),
     }
-}
-
-/// `e` from opening the pin at `path`, with a hint when it is a permission problem.
-pub fn pin_error(path: &Path, e: aya::maps::MapError) -> anyhow::Error {
-    let hint = match &e {
-        aya::maps::MapError::SyscallError(s)
-            if matches!(s.io_error.raw_os_error(), Some(libc::EPERM | libc::EACCES)) =>
-        {
-            " (lb's pins are readable by root only)"
-        }
-        _ => "",
-    };
-    anyhow::Error::new(e).context(format!("opening pinned map {}{hint}", path.display()))
 }
 
 /// Opens the map pinned as `name` in `dir`.

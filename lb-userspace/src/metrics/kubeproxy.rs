@@ -45,7 +45,10 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::controller::{incremental::PtrHasher, source::Snapshot, translate::NoLocalEndpoints};
+use crate::controller::{
+    source::{PtrHasher, Snapshot, same},
+    translate::NoLocalEndpoints,
+};
 
 /// The EndpointSlice controller's annotation: when the change that caused the slice's last
 /// update happened (a Pod or Service change).
@@ -420,21 +423,6 @@ fn changed<'a, T: PartialEq + Metadata<Ty = ObjectMeta>>(
         .collect();
     let removed = old.keys().filter(|k| !new.contains_key(*k)).count();
     (updated, removed)
-}
-
-/// Whether two versions of an object are the same: one `Arc` (an unchanged reflector entry), the
-/// same non-empty resourceVersion, or equal contents (manifests carry no resourceVersion).
-pub(crate) fn same<T: PartialEq + Metadata<Ty = ObjectMeta>>(a: &Arc<T>, b: &Arc<T>) -> bool {
-    if Arc::ptr_eq(a, b) {
-        return true;
-    }
-    match (
-        &a.metadata().resource_version,
-        &b.metadata().resource_version,
-    ) {
-        (Some(x), Some(y)) if !x.is_empty() => x == y,
-        _ => a == b,
-    }
 }
 
 /// The slice's `LAST_CHANGE_TRIGGER_TIME`, if it is there and parses.

@@ -26,11 +26,11 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
-    controller::daemon::{SyncKind, sync_node},
     controller::incremental::IncrementalTranslator,
     controller::reconcile::{ApplyReport, Reconciler},
     controller::source::Snapshot,
     controller::translate::{NodeInfo, desired_state},
+    daemon::{SyncKind, sync_node},
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
     metrics::{Metrics, kubeproxy::ChangeTracker},

@@ -7,14 +7,15 @@ use tokio::{
     sync::Notify,
 };
 
-use super::{
-    incremental::{IncrementalTranslator, Update},
-    k8s,
-    reconcile::{ApplyReport, Reconciler},
-    source::{self, Snapshot},
-    translate::{self, NodeInfo},
-};
 use crate::{
+    controller::{
+        incremental::{IncrementalTranslator, Update},
+        k8s,
+        reconcile::{ApplyReport, Reconciler},
+        resteer::{PairTracker, Resteer},
+        source::{self, Snapshot},
+        translate::{self, NodeInfo},
+    },
     datapath::{
         linkwatch::{self, Link, LinkEvent},
         load::{Datapath, LoadOptions, TcHook, XdpMode},
@@ -73,7 +74,7 @@ pub struct RunOptions {
     /// `timeoutSeconds` of the Kubernetes watches (`--watch-timeout`).
     pub watch_timeout: std::time::Duration,
     /// `--lb-algorithm`, `--maglev-table-size`, `--bpf-maglev-tables`.
-    pub algorithm: crate::cli::AlgorithmArgs,
+    pub algorithm: crate::config::AlgorithmArgs,
     /// Conntrack lifetimes (`--bpf-ct-timeout-regular-*`).
     pub ct_timeouts: crate::conntrack::CtTimeouts,
     /// Between conntrack GC passes (`--ct-gc-interval`).
@@ -134,14 +135,25 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     );
     datapath.spawn_kernel_logger();
     let maps = datapath.take_lb_maps()?;
-    datapath.export_metrics(&metrics)?;
+    metrics.set_datapath_counters(datapath.take_counters()?);
     // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
-    let ct_gc = crate::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, metrics.clone())?;
+    let ct_gc = {
+        let metrics = metrics.clone();
+        crate::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, move |r| {
+            metrics.observe_ct_gc(r)
+        })?
+    };
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
     // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
     let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
         (Some(cg), Ok(gone)) => {
-            super::resteer::Resteer::start(&opts.pin_dir, cg.clone(), gone, metrics.clone())
+            let m = metrics.clone();
+            Resteer::start(
+                &opts.pin_dir,
+                cg.clone(),
+                gone,
+                Arc::new(move |d, n, ok| m.udp.observe_pass(d, n, ok)),
+            )
         }
         (Some(_), Err(e)) => {
             tracing::warn!(error = format!("{e:#}"), "no connected UDP re-steering");
@@ -149,7 +161,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         }
         (None, _) => None,
     };
-    let mut udp_pairs = super::resteer::PairTracker::default();
+    let mut udp_pairs = PairTracker::default();
     tracing::info!(
         pin_dir = %opts.pin_dir.display(),
         services = reconciler.service_count(),
@@ -300,8 +312,8 @@ fn after_sync(
     synced: &Synced,
     state: &crate::model::DesiredState,
     ct_gc: &Notify,
-    resteer: Option<&super::resteer::Resteer>,
-    udp_pairs: &mut super::resteer::PairTracker,
+    resteer: Option<&Resteer>,
+    udp_pairs: &mut PairTracker,
 ) {
     if synced.report.backends_deleted > 0 {
         ct_gc.notify_one();
