@@ -107,7 +107,8 @@ pub struct TraceResult {
     /// packet that opens no connection and had no usable entry), `established` (the flow's
     /// entry was reused), `reply` (a backend's reply was reverse-NATed), `backend_gone` (a TCP
     /// packet without SYN met an entry whose backend was removed: answered with a RST, the
-    /// entry deleted), or `null`.
+    /// entry deleted), `related` (an ICMP error quoting a flow conntrack knows, translated
+    /// with it), or `null`.
     pub conntrack: Option<&'static str>,
     /// The flags of the conntrack entry the packet met, before the packet changed them:
     /// `seen_reply`, `tx_closing` (FIN/RST from the client), `rx_closing` (from the backend),
@@ -582,6 +583,7 @@ impl Tracer {
                 trace_ct::ESTABLISHED => Some("established"),
                 trace_ct::REPLY => Some("reply"),
                 trace_ct::BACKEND_GONE => Some("backend_gone"),
+                trace_ct::RELATED => Some("related"),
                 _ => None,
             },
             conntrack_flags: ct_flag_names(record.ct_flags),
