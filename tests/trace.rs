@@ -908,3 +908,91 @@ fn live_trace_reads_the_running_lbs_source_ranges() {
     assert_eq!(r["reason"], "tc_drop_source_range", "{r}");
     drop(daemon);
 }
+
+/// `lb trace` shows what a real network carries besides plain packets, from the datapath's
+/// own record: a datagram's first and later fragment (the later one follows the first's
+/// backend), IPv6 extension headers walked, and an ICMP error about the forwarded packet
+/// rewritten for the client (conntrack `related`, the quote made client → service again; from
+/// the service address when the backend itself sent it, from the router otherwise).
+#[test]
+fn trace_shows_fragments_extension_headers_and_icmp_errors() {
+    let ex = examples();
+    let d = ex.to_str().unwrap();
+    for (src, dst) in [
+        ("198.18.10.2", "198.19.0.10:53"),
+        ("[2001:db8:0:10::2]", "[2001:db8:ffff::10]:53"),
+    ] {
+        let mut args = vec![
+            "--manifests",
+            d,
+            "--src",
+            src,
+            "--dst",
+            dst,
+            "--proto",
+            "udp",
+            "--fragments",
+        ];
+        if src.starts_with('[') {
+            args.extend(["--ipv6-ext-headers", "2"]);
+        }
+        let r = trace(&args);
+        assert_eq!(r.len(), 2, "{src}: first and later fragment");
+        assert_eq!(r[0]["fragment"], "first", "{r:?}");
+        assert_eq!(r[0]["conntrack"], "new");
+        assert_eq!(r[1]["fragment"], "later");
+        assert_eq!(r[1]["conntrack"], "established");
+        assert_eq!(r[1]["verdict"], "forward");
+        assert_eq!(
+            r[1]["backend"], r[0]["backend"],
+            "the later fragment follows the first"
+        );
+        // Two destination-options headers and the fragment header.
+        let ext = if src.starts_with('[') { 3 } else { 0 };
+        assert_eq!(r[0]["ipv6_extension_headers"], ext, "{r:?}");
+    }
+    for (src, dst, vip) in [
+        ("198.18.10.2", "198.19.0.10:80", "198.19.0.10"),
+        (
+            "[2001:db8:0:10::2]",
+            "[2001:db8:ffff::10]:80",
+            "2001:db8:ffff::10",
+        ),
+    ] {
+        let client = src.trim_matches(['[', ']']);
+        let router = if client.contains(':') {
+            "2001:db8:0:99::1"
+        } else {
+            "198.18.99.1"
+        };
+        for from in [None, Some(router)] {
+            let mut args = vec![
+                "--manifests",
+                d,
+                "--src",
+                src,
+                "--dst",
+                dst,
+                "--icmp-error",
+                "frag-needed",
+            ];
+            if let Some(f) = from {
+                args.extend(["--icmp-from", f]);
+            }
+            let r = trace(&args);
+            assert_eq!(r.len(), 2, "the packet, then the error");
+            let e = &r[1];
+            assert_eq!(e["verdict"], "forward", "{e:?}");
+            assert_eq!(e["reason"], "tc_icmp_error_reverse_nat");
+            assert_eq!(e["conntrack"], "related");
+            assert_eq!(e["backend"], r[0]["backend"]);
+            assert_eq!(e["service"], "demo/echo:tcp");
+            let icmp = &e["icmp_error"];
+            assert_eq!(icmp["kind"], "frag-needed");
+            assert_eq!(icmp["dst"], client);
+            assert_eq!(icmp["src"], from.unwrap_or(vip), "{icmp:?}");
+            assert_eq!(icmp["quote_src"], r[0]["source_after"]);
+            assert_eq!(icmp["quote_dst"], dst);
+        }
+    }
+}

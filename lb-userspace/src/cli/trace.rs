@@ -21,7 +21,7 @@ use aya::{
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_TCP,
     TraceRecord, ct_dir, ct_flags, lb_alg, map_names, metrics, prog_names, trace_affinity,
-    trace_ct, trace_verdict,
+    trace_ct, trace_frag, trace_verdict,
 };
 use serde::Serialize;
 
@@ -149,6 +149,13 @@ pub struct TraceResult {
     pub node: Option<NodeFacts>,
     /// What a `reject` sends back to the client (the program's output packet), else `null`.
     pub reply: Option<Reply>,
+    /// `first` (its ports remembered for the later fragments) or `later` (its ports from
+    /// the first fragment: it follows that flow or passes untouched), else `null`.
+    pub fragment: Option<&'static str>,
+    /// IPv6 extension headers the datapath walked to the L4 header.
+    pub ipv6_extension_headers: u8,
+    /// For an `--icmp-error`: the error as the program left it, else `null`.
+    pub icmp_error: Option<IcmpErrorTrace>,
 }
 
 /// The reply packet a REJECT sends back.
@@ -225,6 +232,65 @@ pub struct Probe {
     pub origin: Origin,
     /// TCP: an ACK of an established connection instead of a SYN (`--midstream`).
     pub midstream: bool,
+    /// IPv6 destination-options headers in front of the L4 header (`--ipv6-ext-headers`).
+    pub ext_headers: u8,
+    /// Which fragment of a datagram the packet is, if any (`--fragments`).
+    pub fragment: FragProbe,
+}
+
+/// A probe as a fragment: the first (with the ports, more fragments follow) or a later one
+/// (no L4 header) of the same datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FragProbe {
+    None,
+    First,
+    Later,
+}
+
+/// The ICMP errors `--icmp-error` sends about a traced flow's packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum IcmpErrorKind {
+    /// IPv4 fragmentation needed (MTU 1400), IPv6 packet too big (MTU 1280).
+    FragNeeded,
+    /// Time (hop limit) exceeded in transit.
+    TimeExceeded,
+    /// Port unreachable (what a backend without the port answers UDP with).
+    PortUnreachable,
+}
+
+impl IcmpErrorKind {
+    fn name(self) -> &'static str {
+        match self {
+            IcmpErrorKind::FragNeeded => "frag-needed",
+            IcmpErrorKind::TimeExceeded => "time-exceeded",
+            IcmpErrorKind::PortUnreachable => "port-unreachable",
+        }
+    }
+
+    /// (type, code, the 4 bytes after the checksum) for `v6` or IPv4.
+    fn header(self, v6: bool) -> (u8, u8, [u8; 4]) {
+        match (self, v6) {
+            (IcmpErrorKind::FragNeeded, false) => (3, 4, [0, 0, 0x05, 0x78]),
+            (IcmpErrorKind::FragNeeded, true) => (2, 0, 1280u32.to_be_bytes()),
+            (IcmpErrorKind::TimeExceeded, false) => (11, 0, [0; 4]),
+            (IcmpErrorKind::TimeExceeded, true) => (3, 0, [0; 4]),
+            (IcmpErrorKind::PortUnreachable, false) => (3, 3, [0; 4]),
+            (IcmpErrorKind::PortUnreachable, true) => (1, 4, [0; 4]),
+        }
+    }
+}
+
+/// An ICMP error `lb trace --icmp-error` sent, as it left the program.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct IcmpErrorTrace {
+    /// `frag-needed`, `time-exceeded` or `port-unreachable`.
+    pub kind: &'static str,
+    /// Outer source and destination after the program.
+    pub src: String,
+    pub dst: String,
+    /// The quoted packet's source and destination `ip:port` after the program.
+    pub quote_src: String,
+    pub quote_dst: String,
 }
 
 /// Names of `ct_flags` bits, in bit order.
@@ -282,6 +348,8 @@ pub struct Tracer {
     xdp: bool,
     /// M of the Maglev tables the datapath reads.
     maglev_table_size: u32,
+    /// The frame the last traced packet left the program as (what `--icmp-error` quotes).
+    last_out: Vec<u8>,
 }
 
 impl Tracer {
@@ -371,6 +439,7 @@ impl Tracer {
             facts: facts.cloned(),
             xdp: false,
             maglev_table_size: maglev.0,
+            last_out: Vec::new(),
         })
     }
 
@@ -447,6 +516,7 @@ impl Tracer {
                 facts: Some(resolved.clone()),
                 xdp: false,
                 maglev_table_size: algorithm.maglev_table_size,
+                last_out: Vec::new(),
             },
             resolved,
         ))
@@ -513,15 +583,29 @@ impl Tracer {
         if !consistent {
             bail!("the datapath's record says {verdict} but the program returned {ret}");
         }
+        self.last_out.clone_from(&out);
         let src_before = SocketAddr::new(probe.src, probe.sport);
         let reply = if verdict == "reject" {
             Some(Reply::parse(&out).context("a reject left no RST or ICMP reply")?)
         } else {
             None
         };
-        // A rejected packet goes nowhere: its source is as it was.
+        // A rejected packet goes nowhere: its source is as it was. A later fragment has no
+        // ports: its datagram's are the first fragment's (the NAT port when masqueraded).
         let src_after = match reply {
             Some(_) => src_before,
+            None if probe.fragment == FragProbe::Later => {
+                let ip = endpoints(&out)
+                    .context("program returned a short packet")?
+                    .0
+                    .ip();
+                let port = if record.masquerade != 0 {
+                    record.nat_port
+                } else {
+                    probe.sport
+                };
+                SocketAddr::new(ip, port)
+            }
             None => {
                 endpoints(&out)
                     .context("program returned a short packet")?
@@ -610,6 +694,87 @@ impl Tracer {
             hook: hook.to_string(),
             node: self.facts.clone(),
             reply,
+            fragment: match record.frag {
+                trace_frag::FIRST => Some("first"),
+                trace_frag::LATER => Some("later"),
+                _ => None,
+            },
+            ipv6_extension_headers: record.ext_headers,
+            icmp_error: None,
+        })
+    }
+
+    /// Sends the ICMP error `kind` about the packet the last trace forwarded (its source's
+    /// answer from `from`, by default the backend itself) back through the program a
+    /// backend's packets meet (`lb_tc_pod`), and reports what the datapath did with it.
+    pub fn trace_icmp_error(
+        &mut self,
+        kind: IcmpErrorKind,
+        from: Option<IpAddr>,
+    ) -> anyhow::Result<TraceResult> {
+        let sent = std::mem::take(&mut self.last_out);
+        let (src, dst) = endpoints(&sent).context("no forwarded packet to quote")?;
+        let frame = icmp_error_frame(kind, from.unwrap_or(dst.ip()), src.ip(), &sent)?;
+        self.set_record(TraceRecord::default())?;
+        let (ret, out) = self.test_run(prog_names::TC_POD, &frame, false)?;
+        let record = self.record()?;
+        let verdict = match record.verdict {
+            trace_verdict::FORWARD | trace_verdict::REVERSE_NAT => "forward",
+            trace_verdict::PASS => "pass",
+            trace_verdict::DROP => "drop",
+            v => bail!("the datapath left no decision for the ICMP error (trace verdict {v})"),
+        };
+        if (verdict == "drop") != (ret == TC_ACT_SHOT) {
+            bail!("the datapath's record says {verdict} but the program returned {ret}");
+        }
+        let seen = quoted_endpoints(&out).context("the ICMP error left the program unreadable")?;
+        let family = Family::of(&src.ip());
+        let maps = self.reconciler.maps();
+        let frontend = (record.rev_nat_id != 0)
+            .then(|| maps.revnat(family, record.rev_nat_id))
+            .flatten();
+        let backend = (record.backend_id != 0)
+            .then(|| maps.backend(family, record.backend_id))
+            .flatten()
+            .map(|b| b.to_string());
+        let proto = match sent.get(if src.is_ipv4() { 23 } else { 20 }) {
+            Some(17) => Proto::Udp,
+            Some(132) => Proto::Sctp,
+            _ => Proto::Tcp,
+        };
+        let service = frontend.map(|(addr, port)| self.name_of(&Frontend::new(addr, port, proto)));
+        Ok(TraceResult {
+            verdict,
+            reason: metrics::NAMES
+                .get(usize::from(record.reason))
+                .copied()
+                .unwrap_or("unknown"),
+            conntrack: (record.ct_state == trace_ct::RELATED).then_some("related"),
+            conntrack_flags: ct_flag_names(record.ct_flags),
+            slot: None,
+            affinity: None,
+            lb_algorithm: None,
+            maglev_cell: None,
+            maglev_table_size: None,
+            scope: None,
+            backend,
+            masquerade: record.masquerade != 0,
+            local_backend: false,
+            source_after: seen.0.to_string(),
+            service,
+            candidates: Vec::new(),
+            hook: "tc ingress, pod veth (lb_tc_pod): where a backend's packets arrive".into(),
+            node: self.facts.clone(),
+            reply: None,
+            fragment: None,
+            ipv6_extension_headers: 0,
+            icmp_error: Some(IcmpErrorTrace {
+                kind: kind.name(),
+                src: seen.0.to_string(),
+                dst: seen.1.to_string(),
+                quote_src: seen.2.to_string(),
+                quote_dst: seen.3.to_string(),
+            }),
         })
     }
 
@@ -854,6 +1019,56 @@ fn build_packet(p: &Probe) -> Vec<u8> {
         l4[off..off + 2].copy_from_slice(&c.to_be_bytes());
     }
     frame.extend_from_slice(&l4);
+    shape(frame, p)
+}
+
+/// The fragment id of traced datagrams (both fragments of one `--fragments` trace share it).
+const TRACE_FRAG_ID: u32 = 0x6c62;
+
+/// `frame` with the probe's IPv6 extension headers and fragmenting applied: destination-options
+/// headers (8 bytes each) in front of the L4 header; a first fragment (more fragments, offset 0)
+/// or a later one (offset 64 bytes: its bytes are data, no L4 header).
+fn shape(mut frame: Vec<u8>, p: &Probe) -> Vec<u8> {
+    let later = p.fragment == FragProbe::Later;
+    if frame[12..14] == [0x08, 0x00] {
+        if p.fragment != FragProbe::None {
+            let field: u16 = if later { 8 } else { 0x2000 };
+            frame[18..20].copy_from_slice(&(TRACE_FRAG_ID as u16).to_be_bytes());
+            frame[20..22].copy_from_slice(&field.to_be_bytes());
+            frame[24..26].copy_from_slice(&[0, 0]);
+            let c = !fold(ones_sum(&frame[14..34]));
+            frame[24..26].copy_from_slice(&c.to_be_bytes());
+        }
+        return frame;
+    }
+    let mut headers: Vec<[u8; 8]> = Vec::new();
+    let l4_proto = frame[20];
+    let mut types: Vec<u8> = vec![60; usize::from(p.ext_headers)];
+    if p.fragment != FragProbe::None {
+        types.push(44);
+    }
+    for (i, ty) in types.iter().enumerate() {
+        let next = types.get(i + 1).copied().unwrap_or(l4_proto);
+        headers.push(if *ty == 44 {
+            let off: u16 = if later { 8 << 3 } else { 1 };
+            let [a, b] = off.to_be_bytes();
+            let [c, d, e, g] = TRACE_FRAG_ID.to_be_bytes();
+            [next, 0, a, b, c, d, e, g]
+        } else {
+            // One PadN option filling the 8 bytes.
+            [next, 0, 1, 4, 0, 0, 0, 0]
+        });
+    }
+    if let Some(first) = types.first() {
+        frame[20] = *first;
+        let plen = u16::from_be_bytes([frame[18], frame[19]]) + 8 * headers.len() as u16;
+        frame[18..20].copy_from_slice(&plen.to_be_bytes());
+        let tail = frame.split_off(54);
+        for h in &headers {
+            frame.extend_from_slice(h);
+        }
+        frame.extend_from_slice(&tail);
+    }
     frame
 }
 
@@ -883,7 +1098,18 @@ fn endpoints(frame: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
             let ip = frame.get(14..)?;
             let s: [u8; 16] = ip.get(8..24)?.try_into().ok()?;
             let d: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
-            (s.into(), d.into(), ip.get(40..)?)
+            // Past the extension headers `shape` puts in (destination options, fragment).
+            let (mut next, mut off) = (*ip.get(6)?, 40);
+            while matches!(next, 0 | 43 | 44 | 60) {
+                let len = if next == 44 {
+                    8
+                } else {
+                    (usize::from(*ip.get(off + 1)?) + 1) * 8
+                };
+                next = *ip.get(off)?;
+                off += len;
+            }
+            (s.into(), d.into(), ip.get(off..)?)
         }
         _ => return None,
     };
@@ -892,6 +1118,82 @@ fn endpoints(frame: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
         SocketAddr::new(src, port(0)?),
         SocketAddr::new(dst, port(2)?),
     ))
+}
+
+/// An Ethernet frame carrying ICMP(v6) error `kind` from `from` to `to`, quoting the IP
+/// packet of `sent` (as much as RFC 1812 / RFC 4443 allow), every checksum computed.
+fn icmp_error_frame(
+    kind: IcmpErrorKind,
+    from: IpAddr,
+    to: IpAddr,
+    sent: &[u8],
+) -> anyhow::Result<Vec<u8>> {
+    let v6 = to.is_ipv6();
+    let quote = sent
+        .get(14..)
+        .context("no IP packet to quote")?
+        .iter()
+        .take(if v6 { 1232 } else { 548 })
+        .copied()
+        .collect::<Vec<u8>>();
+    let (ty, code, rest) = kind.header(v6);
+    let mut icmp = vec![ty, code, 0, 0];
+    icmp.extend_from_slice(&rest);
+    icmp.extend_from_slice(&quote);
+    let mut frame = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1];
+    let pseudo = match (from, to) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            frame.extend_from_slice(&0x0800u16.to_be_bytes());
+            let mut ip = vec![0x45, 0];
+            ip.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+            ip.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            let c = !fold(ones_sum(&ip));
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            frame.extend_from_slice(&ip);
+            0
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            frame.extend_from_slice(&0x86ddu16.to_be_bytes());
+            let mut ip = vec![0x60, 0, 0, 0];
+            ip.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
+            ip.extend_from_slice(&[58, 64]);
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            frame.extend_from_slice(&ip);
+            ones_sum(&s.octets()) + ones_sum(&d.octets()) + 58 + icmp.len() as u32
+        }
+        _ => bail!("--icmp-from must be of the traced packet's family"),
+    };
+    let c = !fold(pseudo + ones_sum(&icmp));
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    frame.extend_from_slice(&icmp);
+    Ok(frame)
+}
+
+/// An ICMP error frame's outer source and destination and its quote's source and
+/// destination `ip:port`.
+fn quoted_endpoints(frame: &[u8]) -> Option<(IpAddr, IpAddr, SocketAddr, SocketAddr)> {
+    let v6 = frame.get(12..14)? == [0x86, 0xdd];
+    let (hl, s, d) = if v6 {
+        (40, 22..38, 38..54)
+    } else {
+        (usize::from(frame.get(14)? & 0xf) * 4, 26..30, 30..34)
+    };
+    let addr = |r: std::ops::Range<usize>| -> Option<IpAddr> {
+        let b = frame.get(r)?;
+        Some(match b.len() {
+            4 => IpAddr::from(<[u8; 4]>::try_from(b).ok()?),
+            _ => IpAddr::from(<[u8; 16]>::try_from(b).ok()?),
+        })
+    };
+    let (outer_src, outer_dst) = (addr(s)?, addr(d)?);
+    // The quote, framed again so `endpoints` reads it.
+    let mut inner = frame.get(..14)?.to_vec();
+    inner.extend_from_slice(frame.get(14 + hl + 8..)?);
+    let (qs, qd) = endpoints(&inner)?;
+    Some((outer_src, outer_dst, qs, qd))
 }
 
 impl fmt::Display for TraceResult {
@@ -970,6 +1272,31 @@ impl fmt::Display for TraceResult {
                 ),
             )?;
         }
+        match self.fragment {
+            Some("first") => writeln!(
+                f,
+                "fragment:    first (its ports and flow remembered for the later fragments)"
+            )?,
+            Some(_) => writeln!(
+                f,
+                "fragment:    later (ports from its first fragment: follows that flow or passes)"
+            )?,
+            None => {}
+        }
+        if self.ipv6_extension_headers != 0 {
+            writeln!(
+                f,
+                "ipv6:        {} extension headers walked to the L4 header",
+                self.ipv6_extension_headers
+            )?;
+        }
+        if let Some(e) = &self.icmp_error {
+            writeln!(
+                f,
+                "icmp error:  {} {} → {}, quoting {} → {}",
+                e.kind, e.src, e.dst, e.quote_src, e.quote_dst
+            )?;
+        }
         write!(f, "candidates:  {}", self.candidates.join(" "))?;
         if let Some(reply) = &self.reply {
             write!(f, "\nreply:       {reply}")?;
@@ -1002,6 +1329,22 @@ pub struct TraceArgs {
     /// packets are (what a live flow's conntrack entry does to them, e.g. a removed backend).
     #[arg(long)]
     pub midstream: bool,
+    /// Trace the packet as the first fragment of a datagram, then a later fragment of it (no
+    /// L4 header: it follows its first fragment's flow or passes untouched).
+    #[arg(long)]
+    pub fragments: bool,
+    /// IPv6: put this many destination-options extension headers (0–4) in front of the L4
+    /// header; the datapath walks them.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=4))]
+    pub ipv6_ext_headers: u8,
+    /// After the packet, trace the ICMP error a router (or the backend) sends about it as
+    /// the datapath forwarded it, arriving where a backend's packets arrive: rewritten for
+    /// the client when it quotes a flow lb translated.
+    #[arg(long, value_enum)]
+    pub icmp_error: Option<IcmpErrorKind>,
+    /// The ICMP error's source [default: the backend the packet went to].
+    #[arg(long, requires = "icmp_error")]
+    pub icmp_from: Option<IpAddr>,
     /// The conntrack lifetimes, as `lb run` takes them (the sizes are accepted too; a trace's
     /// private conntrack holds a few entries whatever they say).
     #[command(flatten)]
@@ -1065,6 +1408,12 @@ pub fn run(
     if args.flows == 0 {
         bail!("--flows must be at least 1");
     }
+    if args.ipv6_ext_headers != 0 && src.is_ipv4() {
+        bail!("--ipv6-ext-headers needs IPv6 addresses");
+    }
+    if args.fragments && args.proto == TraceProto::Sctp {
+        bail!("--fragments: SCTP fragments are not translated (see the known limits)");
+    }
     let mut tracer = match &args.manifests {
         Some(dir) => {
             Tracer::from_manifests(
@@ -1126,22 +1475,43 @@ pub fn run(
             proto,
             origin,
             midstream: args.midstream,
-        };
-        let result = tracer.trace(&probe)?;
-        if args.json {
-            println!("{}", serde_json::to_string(&result)?);
-        } else {
-            if args.flows > 1 {
-                println!(
-                    "flow {} ({} -> {}, from {origin})",
-                    i + 1,
-                    SocketAddr::new(src, sport),
-                    args.dst
-                );
+            ext_headers: args.ipv6_ext_headers,
+            fragment: if args.fragments {
+                FragProbe::First
             } else {
-                println!("from:        {origin} ({})", SocketAddr::new(src, sport));
+                FragProbe::None
+            },
+        };
+        let mut results = vec![tracer.trace(&probe)?];
+        if args.fragments {
+            let later = Probe {
+                fragment: FragProbe::Later,
+                ..probe
+            };
+            results.push(tracer.trace(&later)?);
+        }
+        if let Some(kind) = args.icmp_error {
+            if results.last().is_none_or(|r| r.verdict != "forward") {
+                bail!("--icmp-error: the packet was not forwarded, so there is nothing to quote");
             }
-            println!("{result}\n");
+            results.push(tracer.trace_icmp_error(kind, args.icmp_from)?);
+        }
+        for result in results {
+            if args.json {
+                println!("{}", serde_json::to_string(&result)?);
+            } else {
+                if args.flows > 1 {
+                    println!(
+                        "flow {} ({} -> {}, from {origin})",
+                        i + 1,
+                        SocketAddr::new(src, sport),
+                        args.dst
+                    );
+                } else {
+                    println!("from:        {origin} ({})", SocketAddr::new(src, sport));
+                }
+                println!("{result}\n");
+            }
         }
     }
     Ok(())
