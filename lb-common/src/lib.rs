@@ -1078,7 +1078,10 @@ mod tests {
         assert_eq!(core::mem::offset_of!(TraceRecord, lb_alg), 24);
         assert_eq!(core::mem::offset_of!(TraceRecord, local_backend), 25);
         assert_eq!(core::mem::offset_of!(TraceRecord, ct_flags), 26);
-        assert_eq!(size_of::<TraceRecord>(), 28);
+        assert_eq!(core::mem::offset_of!(TraceRecord, frag), 28);
+        assert_eq!(core::mem::offset_of!(TraceRecord, ext_headers), 29);
+        assert_eq!(core::mem::offset_of!(TraceRecord, pad), 30);
+        assert_eq!(size_of::<TraceRecord>(), 32);
     }
 
     #[test]

@@ -425,21 +425,21 @@ fn reply_flow<A: Af>(p: &Packet<A::Addr>) -> Option<Flow<A::Addr>> {
     })
 }
 
-/// The flow an ICMP error's quote `q` belongs to when `q` is a packet lb sent to a backend
-/// (client, or node when masqueraded → backend): found by its reply entry, written to `out`
-/// (`endpoint` the frontend, `nat` the masqueraded client). Nothing is refreshed: an error
-/// keeps no flow alive.
+/// The flow an ICMP error's quote `q` belongs to, written to `out`. Looked up reversed (the
+/// quote is what one side sent, the entry is keyed as the other side's packets are): with
+/// `ct_dir::REPLY` the quote is a packet lb sent to a backend (client, or node when
+/// masqueraded → backend), found by its reply entry (`endpoint` the frontend, `nat` the
+/// masqueraded client); with `ct_dir::SERVICE` it is a reply lb reverse-NATed (frontend →
+/// client), found by the client's service entry (`endpoint` the backend, `nat` the node side
+/// of a masqueraded flow). Nothing is refreshed: an error keeps no flow alive.
 #[inline(never)]
-pub fn related_reply<A: Af>(q: &Packet<A::Addr>, out: &mut Flow<A::Addr>) -> bool {
-    let Some(key) = A::ct_key(
-        KeySlot::Reply,
-        q.daddr,
-        q.saddr,
-        q.dport,
-        q.sport,
-        q.proto,
-        ct_dir::REPLY,
-    ) else {
+pub fn related<A: Af>(q: &Packet<A::Addr>, dir: u8, out: &mut Flow<A::Addr>) -> bool {
+    let slot = if dir == ct_dir::REPLY {
+        KeySlot::Reply
+    } else {
+        KeySlot::Service
+    };
+    let Some(key) = A::ct_key(slot, q.daddr, q.saddr, q.dport, q.sport, q.proto, dir) else {
         return false;
     };
     let Some(h) = A::ct_get(key) else {
@@ -450,52 +450,16 @@ pub fn related_reply<A: Af>(q: &Packet<A::Addr>, out: &mut Flow<A::Addr>) -> boo
     if v.expires <= now_secs() {
         return false;
     }
-    let Some(frontend) = A::revnat(v.rev_nat_id) else {
+    let endpoint = if dir == ct_dir::REPLY {
+        A::revnat(v.rev_nat_id)
+    } else {
+        A::backend(v.backend_id)
+    };
+    let Some(endpoint) = endpoint else {
         return false;
     };
     *out = Flow {
-        endpoint: frontend,
-        backend_id: v.backend_id,
-        rev_nat_id: v.rev_nat_id,
-        nat: Endpoint {
-            // SAFETY: as above.
-            addr: unsafe { A::ct_nat_addr(h) },
-            port: v.nat_port,
-        },
-        flags: v.flags,
-    };
-    true
-}
-
-/// The flow an ICMP error's quote `q` belongs to when `q` is a reply lb reverse-NATed
-/// (frontend → client): found by the client's service entry, written to `out` (`endpoint`
-/// the backend, `nat` the node side of a masqueraded flow). Nothing is refreshed.
-#[inline(never)]
-pub fn related_service<A: Af>(q: &Packet<A::Addr>, out: &mut Flow<A::Addr>) -> bool {
-    let Some(key) = A::ct_key(
-        KeySlot::Service,
-        q.daddr,
-        q.saddr,
-        q.dport,
-        q.sport,
-        q.proto,
-        ct_dir::SERVICE,
-    ) else {
-        return false;
-    };
-    let Some(h) = A::ct_get(key) else {
-        return false;
-    };
-    // SAFETY: pointer from a successful lookup, valid for this run (see `af`).
-    let v = unsafe { *h };
-    if v.expires <= now_secs() {
-        return false;
-    }
-    let Some(backend) = A::backend(v.backend_id) else {
-        return false;
-    };
-    *out = Flow {
-        endpoint: backend,
+        endpoint,
         backend_id: v.backend_id,
         rev_nat_id: v.rev_nat_id,
         nat: Endpoint {

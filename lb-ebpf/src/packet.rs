@@ -22,7 +22,7 @@
 //! up through the calls would cost each frame a copy of the 512-byte stack the chain shares).
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    TraceRecord, ct_flags, flow_hash, lb_alg, metrics, svc_flags, trace_ct, trace_verdict,
+    TraceRecord, ct_dir, ct_flags, flow_hash, lb_alg, metrics, svc_flags, trace_ct, trace_verdict,
 };
 
 use crate::{
@@ -751,10 +751,10 @@ fn icmp_error<C: PacketCtx, A: IcmpAf>(ctx: &C, hook: Hook) -> Result<Decision, 
     };
     A::parse_error(ctx, o, q)?;
     let (o, q): (&Packet<A::Addr>, &Packet<A::Addr>) = (o, q);
-    if conntrack::related_reply::<A>(q, flow) {
+    if conntrack::related::<A>(q, ct_dir::REPLY, flow) {
         return icmp_to_client::<C, A>(ctx, o, q, flow, hook);
     }
-    if hook != Hook::Egress && conntrack::related_service::<A>(q, flow) {
+    if hook != Hook::Egress && conntrack::related::<A>(q, ct_dir::SERVICE, flow) {
         return icmp_to_backend::<C, A>(ctx, o, q, flow);
     }
     Ok(untouched(

@@ -557,13 +557,12 @@ impl Tracer {
             }
         }
 
-        let verdict = match record.verdict {
-            trace_verdict::FORWARD | trace_verdict::REVERSE_NAT => "forward",
-            trace_verdict::PASS => "pass",
-            trace_verdict::DROP => "drop",
-            trace_verdict::REJECT => "reject",
-            v => bail!("the datapath left no decision for the packet (trace verdict {v})"),
-        };
+        let verdict = verdict_name(record.verdict).with_context(|| {
+            format!(
+                "the datapath left no decision for the packet (trace verdict {})",
+                record.verdict
+            )
+        })?;
         // A forward of a masqueraded flow is a redirect too (`fwd`), so only drop and reject
         // have one verdict each.
         let consistent = if xdp_ran {
@@ -657,10 +656,7 @@ impl Tracer {
         let maglev = chosen && record.lb_alg == lb_alg::MAGLEV;
         Ok(TraceResult {
             verdict,
-            reason: metrics::NAMES
-                .get(usize::from(record.reason))
-                .copied()
-                .unwrap_or("unknown"),
+            reason: reason_name(record.reason),
             conntrack: match record.ct_state {
                 trace_ct::NEW => Some("new"),
                 trace_ct::NEW_MIDSTREAM => Some("new_midstream"),
@@ -711,6 +707,7 @@ impl Tracer {
         &mut self,
         kind: IcmpErrorKind,
         from: Option<IpAddr>,
+        proto: Proto,
     ) -> anyhow::Result<TraceResult> {
         let sent = std::mem::take(&mut self.last_out);
         let (src, dst) = endpoints(&sent).context("no forwarded packet to quote")?;
@@ -718,12 +715,9 @@ impl Tracer {
         self.set_record(TraceRecord::default())?;
         let (ret, out) = self.test_run(prog_names::TC_POD, &frame, false)?;
         let record = self.record()?;
-        let verdict = match record.verdict {
-            trace_verdict::FORWARD | trace_verdict::REVERSE_NAT => "forward",
-            trace_verdict::PASS => "pass",
-            trace_verdict::DROP => "drop",
-            v => bail!("the datapath left no decision for the ICMP error (trace verdict {v})"),
-        };
+        let verdict = verdict_name(record.verdict)
+            .filter(|v| *v != "reject")
+            .context("the datapath left no decision for the ICMP error")?;
         if (verdict == "drop") != (ret == TC_ACT_SHOT) {
             bail!("the datapath's record says {verdict} but the program returned {ret}");
         }
@@ -737,18 +731,10 @@ impl Tracer {
             .then(|| maps.backend(family, record.backend_id))
             .flatten()
             .map(|b| b.to_string());
-        let proto = match sent.get(if src.is_ipv4() { 23 } else { 20 }) {
-            Some(17) => Proto::Udp,
-            Some(132) => Proto::Sctp,
-            _ => Proto::Tcp,
-        };
         let service = frontend.map(|(addr, port)| self.name_of(&Frontend::new(addr, port, proto)));
         Ok(TraceResult {
             verdict,
-            reason: metrics::NAMES
-                .get(usize::from(record.reason))
-                .copied()
-                .unwrap_or("unknown"),
+            reason: reason_name(record.reason),
             conntrack: (record.ct_state == trace_ct::RELATED).then_some("related"),
             conntrack_flags: ct_flag_names(record.ct_flags),
             slot: None,
@@ -1118,6 +1104,25 @@ fn endpoints(frame: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
         SocketAddr::new(src, port(0)?),
         SocketAddr::new(dst, port(2)?),
     ))
+}
+
+/// The `--json` verdict of a `trace_verdict`, `None` for no decision.
+fn verdict_name(v: u8) -> Option<&'static str> {
+    match v {
+        trace_verdict::FORWARD | trace_verdict::REVERSE_NAT => Some("forward"),
+        trace_verdict::PASS => Some("pass"),
+        trace_verdict::DROP => Some("drop"),
+        trace_verdict::REJECT => Some("reject"),
+        _ => None,
+    }
+}
+
+/// The counter a trace record's `reason` names.
+fn reason_name(reason: u8) -> &'static str {
+    metrics::NAMES
+        .get(usize::from(reason))
+        .copied()
+        .unwrap_or("unknown")
 }
 
 /// An Ethernet frame carrying ICMP(v6) error `kind` from `from` to `to`, quoting the IP
@@ -1494,7 +1499,7 @@ pub fn run(
             if results.last().is_none_or(|r| r.verdict != "forward") {
                 bail!("--icmp-error: the packet was not forwarded, so there is nothing to quote");
             }
-            results.push(tracer.trace_icmp_error(kind, args.icmp_from)?);
+            results.push(tracer.trace_icmp_error(kind, args.icmp_from, proto)?);
         }
         for result in results {
             if args.json {
