@@ -438,11 +438,21 @@ impl Drop for ManifestDir {
     }
 }
 
-fn north_south(xdp: &str) {
+/// Node-a running `lb run` (tc on every pod veth, `--xdp xdp` on the client's link, the node
+/// IP on that link) from manifests holding `services`, node-b with its pod, echo servers
+/// everywhere. Fields drop in order: lb first, the testbed last.
+struct TwoNodes {
+    lb: LbDaemon,
+    _dir: ManifestDir,
+    _node_b: NodeB,
+    tb: Testbed,
+}
+
+fn two_nodes(xdp: &str, services: &[Svc]) -> TwoNodes {
     let mut tb = Testbed::create(3).expect("testbed");
     tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
         .expect("echo servers");
-    let _node_b = NodeB::create(&mut tb);
+    let node_b = NodeB::create(&mut tb);
     // The external client sends complete checksums, as a packet from another machine has
     // (a veth would hand its peer CHECKSUM_PARTIAL skbs, which only local traffic is).
     let client_ns = tb.client.ns.clone();
@@ -460,17 +470,12 @@ fn north_south(xdp: &str) {
     }
     let dir = ManifestDir(std::env::temp_dir().join(format!("lb-test-ns-{}", tb.id)));
     fs::create_dir_all(&dir.0).unwrap();
-    for s in &SERVICES {
+    for s in services {
         fs::write(dir.0.join(format!("{}.yaml", s.name)), s.yaml()).unwrap();
     }
-    let (node4, node6) = (
-        tb.client.node_ipv4().to_string(),
-        tb.client.node_ipv6().to_string(),
-    );
-    let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
-    let pods: Vec<String> = tb.backends.iter().map(|b| b.node_if.clone()).collect();
-    let node_ips = format!("{node4},{node6}");
+    let node_ips = format!("{},{}", tb.client.node_ipv4(), tb.client.node_ipv6());
     let manifests = dir.0.display().to_string();
+    let pods: Vec<String> = tb.backends.iter().map(|b| b.node_if.clone()).collect();
     let pod_ifs = pods.join(",");
     let external = tb.client.node_if.clone();
     let args = [
@@ -489,6 +494,27 @@ fn north_south(xdp: &str) {
         pod_ifs.as_str(),
     ];
     let lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
+    TwoNodes {
+        lb,
+        _dir: dir,
+        _node_b: node_b,
+        tb,
+    }
+}
+
+fn north_south(xdp: &str) {
+    let TwoNodes {
+        lb,
+        _dir,
+        _node_b,
+        mut tb,
+    } = two_nodes(xdp, &SERVICES);
+    let client_ns = tb.client.ns.clone();
+    let (node4, node6) = (
+        tb.client.node_ipv4().to_string(),
+        tb.client.node_ipv6().to_string(),
+    );
+    let (client4, client6) = (tb.client.ipv4.to_string(), tb.client.ipv6.to_string());
     let attached = lb
         .log
         .iter()
@@ -1000,22 +1026,6 @@ fn node_port_to_a_host_network_endpoint_with_native_xdp() {
 /// flow that XDP (or tc ingress) balanced and masqueraded. IPv4 and IPv6. Without the
 /// translation the sender's socket never hears of the error and the upload stalls.
 fn path_mtu_drop_mid_stream(xdp: &str) {
-    let mut tb = Testbed::create(3).expect("testbed");
-    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
-        .expect("echo servers");
-    let _node_b = NodeB::create(&mut tb);
-    let client_ns = tb.client.ns.clone();
-    in_netns(&client_ns, || set_tx_checksum(HOST_IF, false)).unwrap();
-    if xdp != "off" {
-        for h in [
-            &tb.client,
-            &tb.backends[0],
-            &tb.backends[1],
-            &tb.backends[2],
-        ] {
-            in_netns(&h.ns, || set_gro(HOST_IF, true)).unwrap();
-        }
-    }
     let svc = Svc {
         name: "np-remote",
         cluster_ip: 37,
@@ -1024,34 +1034,17 @@ fn path_mtu_drop_mid_stream(xdp: &str) {
         lb: None,
         eps: &[REMOTE],
     };
-    let dir = ManifestDir(std::env::temp_dir().join(format!("lb-test-pmtu-{}", tb.id)));
-    fs::create_dir_all(&dir.0).unwrap();
-    fs::write(dir.0.join("np-remote.yaml"), svc.yaml()).unwrap();
+    let TwoNodes {
+        lb,
+        _dir: dir,
+        _node_b,
+        mut tb,
+    } = two_nodes(xdp, &[svc]);
+    let client_ns = tb.client.ns.clone();
     let (node4, node6) = (
         tb.client.node_ipv4().to_string(),
         tb.client.node_ipv6().to_string(),
     );
-    let node_ips = format!("{node4},{node6}");
-    let manifests = dir.0.display().to_string();
-    let pod_ifs: Vec<String> = tb.backends.iter().map(|b| b.node_if.clone()).collect();
-    let pod_ifs = pod_ifs.join(",");
-    let external = tb.client.node_if.clone();
-    let args = [
-        "--manifests",
-        manifests.as_str(),
-        "--hostname-override",
-        NODE_A,
-        "--socket-lb=false",
-        "--node-ip",
-        node_ips.as_str(),
-        "--devices",
-        external.as_str(),
-        "--xdp",
-        xdp,
-        "--tc-pod",
-        pod_ifs.as_str(),
-    ];
-    let lb = LbDaemon::start(&mut tb, Path::new(LB), &args, "info").unwrap();
     let router_ns = tb.backends[2].ns.clone();
     let router_if = format!("r{}a", tb.id);
     let set_mtu = |mtu: &str| ip(&["-n", &router_ns, "link", "set", &router_if, "mtu", mtu]);
