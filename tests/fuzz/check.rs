@@ -643,12 +643,9 @@ fn translated(p: &Parsed, input: &[u8], out: &[u8], fwd: bool) -> Result<Parsed,
         },
     ];
     if fwd {
-        fields.push(0..12);
-        fields.push(if p.v6 { l3 + 7..l3 + 8 } else { l3 + 8..l3 + 9 });
+        fields.extend(forwarding_fields(p.v6, l3));
     }
-    if let Some(i) =
-        (0..input.len()).find(|&i| input[i] != out[i] && !fields.iter().any(|r| r.contains(&i)))
-    {
+    if let Some(i) = changed_outside(input, out, &fields) {
         return Err(format!(
             "byte {i} changed ({:#04x} -> {:#04x}), which is no NAT field",
             input[i], out[i]
@@ -800,6 +797,18 @@ fn reject_reply(p: &Parsed, input: &[u8], out: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// The first byte where `out` differs from `input` outside `fields` (the frames are the same
+/// length).
+fn changed_outside(input: &[u8], out: &[u8], fields: &[Range<usize>]) -> Option<usize> {
+    (0..input.len()).find(|&i| input[i] != out[i] && !fields.iter().any(|r| r.contains(&i)))
+}
+
+/// What forwarding past the stack may change besides the translation: the MACs and the TTL
+/// (hop limit) of the IP header at `l3`.
+fn forwarding_fields(v6: bool, l3: usize) -> [Range<usize>; 2] {
+    [0..12, if v6 { l3 + 7..l3 + 8 } else { l3 + 8..l3 + 9 }]
+}
+
 /// A later fragment: untouched, or translated (addresses only) exactly as its first fragment
 /// was by some program; never before its first fragment was seen.
 #[expect(
@@ -843,12 +852,9 @@ fn check_later(
         l3 + 10..l3 + 20
     }];
     if fwd.contains(&verdict) {
-        fields.push(0..12);
-        fields.push(if p.v6 { l3 + 7..l3 + 8 } else { l3 + 8..l3 + 9 });
+        fields.extend(forwarding_fields(p.v6, l3));
     }
-    if let Some(i) =
-        (0..input.len()).find(|&i| input[i] != out[i] && !fields.iter().any(|r| r.contains(&i)))
-    {
+    if let Some(i) = changed_outside(input, out, &fields) {
         return Err(format!(
             "later fragment: byte {i} changed, which is no address (its data must stay as it came)"
         ));
@@ -1058,12 +1064,9 @@ fn check_icmp(
         fields.push(c..c + 2);
     }
     if fwd.contains(&verdict) {
-        fields.push(0..12);
-        fields.push(if e.v6 { l3 + 7..l3 + 8 } else { l3 + 8..l3 + 9 });
+        fields.extend(forwarding_fields(e.v6, l3));
     }
-    if let Some(i) =
-        (0..input.len()).find(|&i| input[i] != out[i] && !fields.iter().any(|r| r.contains(&i)))
-    {
+    if let Some(i) = changed_outside(input, out, &fields) {
         return Err(format!(
             "ICMP error: byte {i} changed, which lb does not translate"
         ));
