@@ -3689,9 +3689,10 @@ fn icmp_not_quoting_a_known_flow_passes_untouched() {
     let mut later_fragment = fwd[14..].to_vec();
     later_fragment[6] = 0x00;
     later_fragment[7] = 0x10;
+    // To an address that is no service (a service address answers: `echo_requests_…`).
     let mut echo = Vec::new();
     PacketBuilder::ethernet2(MAC_A, MAC_B)
-        .ipv4(CLIENT4.octets(), VIP4.octets(), 64)
+        .ipv4(CLIENT4.octets(), ROUTER4.octets(), 64)
         .icmpv4_echo_request(7, 1)
         .write(&mut echo, b"ping")
         .unwrap();
@@ -3728,6 +3729,215 @@ fn icmp_not_quoting_a_known_flow_passes_untouched() {
         }
     }
     assert_eq!(ct_count(&mut fx), entries, "no flow created");
+}
+
+/// An echo request from `src` to `dst` (identifier 7, sequence 1, payload `ping me`), with a
+/// TTL / hop limit of 60.
+fn echo_request(src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    let eth = PacketBuilder::ethernet2(MAC_A, MAC_B);
+    let mut buf = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => eth
+            .ipv4(s.octets(), d.octets(), 60)
+            .icmpv4_echo_request(7, 1)
+            .write(&mut buf, b"ping me"),
+        (IpAddr::V6(s), IpAddr::V6(d)) => eth
+            .ipv6(s.octets(), d.octets(), 60)
+            .icmpv6_echo_request(7, 1)
+            .write(&mut buf, b"ping me"),
+        _ => panic!("mixed families"),
+    }
+    .expect("build echo request");
+    buf
+}
+
+/// Checks `out` is the echo reply to `echo_request(client, addr)`: MACs and addresses
+/// swapped, TTL 64, identifier, sequence and payload kept, every checksum valid (etherparse's
+/// and a full recomputation).
+fn assert_echo_reply(out: &[u8], client: IpAddr, addr: IpAddr, what: &str) {
+    assert_eq!(&out[..6], &MAC_A, "{what}: destination MAC");
+    assert_eq!(&out[6..12], &MAC_B, "{what}: source MAC");
+    let h = PacketHeaders::from_ethernet_slice(out).expect("reply parses");
+    let payload = h.payload.slice();
+    assert_eq!(payload, b"ping me", "{what}: payload");
+    let echo = etherparse::IcmpEchoHeader { id: 7, seq: 1 };
+    let (src, dst): (IpAddr, IpAddr) = match (&h.net, &h.transport) {
+        (Some(NetHeaders::Ipv4(ip, _)), Some(TransportHeader::Icmpv4(icmp))) => {
+            assert_eq!(
+                ip.header_checksum,
+                ip.calc_header_checksum(),
+                "{what}: IPv4"
+            );
+            assert_eq!(ip.time_to_live, 64, "{what}: TTL");
+            assert_eq!(icmp.icmp_type, Icmpv4Type::EchoReply(echo), "{what}");
+            assert_eq!(
+                icmp.checksum,
+                icmp.icmp_type.calc_checksum(payload),
+                "{what}"
+            );
+            (ip.source.into(), ip.destination.into())
+        }
+        (Some(NetHeaders::Ipv6(ip, _)), Some(TransportHeader::Icmpv6(icmp))) => {
+            assert_eq!(ip.hop_limit, 64, "{what}: hop limit");
+            assert_eq!(icmp.icmp_type, Icmpv6Type::EchoReply(echo), "{what}");
+            let want = icmp
+                .icmp_type
+                .calc_checksum(ip.source, ip.destination, payload)
+                .unwrap();
+            assert_eq!(icmp.checksum, want, "{what}: ICMPv6 checksum");
+            (ip.source.into(), ip.destination.into())
+        }
+        other => panic!("{what}: not an echo reply: {other:?}"),
+    };
+    assert_eq!((src, dst), (addr, client), "{what}: addresses");
+    let l3 = if src.is_ipv4() { 20 } else { 40 };
+    let icmp = &out[14 + l3..];
+    let pseudo = match (src, dst) {
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            ones_sum(&s.octets()) + ones_sum(&d.octets()) + 58 + icmp.len() as u32
+        }
+        _ => 0,
+    };
+    assert_eq!(
+        fold(pseudo + ones_sum(icmp)),
+        0xffff,
+        "{what}: ICMP checksum"
+    );
+}
+
+/// A ping to a service address gets what the address's traffic gets, per client scope: an
+/// answer from the datapath while a frontend there has a usable backend (tc, XDP with XDP_TX,
+/// pod hook), a REJECT (ICMP unreachable, tc; XDP hands it to tc) when none has an endpoint at
+/// all, a DROP when its endpoints are all elsewhere (`EMPTY_DROP`); anything else passes
+/// untouched, as every echo does with `--no-echo-reply`. The answer follows the backends: the
+/// last one gone, the address rejects. No conntrack entry is made.
+#[test]
+fn echo_requests_to_service_addresses_get_the_addresses_verdict() {
+    let mut fx = traced_fixture();
+    let lb4: IpAddr = Ipv4Addr::new(198, 19, 1, 20).into();
+    let lb6: IpAddr = Ipv6Addr::new(0x2001, 0xdb8, 0xffff, 1, 0, 0, 0, 0x20).into();
+    let mut desired = fx.desired.clone();
+    for lb in [lb4, lb6] {
+        let (fe, mut elsewhere) = service(lb, Proto::Tcp, &[]);
+        elsewhere.flags = svc_flags::LOAD_BALANCER | svc_flags::EXT_LOCAL | svc_flags::EMPTY_DROP;
+        desired.services.insert(fe, elsewhere);
+    }
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let entries = ct_count(&mut fx);
+    let answered = fx.counter(metrics::TC_ECHO_REPLY);
+    let mut replies = 0;
+
+    for (client, vip, empty, lb, other) in [
+        (
+            CLIENT4.into(),
+            VIP4.into(),
+            EMPTY_VIP4.into(),
+            lb4,
+            ROUTER4.into(),
+        ),
+        (
+            CLIENT6.into(),
+            VIP6.into(),
+            EMPTY_VIP6.into(),
+            lb6,
+            ROUTER6.into(),
+        ),
+    ] {
+        let (client, vip, empty, other): (IpAddr, IpAddr, IpAddr, IpAddr) =
+            (client, vip, empty, other);
+        // Answered, on every ingress hook.
+        let ping = echo_request(client, vip);
+        let (verdict, out) = fx.ingress(&ping);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{vip} tc");
+        assert_echo_reply(&out, client, vip, "tc");
+        assert_eq!(fx.trace_record().verdict, trace_verdict::ECHO_REPLY);
+        assert_eq!(fx.trace_record().scope, scope::EXTERNAL);
+        let (verdict, out) = fx.xdp(&ping);
+        assert_eq!(verdict, 3, "{vip} XDP_TX");
+        assert_echo_reply(&out, client, vip, "xdp");
+        let (verdict, out) = fx.run(prog_names::TC_POD, &ping);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{vip} pod");
+        assert_echo_reply(&out, client, vip, "pod");
+        assert_eq!(fx.trace_record().scope, scope::INTERNAL);
+        replies += 3;
+
+        // No endpoint at all: rejected as the service's traffic is (tc; XDP leaves it to tc).
+        let ping = echo_request(client, empty);
+        let (verdict, out) = fx.ingress(&ping);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "{empty} tc");
+        let h = PacketHeaders::from_ethernet_slice(&out).expect("reject parses");
+        let unreachable = match &h.transport {
+            Some(TransportHeader::Icmpv4(i)) => matches!(
+                i.icmp_type,
+                Icmpv4Type::DestinationUnreachable(DestUnreachableHeader::Port)
+            ),
+            Some(TransportHeader::Icmpv6(i)) => matches!(
+                i.icmp_type,
+                Icmpv6Type::DestinationUnreachable(DestUnreachableCode::Port)
+            ),
+            _ => false,
+        };
+        assert!(unreachable, "{empty}: {:?}", h.transport);
+        assert_eq!(fx.trace_record().verdict, trace_verdict::REJECT);
+        let (verdict, out) = fx.xdp(&ping);
+        assert_eq!((verdict, out), (XDP_PASS, ping), "{empty} xdp");
+
+        // Endpoints only elsewhere: dropped.
+        let ping = echo_request(client, lb);
+        assert_eq!(fx.ingress(&ping).0, TC_ACT_SHOT, "{lb} tc");
+        assert_eq!(
+            fx.trace_record().reason,
+            metrics::TC_DROP_NO_LOCAL_BACKEND as u8
+        );
+        assert_eq!(fx.xdp(&ping).0, XDP_DROP, "{lb} xdp");
+
+        // Not a service address.
+        let ping = echo_request(client, other);
+        for hook in [Ext::Tc, Ext::Xdp] {
+            let (verdict, out) = fx.external(hook, &ping);
+            assert_eq!(
+                (verdict, out),
+                (hook.pass(), ping.clone()),
+                "{other} {hook:?}"
+            );
+        }
+    }
+    assert_eq!(fx.counter(metrics::TC_ECHO_REPLY) - answered, replies);
+    assert_eq!(ct_count(&mut fx), entries, "no flow created");
+
+    // The last backend gone, the address rejects.
+    let mut gone = desired.clone();
+    for (fe, e) in gone.services.iter_mut() {
+        if fe.l4.addr == IpAddr::from(VIP4) {
+            e.backends.clear();
+        }
+    }
+    let report = fx._reconciler.apply(&gone);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let ping = echo_request(CLIENT4.into(), VIP4.into());
+    assert_eq!(fx.ingress(&ping).0, TC_ACT_REDIRECT);
+    assert_eq!(fx.trace_record().verdict, trace_verdict::REJECT);
+    let report = fx._reconciler.apply(&desired);
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+
+    // `--no-echo-reply`: every echo passes untouched.
+    let map = fx.datapath.ebpf_mut().map_mut(map_names::CONFIG).unwrap();
+    let mut config = Array::<_, LbConfig>::try_from(map).unwrap();
+    let mut c = config.get(&0, 0).unwrap();
+    c.flags |= lb_common::config_flags::NO_ECHO_REPLY;
+    config.set(0, c, 0).unwrap();
+    for dst in [VIP4.into(), EMPTY_VIP4.into(), lb4] {
+        let ping = echo_request(CLIENT4.into(), dst);
+        for hook in [Ext::Tc, Ext::Xdp] {
+            let (verdict, out) = fx.external(hook, &ping);
+            assert_eq!(
+                (verdict, out),
+                (hook.pass(), ping.clone()),
+                "{dst} {hook:?}"
+            );
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

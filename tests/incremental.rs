@@ -33,7 +33,7 @@ use lb::{
     metrics::Metrics,
     model::{Backend, Cidr, Family, Frontend, LbAlgorithm},
 };
-use lb_common::SvcValue;
+use lb_common::{EchoValue, SvcValue};
 use serde_json::{Value, json};
 
 /// xorshift64*: small, seeded, reproducible.
@@ -586,6 +586,14 @@ impl LbMaps for Flaky {
     fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
         self.fail("aff_match")?;
         self.inner.borrow_mut().del_aff_match(m)
+    }
+    fn put_echo(&mut self, a: IpAddr, v: EchoValue) -> Result<(), MapOpError> {
+        self.fail("echo")?;
+        self.inner.borrow_mut().put_echo(a, v)
+    }
+    fn del_echo(&mut self, a: IpAddr) -> Result<(), MapOpError> {
+        self.fail("echo")?;
+        self.inner.borrow_mut().del_echo(a)
     }
     fn maglev_geometry(&self) -> MaglevGeometry {
         self.inner.borrow().maglev_geometry()

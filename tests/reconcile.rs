@@ -19,7 +19,7 @@ use lb::{
         ServiceEntry, ServicePortName,
     },
 };
-use lb_common::{SvcValue, svc_flags};
+use lb_common::{EchoValue, SvcValue, svc_flags};
 
 // ---------------------------------------------------------------------------------------------
 // Building desired states. Documentation addresses only: frontends in 198.19.0.0/16 and
@@ -118,6 +118,8 @@ enum Op {
     /// (rev-NAT id, backend id)
     PutAffMatch(u32, u32),
     DelAffMatch(u32, u32),
+    PutEcho(String),
+    DelEcho(String),
     PutMaglev {
         table: u32,
         cell: u32,
@@ -152,6 +154,8 @@ fn op_of(m: &MapOp) -> Op {
         MapOp::DelSrcRange { rev_nat_id, cidr } => Op::DelSrcRange(*rev_nat_id, cidr.to_string()),
         MapOp::PutAffMatch(m) => Op::PutAffMatch(m.rev_nat_id, m.backend_id),
         MapOp::DelAffMatch(m) => Op::DelAffMatch(m.rev_nat_id, m.backend_id),
+        MapOp::PutEcho { addr, .. } => Op::PutEcho(addr.to_string()),
+        MapOp::DelEcho { addr } => Op::DelEcho(addr.to_string()),
         MapOp::PutMaglev { table, cell, id } => Op::PutMaglev {
             table: *table,
             cell: *cell,
@@ -650,6 +654,16 @@ impl LbMaps for Checked {
         let r = self.inner.del_aff_match(m);
         self.after(r)
     }
+
+    fn put_echo(&mut self, a: IpAddr, v: EchoValue) -> Result<(), MapOpError> {
+        let r = self.inner.put_echo(a, v);
+        self.after(r)
+    }
+
+    fn del_echo(&mut self, a: IpAddr) -> Result<(), MapOpError> {
+        let r = self.inner.del_echo(a);
+        self.after(r)
+    }
 }
 
 fn checked(capacity: u32) -> Reconciler<Checked> {
@@ -689,8 +703,8 @@ fn fresh_apply_programs_every_frontend() {
     assert_eq!(rec.backend_count(), 6);
     assert_eq!(rec.service_count(), 4);
     // Writes: 6 backends + 4 rev-NAT + (1 + 3) + (1 + 2) + 1 + (1 + 2) service entries + 4
-    // ClusterIPs.
-    assert_eq!(report.writes, 6 + 4 + 4 + 3 + 1 + 3 + 4);
+    // ClusterIPs + their 4 echo entries.
+    assert_eq!(report.writes, 6 + 4 + 4 + 3 + 1 + 3 + 4 + 4);
     // Each frontend its own rev-NAT id.
     let ids: BTreeSet<u32> = d.services.keys().map(|fe| revnat_id(dump, fe)).collect();
     assert_eq!(ids.len(), 4);
@@ -733,8 +747,10 @@ fn usage_reports_what_the_maps_hold_per_map_and_family() {
         .into_iter()
         .map(|(name, used, cap)| (name, (used, cap)))
         .collect();
-    assert_eq!(usage.len(), 12, "{usage:?}");
+    assert_eq!(usage.len(), 14, "{usage:?}");
     assert_eq!(usage["lb4_aff_match"], (0, 100));
+    assert_eq!(usage["lb4_echo"], (2, 100));
+    assert_eq!(usage["lb6_echo"], (1, 100));
     assert_eq!(usage["lb4_src_range"], (0, 100));
     assert_eq!(usage["lb4_cluster_ips"], (2, 100));
     assert_eq!(usage["lb6_cluster_ips"], (1, 100));
@@ -1130,7 +1146,11 @@ fn removing_a_service_deletes_master_then_slots_then_revnat_and_backends() {
         slots.iter().all(|s| *s < ip),
         "ClusterIP after the frontend: {ops:#?}"
     );
-    assert_eq!(ops.len(), 1 + 3 + 1 + 2 + 1, "{ops:#?}");
+    let echo = position(&ops, "echo delete", |o| {
+        *o == Op::DelEcho(vip4(1).to_string())
+    });
+    assert!(master < echo, "echo entry after the master: {ops:#?}");
+    assert_eq!(ops.len(), 1 + 3 + 1 + 2 + 1 + 1, "{ops:#?}");
     assert_converged(dump_of(&rec), &d);
 }
 
@@ -1144,7 +1164,8 @@ fn removing_everything_leaves_empty_maps() {
     ]));
     let (report, _) = apply_logged(&mut rec, &DesiredState::default());
     assert!(report.errors.is_empty());
-    assert_eq!(report.deletes, 3 + 2 + 1 + 3 + 3 + 3);
+    // The last 3: the echo entries of the three addresses.
+    assert_eq!(report.deletes, 3 + 2 + 1 + 3 + 3 + 3 + 3);
     let dump = dump_of(&rec);
     assert_eq!(dump, &Dump::default(), "{}", render(dump));
     assert_eq!(render(dump), "");
@@ -1435,6 +1456,12 @@ fn failed_surplus_delete_then_growth_keeps_the_slot() {
         }
         fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
             self.inner.del_aff_match(m)
+        }
+        fn put_echo(&mut self, a: IpAddr, v: EchoValue) -> Result<(), MapOpError> {
+            self.inner.put_echo(a, v)
+        }
+        fn del_echo(&mut self, a: IpAddr) -> Result<(), MapOpError> {
+            self.inner.del_echo(a)
         }
     }
     let mut rec = Reconciler::new(FailDel {
@@ -2255,6 +2282,14 @@ impl LbMaps for Holding {
 
     fn del_aff_match(&mut self, m: &AffMatch) -> Result<(), MapOpError> {
         self.inner.del_aff_match(m)
+    }
+
+    fn put_echo(&mut self, a: IpAddr, v: EchoValue) -> Result<(), MapOpError> {
+        self.inner.put_echo(a, v)
+    }
+
+    fn del_echo(&mut self, a: IpAddr) -> Result<(), MapOpError> {
+        self.inner.del_echo(a)
     }
 
     fn hold_writes(&mut self) {

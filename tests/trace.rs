@@ -5,6 +5,7 @@
 use std::{
     collections::BTreeSet,
     fs,
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::Command,
 };
@@ -477,7 +478,7 @@ fn trace_shows_masquerade_from_the_datapath() {
         let r = &masq[0];
         assert_eq!(r["verdict"], "forward", "{r}");
         assert_eq!(r["masquerade"], true, "{r}");
-        let after: std::net::SocketAddr = r["source_after"].as_str().unwrap().parse().unwrap();
+        let after: SocketAddr = r["source_after"].as_str().unwrap().parse().unwrap();
         assert_eq!(after.ip().to_string(), node, "{r}");
         assert!(
             (lb_common::nat::PORT_MIN..=lb_common::nat::PORT_MAX).contains(&after.port()),
@@ -490,7 +491,7 @@ fn trace_shows_masquerade_from_the_datapath() {
         let pod = trace(&[&base[..], &["--cluster-cidr", &inside]].concat());
         let r = &pod[0];
         assert_eq!(r["masquerade"], false, "{r}");
-        let after: std::net::SocketAddr = r["source_after"].as_str().unwrap().parse().unwrap();
+        let after: SocketAddr = r["source_after"].as_str().unwrap().parse().unwrap();
         assert_eq!(
             (after.ip().to_string(), after.port()),
             (src.to_string(), 40_000),
@@ -995,4 +996,83 @@ fn trace_shows_fragments_extension_headers_and_icmp_errors() {
             assert_eq!(icmp["quote_dst"], dst);
         }
     }
+}
+
+/// `--ping`: an echo request to a ClusterIP with endpoints is answered by the datapath, from
+/// outside (tc ingress) and from a pod (pod hook), IPv4 and IPv6, the reply addressed back to
+/// the client from the service address; one to an address that is no service passes, and so
+/// does every echo with `--no-echo-reply`. The text form names the reply too.
+#[test]
+fn trace_shows_the_datapath_answering_a_ping() {
+    let ex = examples();
+    let d = ex.to_str().unwrap();
+    for (src, vip, other) in [
+        ("198.18.10.2", "198.19.0.10", "198.18.99.1"),
+        ("2001:db8:0:10::2", "2001:db8:ffff::10", "2001:db8:0:99::1"),
+    ] {
+        let dst = SocketAddr::new(vip.parse().unwrap(), 0).to_string();
+        for (from, scope) in [("external", "external"), ("pod", "internal")] {
+            let r = trace(&[
+                "--manifests",
+                d,
+                "--src",
+                src,
+                "--dst",
+                &dst,
+                "--ping",
+                "--from",
+                from,
+            ]);
+            assert_eq!(r.len(), 1, "{r:?}");
+            let r = &r[0];
+            assert_eq!(r["verdict"], "echo-reply", "{from}: {r:?}");
+            assert_eq!(r["reason"], "tc_echo_reply");
+            assert_eq!(r["scope"], scope);
+            assert_eq!(r["conntrack"], serde_json::Value::Null);
+            let icmp = if vip.contains(':') { "icmpv6" } else { "icmp" };
+            assert_eq!(r["reply"]["proto"], format!("{icmp}-echo-reply"));
+            assert_eq!(r["reply"]["src"], vip);
+            assert_eq!(r["reply"]["dst"], src);
+        }
+        let elsewhere = SocketAddr::new(other.parse().unwrap(), 0).to_string();
+        let r = trace(&[
+            "--manifests",
+            d,
+            "--src",
+            src,
+            "--dst",
+            &elsewhere,
+            "--ping",
+        ]);
+        assert_eq!(r[0]["verdict"], "pass", "{r:?}");
+        assert_eq!(r[0]["reason"], "tc_pass_no_service");
+        let r = trace(&[
+            "--manifests",
+            d,
+            "--src",
+            src,
+            "--dst",
+            &dst,
+            "--ping",
+            "--no-echo-reply",
+        ]);
+        assert_eq!(r[0]["verdict"], "pass", "{r:?}");
+        assert_eq!(r[0]["reply"], serde_json::Value::Null);
+    }
+    let out = Command::new(LB)
+        .args(["trace", "--manifests", d, "--src", "198.18.10.2"])
+        .args(["--dst", "198.19.0.10:0", "--ping"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("verdict:     echo-reply")
+            && text.contains("ICMP echo reply 198.19.0.10 → 198.18.10.2"),
+        "{text}"
+    );
 }

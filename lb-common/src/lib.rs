@@ -44,6 +44,11 @@ pub mod map_names {
     /// packet to one on a port no frontend has is rejected.
     pub const CLUSTER_IPS4: &str = "lb4_cluster_ips";
     pub const CLUSTER_IPS6: &str = "lb6_cluster_ips";
+    /// Service addresses that answer ping (`EchoKey4`/`EchoKey6` → `EchoValue`): ClusterIPs,
+    /// external IPs and LoadBalancer IPs, with what an ICMP/ICMPv6 echo request to each gets
+    /// per scope (answered while a frontend at the address has a usable backend).
+    pub const ECHO4: &str = "lb4_echo";
+    pub const ECHO6: &str = "lb6_echo";
     /// `--service-cidr` ranges (LPM tries): a packet to an address in one that is no ClusterIP
     /// is dropped. Written at start-up, before the programs attach.
     pub const SVC_CIDR4: &str = "lb4_svc_cidr";
@@ -81,7 +86,7 @@ pub mod map_names {
     pub const MAGLEV: &str = "lb_maglev";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 28] = [
+    pub const ALL: [&str; 30] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
@@ -100,6 +105,8 @@ pub mod map_names {
         CLUSTER_CIDR6,
         CLUSTER_IPS4,
         CLUSTER_IPS6,
+        ECHO4,
+        ECHO6,
         SVC_CIDR4,
         SVC_CIDR6,
         SRC_RANGE4,
@@ -194,6 +201,9 @@ pub mod map_sizes {
     pub const CLUSTER_CIDR: u32 = 64;
     /// Distinct ClusterIPs of one family.
     pub const CLUSTER_IPS: u32 = 1 << 17;
+    /// Service addresses of one family that answer ping: ClusterIPs plus external and
+    /// LoadBalancer IPs.
+    pub const ECHO: u32 = 1 << 17;
     /// `--service-cidr` ranges of one family.
     pub const SVC_CIDR: u32 = 64;
     /// `loadBalancerSourceRanges` entries of one family, over all services.
@@ -344,6 +354,9 @@ pub mod config_flags {
     pub const CLUSTER_CIDR4: u32 = 1 << 1;
     /// `--cluster-cidr` has IPv6 ranges.
     pub const CLUSTER_CIDR6: u32 = 1 << 2;
+    /// `--no-echo-reply`: echo requests to service addresses are not answered (`lb*_echo` is
+    /// still kept), they pass as before.
+    pub const NO_ECHO_REPLY: u32 = 1 << 3;
 }
 
 /// Value of the one-entry array `lb_config`: this node's facts, written by userspace before
@@ -682,6 +695,47 @@ pub struct ClusterIpValue {
     pub frontends: u32,
 }
 
+/// Map key of `lb4_echo`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct EchoKey4 {
+    pub addr: [u8; 4],
+}
+
+/// Map key of `lb6_echo`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct EchoKey6 {
+    pub addr: [u8; 16],
+}
+
+/// Map value of `lb4_echo` and `lb6_echo`: the `echo` verdict of an echo request to the
+/// address, per scope of its client (`internal`: pods, `external`: anything from outside).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct EchoValue {
+    pub internal: u8,
+    pub external: u8,
+    pub pad: [u8; 2],
+}
+
+/// What an echo request to a service address gets (`EchoValue`): what the address's other
+/// traffic would.
+pub mod echo {
+    /// Not a service address in this scope (or every frontend there filters sources): passed.
+    pub const NONE: u8 = 0;
+    /// A frontend at the address has a usable backend: answered by the datapath.
+    pub const ANSWER: u8 = 1;
+    /// No frontend there has an endpoint anywhere: rejected (ICMP unreachable), as the
+    /// frontends' traffic is.
+    pub const REJECT: u8 = 2;
+    /// The frontends' endpoints are all on other nodes (a `Local` traffic policy): dropped.
+    pub const DROP: u8 = 3;
+}
+
 /// Map value of `lb4_svc_cidr` and `lb6_svc_cidr`, keyed by an LPM key (`u32` prefix length,
 /// then the address bytes): the prefix length again, so a lookup tells which range matched.
 #[repr(C)]
@@ -787,6 +841,9 @@ pub mod trace_verdict {
     /// Answered with a TCP RST or an ICMP/ICMPv6 port unreachable, sent back out the device the
     /// packet came in on (a service without backends, or a ClusterIP port it does not have).
     pub const REJECT: u8 = 5;
+    /// An echo request to a service address answered with an echo reply, sent back out the
+    /// device it came in on (`lb*_echo`).
+    pub const ECHO_REPLY: u8 = 6;
 }
 
 /// `TraceRecord::ct_state` values: what conntrack said about the packet.
@@ -929,6 +986,9 @@ mod user {
     unsafe impl aya::Pod for super::Svc4Key {}
     unsafe impl aya::Pod for super::Svc6Key {}
     unsafe impl aya::Pod for super::SvcValue {}
+    unsafe impl aya::Pod for super::EchoKey4 {}
+    unsafe impl aya::Pod for super::EchoKey6 {}
+    unsafe impl aya::Pod for super::EchoValue {}
     unsafe impl aya::Pod for super::Backend4 {}
     unsafe impl aya::Pod for super::Backend6 {}
     unsafe impl aya::Pod for super::RevNat4 {}

@@ -102,12 +102,15 @@ pub const TC_PASS_FRAGMENT_UNKNOWN: u32 = 32;
 /// (it was rejected or dropped, or its flow is gone): passed untouched, never balanced on its
 /// own.
 pub const TC_PASS_FRAGMENT_NO_FLOW: u32 = 33;
+/// tc/XDP: an ICMP/ICMPv6 echo request to a service address with a usable backend (`lb*_echo`)
+/// answered with an echo reply.
+pub const TC_ECHO_REPLY: u32 = 34;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 34] = [
+pub const NAMES: [&str; 35] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -142,4 +145,5 @@ pub const NAMES: [&str; 34] = [
     "tc_icmp_error_forward",
     "tc_pass_fragment_unknown",
     "tc_pass_fragment_no_flow",
+    "tc_echo_reply",
 ];

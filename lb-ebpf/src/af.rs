@@ -8,16 +8,16 @@
 use aya_ebpf::btf_maps::lpm_trie::Key;
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterIp4Key,
-    ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, IPPROTO_TCP, LbConfig, RevNat4, RevNat6,
-    SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key,
-    Svc6Key, SvcValue, config_flags,
+    ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, EchoKey4, EchoKey6, EchoValue, IPPROTO_TCP,
+    LbConfig, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value,
+    SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, config_flags,
 };
 
 use crate::maps::{
     AFF_MATCH4, AFF_MATCH6, AFFINITY4, AFFINITY6, BACKENDS4, BACKENDS6, CLUSTER_CIDR4,
-    CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT_ANY4, CT_ANY6, CT_TCP4, CT_TCP6, REVNAT4,
-    REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6, SVC_CIDR4,
-    SVC_CIDR6, scratch,
+    CLUSTER_CIDR6, CLUSTER_IPS4, CLUSTER_IPS6, CT_ANY4, CT_ANY6, CT_TCP4, CT_TCP6, ECHO4, ECHO6,
+    REVNAT4, REVNAT6, SERVICES4, SERVICES6, SK_REVNAT4, SK_REVNAT6, SRC_RANGE4, SRC_RANGE6,
+    SVC_CIDR4, SVC_CIDR6, scratch,
 };
 
 /// Which scratch slot (`maps::Scratch::keys`) a conntrack key is built in: the two keys a step
@@ -84,6 +84,8 @@ pub trait Af {
     fn revnat(id: u32) -> Option<Endpoint<Self::Addr>>;
     /// Whether `addr` is the ClusterIP of some frontend (on whatever port).
     fn is_cluster_ip(addr: Self::Addr) -> bool;
+    /// What an echo request to `addr` gets, if it is a service address (`lb*_echo`).
+    fn echo(addr: Self::Addr) -> Option<EchoValue>;
     /// Whether `addr` lies in a `--service-cidr` range.
     fn in_service_cidr(addr: Self::Addr) -> bool;
     /// Whether `saddr` lies in one of the `loadBalancerSourceRanges` of frontend `rev_nat_id`.
@@ -228,6 +230,12 @@ impl Af for V4 {
     #[inline(always)]
     fn is_cluster_ip(addr: [u8; 4]) -> bool {
         CLUSTER_IPS4.get_ptr(&ClusterIp4Key { addr }).is_some()
+    }
+
+    #[inline(always)]
+    fn echo(addr: [u8; 4]) -> Option<EchoValue> {
+        // SAFETY: hash value pointer, valid for the run; values are replaced whole.
+        ECHO4.get_ptr(&EchoKey4 { addr }).map(|v| unsafe { *v })
     }
 
     #[inline(always)]
@@ -454,6 +462,12 @@ impl Af for V6 {
     #[inline(always)]
     fn is_cluster_ip(addr: [u8; 16]) -> bool {
         CLUSTER_IPS6.get_ptr(&ClusterIp6Key { addr }).is_some()
+    }
+
+    #[inline(always)]
+    fn echo(addr: [u8; 16]) -> Option<EchoValue> {
+        // SAFETY: hash value pointer, valid for the run; values are replaced whole.
+        ECHO6.get_ptr(&EchoKey6 { addr }).map(|v| unsafe { *v })
     }
 
     #[inline(always)]

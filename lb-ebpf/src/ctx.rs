@@ -344,7 +344,8 @@ impl PacketCtx for XdpContext {
         XDP_PASS as i32
     }
 
-    // XDP builds no replies (`BUILDS_REPLIES`): the packet is left to tc instead.
+    // XDP builds no replies that change the packet's size (`BUILDS_REPLIES`): those are left
+    // to tc instead.
     #[inline(always)]
     fn change_tail(&self, _len: u32) -> Result<(), Error> {
         Err(Error::Rewrite)
@@ -355,8 +356,9 @@ impl PacketCtx for XdpContext {
         Err(Error::Rewrite)
     }
 
+    // Replies rewritten in place (an echo reply) go back out with XDP_TX.
     #[inline(always)]
     fn bounce(&self) -> Result<i32, Error> {
-        Err(Error::Rewrite)
+        Ok(XDP_TX as i32)
     }
 }

@@ -41,6 +41,8 @@ pub const IPPROTO_ICMPV6: u8 = 58;
 const ETH_HLEN: usize = 14;
 const ICMP_HLEN: usize = 8;
 const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+/// The TTL / hop limit of an echo reply, a fresh host's (Linux's default).
+const REPLY_TTL: u8 = 64;
 
 /// Per-family parsing and rewriting of ICMP errors.
 pub trait IcmpAf: FwdAf {
@@ -58,6 +60,18 @@ pub trait IcmpAf: FwdAf {
         o: &mut Packet<Self::Addr>,
         q: &mut Packet<Self::Addr>,
     ) -> Result<(), Error>;
+
+    /// This family's echo reply type (echo request: `ECHO_REQUEST`).
+    const ECHO_REQUEST: u8;
+    const ECHO_REPLY: u8;
+
+    /// Parses an echo request (code 0, not fragmented, directly after the fixed IP header for
+    /// IPv6) into `o` (`l4_off`: the ICMP header, `csum_off`: its checksum, `tcp_flags`: its
+    /// type). `Error::Unparsed` for anything else.
+    fn parse_echo<C: PacketCtx>(ctx: &C, o: &mut Packet<Self::Addr>) -> Result<(), Error>;
+
+    /// Sets the TTL / hop limit of the packet `o` to a fresh host's, with the IPv4 checksum.
+    fn fresh_ttl<C: PacketCtx>(ctx: &C, o: &Packet<Self::Addr>) -> Result<(), Error>;
 
     /// Updates the checksum at `at` for an address going from `old` to `new`, as a plain
     /// field change (no pseudo-header bookkeeping).
@@ -156,6 +170,46 @@ fn outer<A>(saddr: A, daddr: A, proto: u8, ty: u8, l4_off: usize, l4_len: usize)
 impl IcmpAf for V4 {
     const SADDR_OFF: usize = 12;
     const DADDR_OFF: usize = 16;
+    const ECHO_REQUEST: u8 = 8;
+    const ECHO_REPLY: u8 = 0;
+
+    #[inline(always)]
+    fn parse_echo<C: PacketCtx>(ctx: &C, o: &mut Packet<[u8; 4]>) -> Result<(), Error> {
+        let ip = ctx.load::<[u8; 20]>(ETH_HLEN)?;
+        let ihl = ((ip[0] & 0x0f) as usize) * 4;
+        if ip[0] >> 4 != 4 || ihl < 20 || u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0 {
+            return Err(Error::Unparsed);
+        }
+        let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+        let icmp_off = ETH_HLEN + ihl;
+        let icmp = ctx.load::<[u8; 4]>(icmp_off)?;
+        if icmp[0] != Self::ECHO_REQUEST || icmp[1] != 0 || tot_len < ihl + ICMP_HLEN {
+            return Err(Error::Unparsed);
+        }
+        *o = outer(
+            [ip[12], ip[13], ip[14], ip[15]],
+            [ip[16], ip[17], ip[18], ip[19]],
+            IPPROTO_ICMP,
+            icmp[0],
+            icmp_off,
+            tot_len - ihl,
+        );
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn fresh_ttl<C: PacketCtx>(ctx: &C, o: &Packet<[u8; 4]>) -> Result<(), Error> {
+        // TTL and protocol share a 16-bit word of the header checksum.
+        let old = ctx.load::<[u8; 2]>(o.l3_off + 8)?;
+        let new = [REPLY_TTL, old[1]];
+        ctx.l3_csum_replace(
+            o.l3_off + 10,
+            u16::from_ne_bytes(old) as u64,
+            u16::from_ne_bytes(new) as u64,
+            2,
+        )?;
+        ctx.store(o.l3_off + 8, &new)
+    }
 
     #[inline(always)]
     fn parse_error<C: PacketCtx>(
@@ -248,6 +302,37 @@ impl IcmpAf for V4 {
 impl IcmpAf for V6 {
     const SADDR_OFF: usize = 8;
     const DADDR_OFF: usize = 24;
+    const ECHO_REQUEST: u8 = 128;
+    const ECHO_REPLY: u8 = 129;
+
+    #[inline(always)]
+    fn parse_echo<C: PacketCtx>(ctx: &C, o: &mut Packet<[u8; 16]>) -> Result<(), Error> {
+        let ip = ctx.load::<[u8; 8]>(ETH_HLEN)?;
+        if ip[0] >> 4 != 6 || ip[6] != IPPROTO_ICMPV6 {
+            return Err(Error::Unparsed);
+        }
+        let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+        let icmp_off = ETH_HLEN + 40;
+        let icmp = ctx.load::<[u8; 4]>(icmp_off)?;
+        if icmp[0] != Self::ECHO_REQUEST || icmp[1] != 0 || payload_len < ICMP_HLEN {
+            return Err(Error::Unparsed);
+        }
+        *o = outer(
+            ctx.load::<[u8; 16]>(ETH_HLEN + 8)?,
+            ctx.load::<[u8; 16]>(ETH_HLEN + 24)?,
+            IPPROTO_ICMPV6,
+            icmp[0],
+            icmp_off,
+            payload_len,
+        );
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn fresh_ttl<C: PacketCtx>(ctx: &C, o: &Packet<[u8; 16]>) -> Result<(), Error> {
+        // No header checksum; the hop limit is outside ICMPv6's pseudo-header.
+        ctx.store(o.l3_off + 7, &REPLY_TTL)
+    }
 
     #[inline(always)]
     fn parse_error<C: PacketCtx>(
@@ -473,4 +558,30 @@ pub fn dnat<C: PacketCtx, A: IcmpAf>(
         A::set_outer_addr(ctx, o, Side::Source, o.saddr, flow.nat.addr)?;
     }
     A::set_outer_addr(ctx, o, Side::Destination, o.daddr, flow.endpoint.addr)
+}
+
+/// Turns the echo request `o` into its reply, in place: Ethernet and IP addresses swapped
+/// (which leaves the IPv4 header checksum and ICMPv6's pseudo-header sum as they are), a fresh
+/// TTL, the reply type with the ICMP checksum following it as a plain field change (so a
+/// CHECKSUM_COMPLETE skb's sum stays right). The caller sends it back out the device it came
+/// in on.
+#[inline(always)]
+pub fn echo_reply<C: PacketCtx, A: IcmpAf>(ctx: &C, o: &Packet<A::Addr>) -> Result<(), Error> {
+    let eth = ctx.load::<[u8; 12]>(0)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&eth[6..]);
+    swapped[6..].copy_from_slice(&eth[..6]);
+    ctx.store(0, &swapped)?;
+    ctx.store(o.l3_off + A::SADDR_OFF, &o.daddr)?;
+    ctx.store(o.l3_off + A::DADDR_OFF, &o.saddr)?;
+    A::fresh_ttl(ctx, o)?;
+    let old = ctx.load::<[u8; 2]>(o.l4_off)?;
+    let new = [A::ECHO_REPLY, old[1]];
+    ctx.l3_csum_replace(
+        o.csum_off,
+        u16::from_ne_bytes(old) as u64,
+        u16::from_ne_bytes(new) as u64,
+        2,
+    )?;
+    ctx.store(o.l4_off, &new)
 }

@@ -9,9 +9,9 @@ use aya_ebpf::{
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterCidr4,
     ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    Frag4Key, Frag6Key, FragEntry, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
-    SvcCidrValue, SvcValue, TraceRecord, UdpGoneKey, map_sizes,
+    EchoKey4, EchoKey6, EchoValue, Frag4Key, Frag6Key, FragEntry, LbConfig, MetricValue, PinMeta,
+    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4,
+    SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, TraceRecord, UdpGoneKey, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -93,6 +93,12 @@ pub static CLUSTER_IPS6: HashMap<
     { map_sizes::CLUSTER_IPS as usize },
     NO_PREALLOC,
 > = HashMap::new();
+#[btf_map(name = "lb4_echo")]
+pub static ECHO4: HashMap<EchoKey4, EchoValue, { map_sizes::ECHO as usize }, NO_PREALLOC> =
+    HashMap::new();
+#[btf_map(name = "lb6_echo")]
+pub static ECHO6: HashMap<EchoKey6, EchoValue, { map_sizes::ECHO as usize }, NO_PREALLOC> =
+    HashMap::new();
 #[btf_map(name = "lb4_svc_cidr")]
 pub static SVC_CIDR4: LpmTrie<[u8; 4], SvcCidrValue, { map_sizes::SVC_CIDR as usize }> =
     LpmTrie::new();

@@ -22,7 +22,8 @@
 //! up through the calls would cost each frame a copy of the 512-byte stack the chain shares).
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use lb_common::{
-    TraceRecord, ct_dir, ct_flags, flow_hash, lb_alg, metrics, svc_flags, trace_ct, trace_verdict,
+    TraceRecord, config_flags, ct_dir, ct_flags, echo, flow_hash, lb_alg, metrics, scope,
+    svc_flags, trace_ct, trace_verdict,
 };
 
 use crate::{
@@ -95,8 +96,8 @@ fn try_packet<C: PacketCtx>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
     match parse::l3(ctx)? {
         L3::V4 => decided::<V4>(handle::<C, V4>(ctx, hook)),
         L3::V6 => decided::<V6>(handle::<C, V6>(ctx, hook)),
-        L3::Icmp4 => icmp_error::<C, V4>(ctx, hook),
-        L3::Icmp6 => icmp_error::<C, V6>(ctx, hook),
+        L3::Icmp4 => icmp::<C, V4>(ctx, hook),
+        L3::Icmp6 => icmp::<C, V6>(ctx, hook),
     }
 }
 
@@ -732,6 +733,37 @@ fn from_backend<C: PacketCtx, A: FwdAf, const L4: bool>(
     })
 }
 
+/// An ICMP/ICMPv6 packet: an echo request on an ingress hook (`echo_request`), else an error
+/// (`icmp_error`).
+// Inlined into the entry: the reject an echo may get is built from here, the shallowest
+// frame, as the subprograms' frames under one another would overflow the 512-byte stack.
+#[inline(always)]
+fn icmp<C: PacketCtx, A: IcmpAf + RejectAf>(ctx: &C, hook: Hook) -> Result<Decision, Error> {
+    if hook == Hook::Egress {
+        return icmp_error::<C, A>(ctx, hook);
+    }
+    match echo_request::<C, A>(ctx, hook) {
+        ECHO_NONE => icmp_error::<C, A>(ctx, hook),
+        ECHO_FAILED => Err(Error::Rewrite),
+        ECHO_REJECT => {
+            let s = scratch().ok_or(Error::Rewrite)?;
+            // SAFETY: this CPU's scratch entry, its `packet` the request `echo_request`
+            // parsed.
+            let o = unsafe { &*(*s).packet.as_ptr().cast::<Packet<A::Addr>>() };
+            let action = reject_packet::<C, A>(ctx, o)?;
+            trace::amend(|r| r.verdict = reject_verdict::<C>(action));
+            Ok(Decision {
+                action,
+                reason: metrics::TC_REJECT_NO_BACKEND,
+            })
+        }
+        packed => Ok(Decision {
+            action: packed as u32 as i32,
+            reason: (packed >> 32) as u32,
+        }),
+    }
+}
+
 /// An ICMP/ICMPv6 error (`icmp`): one quoting a packet lb sent to a backend is rewritten for
 /// the client (any hook, egress too: the node's own errors leave that way); one quoting a
 /// reply lb reverse-NATed is rewritten for the backend (ingress hooks). Anything else ICMP
@@ -762,6 +794,83 @@ fn icmp_error<C: PacketCtx, A: IcmpAf>(ctx: &C, hook: Hook) -> Result<Decision, 
         trace_verdict::PASS,
         metrics::TC_PASS_NO_SERVICE,
     ))
+}
+
+/// An echo request (ping) on an ingress hook: to a service address it gets what the address's
+/// other traffic would (`lb*_echo`, per scope of the client): answered while a frontend there
+/// has a usable backend, rejected or dropped as its frontends' traffic is when none has.
+/// Anything else, or every echo with `--no-echo-reply`, passes untouched. Returns
+/// `ECHO_NONE` for a packet that is no echo request, `ECHO_REJECT` for one the caller
+/// rejects.
+// A subprogram beside the error path, its decision packed in a scalar (action, reason << 32,
+// or one of the `ECHO_*` values): the verifier refuses a subprogram whose return register may
+// still hold a pointer into its own stack, which a struct return leaves there.
+#[inline(never)]
+fn echo_request<C: PacketCtx, A: IcmpAf + RejectAf>(ctx: &C, hook: Hook) -> u64 {
+    let Some(s) = scratch() else {
+        return ECHO_NONE;
+    };
+    // SAFETY: this CPU's scratch entry (see `handle`); `packet` takes the request's headers.
+    let o = unsafe { &mut *(*s).packet.as_mut_ptr().cast::<Packet<A::Addr>>() };
+    if A::parse_echo(ctx, o).is_err() {
+        return ECHO_NONE;
+    }
+    match echo_decision::<C, A>(ctx, o, hook) {
+        Ok(d) if d.reason == metrics::TC_REJECT_NO_BACKEND => ECHO_REJECT,
+        Ok(d) => u64::from(d.action as u32) | (u64::from(d.reason) << 32),
+        Err(_) => ECHO_FAILED,
+    }
+}
+
+/// `echo_request`'s return for a failed rewrite.
+const ECHO_FAILED: u64 = u64::MAX;
+/// `echo_request`'s return for a request to reject (its trace record written).
+const ECHO_REJECT: u64 = u64::MAX - 1;
+/// `echo_request`'s return for anything but an echo request.
+const ECHO_NONE: u64 = u64::MAX - 2;
+
+#[inline(always)]
+fn echo_decision<C: PacketCtx, A: IcmpAf + RejectAf>(
+    ctx: &C,
+    o: &Packet<A::Addr>,
+    hook: Hook,
+) -> Result<Decision, Error> {
+    let off = config().is_some_and(|c| c.flags & config_flags::NO_ECHO_REPLY != 0);
+    let (verdict, client_scope) = match A::echo(o.daddr) {
+        Some(_) if off => (echo::NONE, 0),
+        Some(v) if hook == Hook::Pod => (v.internal, scope::INTERNAL),
+        Some(v) => (v.external, scope::EXTERNAL),
+        None => (echo::NONE, 0),
+    };
+    let (action, verdict, reason) = match verdict {
+        echo::ANSWER => {
+            icmp::echo_reply::<C, A>(ctx, o)?;
+            (
+                ctx.bounce()?,
+                trace_verdict::ECHO_REPLY,
+                metrics::TC_ECHO_REPLY,
+            )
+        }
+        echo::REJECT if !C::BUILDS_REPLIES => return Ok(to_tc::<C>()),
+        // Built by the caller (`ECHO_REJECT`).
+        echo::REJECT => (
+            C::DROP,
+            trace_verdict::REJECT,
+            metrics::TC_REJECT_NO_BACKEND,
+        ),
+        echo::DROP => (
+            C::DROP,
+            trace_verdict::DROP,
+            metrics::TC_DROP_NO_LOCAL_BACKEND,
+        ),
+        _ => (C::PASS, trace_verdict::PASS, metrics::TC_PASS_NO_SERVICE),
+    };
+    trace::record(|r| {
+        r.verdict = verdict;
+        r.reason = reason as u8;
+        r.scope = client_scope;
+    });
+    Ok(Decision { action, reason })
 }
 
 /// An error about a packet lb sent to a backend, rewritten for the client (`icmp::revnat`).

@@ -554,6 +554,7 @@ fn log_node_facts(f: &NodeFacts) {
         cluster_cidrs = list(&f.cluster_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()),
         service_cidrs = list(&f.service_cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()),
         masquerade_all = f.masquerade_all,
+        echo_reply = f.echo_reply,
         "node facts written"
     );
     let (v4, v6) = f.snat_ips();

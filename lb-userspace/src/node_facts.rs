@@ -106,6 +106,12 @@ pub struct NodeFactsArgs {
     /// Masquerade all traffic to ClusterIPs.
     #[arg(long)]
     pub masquerade_all: bool,
+    /// Do not answer ping: by default an ICMP/ICMPv6 echo request to a ClusterIP, external IP
+    /// or LoadBalancer IP with a usable endpoint is answered by the tc/XDP datapath (rejected or
+    /// dropped, as the address's other traffic, when it has none); with this flag echo requests
+    /// pass untouched, as with kube-proxy.
+    #[arg(long)]
+    pub no_echo_reply: bool,
     /// The addresses NodePorts answer on: `primary` (the node IP of each family, the default)
     /// and/or CIDRs selecting host addresses (repeatable, comma-separated). Loopback addresses
     /// only when a CIDR covers them.
@@ -137,6 +143,8 @@ pub struct NodeFacts {
     pub cluster_cidrs: Vec<Cidr>,
     pub service_cidrs: Vec<Cidr>,
     pub masquerade_all: bool,
+    /// Echo requests to service addresses are answered (`--no-echo-reply` unset).
+    pub echo_reply: bool,
     /// The addresses NodePorts answer on (`--nodeport-addresses` resolved).
     pub nodeport_addresses: Vec<IpAddr>,
 }
@@ -163,6 +171,7 @@ impl NodeFacts {
             cluster_cidrs: args.cluster_cidr.clone(),
             service_cidrs: args.service_cidr.clone(),
             masquerade_all: args.masquerade_all,
+            echo_reply: !args.no_echo_reply,
             nodeport_addresses: Vec::new(),
         };
         // The host's addresses are only listed when a CIDR asks for them.
@@ -194,6 +203,9 @@ impl NodeFacts {
         let mut flags = 0;
         if self.masquerade_all {
             flags |= config_flags::MASQUERADE_ALL;
+        }
+        if !self.echo_reply {
+            flags |= config_flags::NO_ECHO_REPLY;
         }
         if self.cluster_cidrs.iter().any(|c| c.addr.is_ipv4()) {
             flags |= config_flags::CLUSTER_CIDR4;
@@ -446,13 +458,16 @@ mod tests {
         );
         let all = NodeFactsArgs {
             masquerade_all: true,
+            no_echo_reply: true,
             cluster_cidr: vec!["2001:db8:1::/48".parse().unwrap()],
             ..NodeFactsArgs::default()
         };
         let c = NodeFacts::resolve(&all, None, Vec::new).datapath_config();
         assert_eq!(
             c.flags,
-            config_flags::MASQUERADE_ALL | config_flags::CLUSTER_CIDR6
+            config_flags::MASQUERADE_ALL
+                | config_flags::CLUSTER_CIDR6
+                | config_flags::NO_ECHO_REPLY
         );
         assert_eq!(
             (c.node_ip4, c.node_ip6),

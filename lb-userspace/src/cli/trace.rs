@@ -98,7 +98,7 @@ impl Classifier {
 /// maps it used. The JSON form is stable (see the README): fields may be added, never removed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct TraceResult {
-    /// `forward`, `drop`, `pass` or `reject`.
+    /// `forward`, `drop`, `pass`, `reject`, or `echo-reply` (a `--ping` the datapath answered).
     pub verdict: &'static str,
     /// The counter the datapath bumped for the packet: the precise reason for the verdict
     /// (`tc_forward_new`, `tc_drop_no_backend`, ... from `lb_common::metrics::NAMES`).
@@ -147,7 +147,8 @@ pub struct TraceResult {
     pub hook: String,
     /// The node facts the trace ran with; `null` when they are the running lb's own.
     pub node: Option<NodeFacts>,
-    /// What a `reject` sends back to the client (the program's output packet), else `null`.
+    /// What a `reject` (or an `echo-reply`) sends back to the client (the program's output
+    /// packet), else `null`.
     pub reply: Option<Reply>,
     /// `first` (its ports remembered for the later fragments) or `later` (its ports from
     /// the first fragment: it follows that flow or passes untouched), else `null`.
@@ -161,7 +162,8 @@ pub struct TraceResult {
 /// The reply packet a REJECT sends back.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Reply {
-    /// `tcp-rst`, `icmp-port-unreachable` or `icmpv6-port-unreachable`.
+    /// `tcp-rst`, `icmp-port-unreachable` or `icmpv6-port-unreachable`; for an answered
+    /// `--ping`, `icmp-echo-reply` or `icmpv6-echo-reply`.
     pub proto: &'static str,
     /// `ip:port` for a RST, `ip` for ICMP.
     pub src: String,
@@ -205,6 +207,16 @@ impl Reply {
                 src: src.to_string(),
                 dst: dst.to_string(),
             }),
+            (1, 0, 0) => Some(Self {
+                proto: "icmp-echo-reply",
+                src: src.to_string(),
+                dst: dst.to_string(),
+            }),
+            (58, 129, 0) => Some(Self {
+                proto: "icmpv6-echo-reply",
+                src: src.to_string(),
+                dst: dst.to_string(),
+            }),
             _ => None,
         }
     }
@@ -215,6 +227,8 @@ impl fmt::Display for Reply {
         let what = match self.proto {
             "tcp-rst" => "TCP RST",
             "icmp-port-unreachable" => "ICMP port unreachable",
+            "icmp-echo-reply" => "ICMP echo reply",
+            "icmpv6-echo-reply" => "ICMPv6 echo reply",
             _ => "ICMPv6 port unreachable",
         };
         write!(f, "{what} {} → {}", self.src, self.dst)
@@ -236,6 +250,8 @@ pub struct Probe {
     pub ext_headers: u8,
     /// Which fragment of a datagram the packet is, if any (`--fragments`).
     pub fragment: FragProbe,
+    /// An ICMP/ICMPv6 echo request to `dst` instead (`--ping`; `sport` its identifier).
+    pub echo: bool,
 }
 
 /// A probe as a fragment: the first (with the ports, more fragments follow) or a later one
@@ -569,13 +585,14 @@ impl Tracer {
             match verdict {
                 "drop" => ret == XDP_DROP,
                 "pass" => ret == XDP_PASS,
+                "echo-reply" => ret == XDP_TX,
                 "forward" => matches!(ret, XDP_PASS | XDP_TX | XDP_REDIRECT),
                 _ => false,
             }
         } else {
             match verdict {
                 "drop" => ret == TC_ACT_SHOT,
-                "reject" => ret == TC_ACT_REDIRECT,
+                "reject" | "echo-reply" => ret == TC_ACT_REDIRECT,
                 _ => ret != TC_ACT_SHOT,
             }
         };
@@ -584,14 +601,16 @@ impl Tracer {
         }
         self.last_out.clone_from(&out);
         let src_before = SocketAddr::new(probe.src, probe.sport);
-        let reply = if verdict == "reject" {
+        let reply = if matches!(verdict, "reject" | "echo-reply") {
             Some(Reply::parse(&out).context("a reject left no RST or ICMP reply")?)
         } else {
             None
         };
-        // A rejected packet goes nowhere: its source is as it was. A later fragment has no
+        // A rejected (or answered) packet goes nowhere: its source is as it was, as is an
+        // echo request's, which has no ports. A later fragment has no
         // ports: its datagram's are the first fragment's (the NAT port when masqueraded).
         let src_after = match reply {
+            _ if probe.echo => src_before,
             Some(_) => src_before,
             None if probe.fragment == FragProbe::Later => {
                 let ip = endpoints(&out)
@@ -680,7 +699,9 @@ impl Tracer {
             }),
             maglev_cell: maglev.then_some(record.maglev_cell),
             maglev_table_size: maglev.then_some(self.maglev_table_size),
-            scope: is_service.then(|| scope.as_str()),
+            // An echo's scope: the client's, which picked the address's verdict.
+            scope: (is_service || probe.echo && record.verdict != trace_verdict::PASS)
+                .then(|| scope.as_str()),
             backend,
             masquerade: record.masquerade != 0,
             local_backend: record.local_backend != 0,
@@ -926,6 +947,15 @@ fn ones_sum(data: &[u8]) -> u32 {
 /// (SCTP's CRC32c included).
 fn build_packet(p: &Probe) -> Vec<u8> {
     let (proto, l4): (u8, Vec<u8>) = match p.proto {
+        // An echo request, its identifier the source port.
+        _ if p.echo => {
+            let mut h = vec![0u8; 12];
+            h[0] = if p.src.is_ipv4() { 8 } else { 128 };
+            h[4..6].copy_from_slice(&p.sport.to_be_bytes());
+            h[6..8].copy_from_slice(&1u16.to_be_bytes());
+            h[8..12].copy_from_slice(b"lbtr");
+            (if p.src.is_ipv4() { 1 } else { 58 }, h)
+        }
         Proto::Tcp => {
             let mut h = vec![0u8; 20];
             h[0..2].copy_from_slice(&p.sport.to_be_bytes());
@@ -994,10 +1024,16 @@ fn build_packet(p: &Probe) -> Vec<u8> {
     let csum_off = match proto {
         6 => Some(16),
         17 => Some(6),
+        1 | 58 => Some(2),
         _ => None,
     };
     if let Some(off) = csum_off {
-        let sum = pseudo + u32::from(proto) + l4.len() as u32 + ones_sum(&l4);
+        // ICMP's checksum has no pseudo-header; ICMPv6's has.
+        let pseudo = match proto {
+            1 => 0,
+            _ => pseudo + u32::from(proto) + l4.len() as u32,
+        };
+        let sum = pseudo + ones_sum(&l4);
         let c = match !fold(sum) {
             0 if proto == 17 => 0xffff,
             c => c,
@@ -1113,6 +1149,7 @@ fn verdict_name(v: u8) -> Option<&'static str> {
         trace_verdict::PASS => Some("pass"),
         trace_verdict::DROP => Some("drop"),
         trace_verdict::REJECT => Some("reject"),
+        trace_verdict::ECHO_REPLY => Some("echo-reply"),
         _ => None,
     }
 }
@@ -1263,12 +1300,13 @@ impl fmt::Display for TraceResult {
             writeln!(
                 f,
                 "node:        ips {} ({:?}), cluster-cidr {}, service-cidr {}, masquerade-all {}, \
-                 nodeports on {}",
+                 echo-reply {}, nodeports on {}",
                 list(n.node_ips.iter().map(ToString::to_string).collect()),
                 n.node_ip_source,
                 list(n.cluster_cidrs.iter().map(ToString::to_string).collect()),
                 list(n.service_cidrs.iter().map(ToString::to_string).collect()),
                 n.masquerade_all,
+                n.echo_reply,
                 list(
                     n.nodeport_addresses
                         .iter()
@@ -1350,6 +1388,11 @@ pub struct TraceArgs {
     /// The ICMP error's source [default: the backend the packet went to].
     #[arg(long, requires = "icmp_error")]
     pub icmp_from: Option<IpAddr>,
+    /// Trace an ICMP/ICMPv6 echo request (ping) to --dst's address instead (its port is
+    /// ignored; the source port is the echo identifier): answered by the datapath when the
+    /// address is a ClusterIP, external or LoadBalancer IP with a usable endpoint.
+    #[arg(long, conflicts_with_all = ["fragments", "icmp_error", "midstream", "ipv6_ext_headers"])]
+    pub ping: bool,
     /// The conntrack lifetimes, as `lb run` takes them (the sizes are accepted too; a trace's
     /// private conntrack holds a few entries whatever they say).
     #[command(flatten)]
@@ -1486,6 +1529,7 @@ pub fn run(
             } else {
                 FragProbe::None
             },
+            echo: args.ping,
         };
         let mut results = vec![tracer.trace(&probe)?];
         if args.fragments {

@@ -15,6 +15,10 @@
 //! frontends is written, and removed only after the last one is gone, so a packet to a
 //! frontend's port never meets "unknown port" while the frontend exists.
 //!
+//! The echo table (`lb*_echo`: what a ping to a ClusterIP, external or LoadBalancer IP gets)
+//! follows the installed masters at each address, after them: an address answers once one of
+//! its frontends has a usable backend written.
+//!
 //! A Maglev frontend's table (`lb_maglev`) is written with its slots, before the master that
 //! names it: a new table in a free index, a changed one in place, cell by cell, each cell naming
 //! a backend that is already written and is deleted only once no slot and no cell of an
@@ -41,7 +45,7 @@ use std::{
 // foldhash: these maps are keyed by backend addresses and ids and looked up ~10 times per
 // backend of a changed service; SipHash was a tenth of a 1,000-change sync.
 use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
-use lb_common::{SvcValue, lb_alg, map_names, svc_flags};
+use lb_common::{EchoValue, SvcValue, echo, lb_alg, map_names, svc_flags};
 
 use super::{incremental::Update, maglev};
 use crate::{
@@ -112,6 +116,8 @@ pub struct Reconciler<M> {
     stray_slots: BTreeSet<(Frontend, u16)>,
     /// The ClusterIP set as written: address → frontends at it.
     cluster_ips: BTreeMap<IpAddr, u32>,
+    /// The echo table as written: address → verdicts.
+    echo: BTreeMap<IpAddr, EchoValue>,
     /// Source ranges as written: (rev-NAT id, range).
     src_ranges: BTreeSet<(u32, Cidr)>,
     /// Session affinity's backend matches as written.
@@ -147,6 +153,7 @@ struct Counts {
     backends: [usize; 2],
     revnat: [usize; 2],
     cluster_ips: [usize; 2],
+    echo: [usize; 2],
     src_ranges: [usize; 2],
     aff_match: [usize; 2],
 }
@@ -181,6 +188,7 @@ impl<M: LbMaps> Reconciler<M> {
             services: BTreeMap::new(),
             stray_slots: BTreeSet::new(),
             cluster_ips: BTreeMap::new(),
+            echo: BTreeMap::new(),
             src_ranges: BTreeSet::new(),
             aff_match: BTreeSet::new(),
             next_backend_id: 1,
@@ -273,6 +281,7 @@ impl<M: LbMaps> Reconciler<M> {
         self.services = services;
         self.stray_slots = stray_slots;
         self.cluster_ips = dump.cluster_ips;
+        self.echo = dump.echo;
         self.src_ranges = dump.src_ranges;
         self.aff_match = dump.aff_match;
         self.next_backend_id = next_backend_id;
@@ -301,6 +310,7 @@ impl<M: LbMaps> Reconciler<M> {
                 .keys()
                 .filter(|a| Family::of(a) == f)
                 .count();
+            c.echo[i] = self.echo.keys().filter(|a| Family::of(a) == f).count();
         }
         c
     }
@@ -345,6 +355,7 @@ impl<M: LbMaps> Reconciler<M> {
             Table::ClusterIps => self.counts.cluster_ips[f],
             Table::SourceRanges => self.counts.src_ranges[f],
             Table::AffinityMatch => self.counts.aff_match[f],
+            Table::Echo => self.counts.echo[f],
         }
     }
 
@@ -424,6 +435,7 @@ impl<M: LbMaps> Reconciler<M> {
         self.delete_stray_slots(&mut report);
         self.collect_garbage(false, &mut report);
         self.sync_cluster_ips(&mut report);
+        self.sync_echo(&mut report);
         self.prune_src_ranges(desired, &mut report);
         self.prune_aff_match(&mut report);
         self.finish(&report);
@@ -575,6 +587,10 @@ impl<M: LbMaps> Reconciler<M> {
         );
         self.collect_garbage_of(&ids, &revnat, &changed, cw, false, &mut report);
         let addrs: BTreeSet<IpAddr> = changed.iter().map(|fe| fe.l4.addr).collect();
+        for addr in &addrs {
+            let want = echo_at(at_addr(&self.services, *addr));
+            self.set_echo(*addr, want, &mut report);
+        }
         for addr in addrs {
             let n = at_addr(&self.services, addr)
                 .filter(|(_, i)| i.master.flags & svc_flags::CLUSTER_IP != 0)
@@ -968,6 +984,50 @@ impl<M: LbMaps> Reconciler<M> {
         for (addr, n) in installed {
             if self.cluster_ips.get(&addr) != Some(&n) {
                 self.put_cluster_ip(addr, n, report);
+            }
+        }
+    }
+
+    /// Makes the echo table match the frontends installed now.
+    fn sync_echo(&mut self, report: &mut ApplyReport) {
+        let addrs: BTreeSet<IpAddr> = self
+            .services
+            .keys()
+            .map(|fe| fe.l4.addr)
+            .chain(self.echo.keys().copied())
+            .collect();
+        for addr in addrs {
+            let want = echo_at(at_addr(&self.services, addr));
+            self.set_echo(addr, want, report);
+        }
+    }
+
+    /// Writes (or, with `None`, deletes) `addr`'s echo entry where it differs. A failure only
+    /// costs the ping answer, so it is logged, and retried by the next full apply.
+    fn set_echo(&mut self, addr: IpAddr, want: Option<EchoValue>, report: &mut ApplyReport) {
+        if self.echo.get(&addr) == want.as_ref() {
+            return;
+        }
+        let f = fam_of(&addr);
+        let result = match want {
+            Some(v) => self.maps.put_echo(addr, v),
+            None => self.maps.del_echo(addr),
+        };
+        match (result, want) {
+            (Ok(()), Some(v)) => {
+                report.writes += 1;
+                if self.echo.insert(addr, v).is_none() {
+                    self.counts.echo[f] += 1;
+                }
+            }
+            (Ok(()), None) => {
+                report.deletes += 1;
+                self.echo.remove(&addr);
+                self.counts.echo[f] -= 1;
+            }
+            (Err(e), _) => {
+                self.degraded = true;
+                tracing::warn!(%addr, error = %e, "cannot write echo entry");
             }
         }
     }
@@ -1598,6 +1658,53 @@ fn at_addr<V>(map: &BTreeMap<Frontend, V>, addr: IpAddr) -> impl Iterator<Item =
     };
     map.range(lo..)
         .take_while(move |(fe, _)| fe.l4.addr == addr)
+}
+
+/// What an echo request to an address gets, from the masters installed at it (`at_addr`):
+/// per client scope, answered while any ClusterIP, external or LoadBalancer frontend there has
+/// a usable backend, else dropped where one drops its traffic (endpoints only elsewhere), else
+/// rejected. A frontend with source ranges takes no part (its traffic depends on the source).
+/// `None`: the address has no such frontend.
+fn echo_at<'a>(at: impl Iterator<Item = (&'a Frontend, &'a Installed)>) -> Option<EchoValue> {
+    const SERVICE_ADDR: u16 =
+        svc_flags::CLUSTER_IP | svc_flags::EXTERNAL_IP | svc_flags::LOAD_BALANCER;
+    // Strongest first: one answering frontend makes the address answer.
+    let rank = |v: u8| match v {
+        echo::ANSWER => 3,
+        echo::DROP => 2,
+        echo::REJECT => 1,
+        _ => 0,
+    };
+    let merge = |have: &mut u8, v: u8| {
+        if rank(v) > rank(*have) {
+            *have = v;
+        }
+    };
+    let mut out = EchoValue::default();
+    for (fe, i) in at {
+        let m = &i.master;
+        if m.flags & SERVICE_ADDR == 0 || m.flags & svc_flags::SOURCE_RANGES != 0 {
+            continue;
+        }
+        let v = if m.count > 0 {
+            echo::ANSWER
+        } else if m.flags & svc_flags::EMPTY_DROP != 0 {
+            echo::DROP
+        } else {
+            echo::REJECT
+        };
+        match fe.scope {
+            Scope::Internal => merge(&mut out.internal, v),
+            Scope::External => {
+                merge(&mut out.external, v);
+                // One scope serves both kinds of client.
+                if m.flags & svc_flags::TWO_SCOPES == 0 {
+                    merge(&mut out.internal, v);
+                }
+            }
+        }
+    }
+    (out != EchoValue::default()).then_some(out)
 }
 
 /// Frontends per ClusterIP address among `frontends` (frontend, `svc_flags`).

@@ -24,9 +24,9 @@ use aya::{
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterCidr4,
     ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key,
-    SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, globals,
-    maglev, map_names, map_sizes, prog_names,
+    EchoKey4, EchoKey6, EchoValue, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
+    SvcCidrValue, SvcValue, globals, maglev, map_names, map_sizes, prog_names,
 };
 
 use super::{
@@ -70,7 +70,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 28] = [
+const MAP_SPECS: [MapSpec; 30] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
@@ -114,6 +114,8 @@ const MAP_SPECS: [MapSpec; 28] = [
         MapType::Hash,
         map_sizes::CLUSTER_IPS,
     ),
+    spec::<EchoKey4, EchoValue>(map_names::ECHO4, MapType::Hash, map_sizes::ECHO),
+    spec::<EchoKey6, EchoValue>(map_names::ECHO6, MapType::Hash, map_sizes::ECHO),
     spec::<LpmKey<[u8; 4]>, SvcCidrValue>(
         map_names::SVC_CIDR4,
         MapType::LpmTrie,
@@ -265,7 +267,7 @@ impl LoadOptions {
 }
 
 /// The maps that describe services: what a read-only tool shares with a running lb.
-pub const SERVICE_MAPS: [&str; 14] = [
+pub const SERVICE_MAPS: [&str; 16] = [
     map_names::SERVICES4,
     map_names::BACKENDS4,
     map_names::REVNAT4,
@@ -274,6 +276,8 @@ pub const SERVICE_MAPS: [&str; 14] = [
     map_names::REVNAT6,
     map_names::CLUSTER_IPS4,
     map_names::CLUSTER_IPS6,
+    map_names::ECHO4,
+    map_names::ECHO6,
     map_names::SVC_CIDR4,
     map_names::SVC_CIDR6,
     map_names::AFF_MATCH4,
@@ -766,6 +770,8 @@ impl Datapath {
             src_ranges6: self.take_trie(map_names::SRC_RANGE6)?,
             aff_match4: self.take(map_names::AFF_MATCH4)?,
             aff_match6: self.take(map_names::AFF_MATCH6)?,
+            echo4: self.take(map_names::ECHO4)?,
+            echo6: self.take(map_names::ECHO6)?,
             capacities,
             maglev: Some(
                 Array::try_from(

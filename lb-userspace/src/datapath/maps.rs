@@ -10,9 +10,9 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{Array, HashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key as LpmKey};
 use lb_common::{
-    AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
-    MetricValue, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcValue, lb_alg,
-    map_names, svc_flags,
+    AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, EchoKey4,
+    EchoKey6, EchoValue, MetricValue, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
+    SvcValue, echo, lb_alg, map_names, svc_flags,
 };
 
 pub use super::error::MapOpError;
@@ -32,17 +32,20 @@ pub enum Table {
     SourceRanges,
     /// The backends session affinity may name per frontend (`lb*_aff_match`).
     AffinityMatch,
+    /// Service addresses that answer ping (`lb*_echo`).
+    Echo,
 }
 
 impl Table {
     /// Every table the reconciler owns, in a stable order.
-    pub const ALL: [Table; 6] = [
+    pub const ALL: [Table; 7] = [
         Table::Services,
         Table::Backends,
         Table::RevNat,
         Table::ClusterIps,
         Table::SourceRanges,
         Table::AffinityMatch,
+        Table::Echo,
     ];
 
     pub fn map_name(self, family: Family) -> &'static str {
@@ -59,6 +62,8 @@ impl Table {
             (Table::SourceRanges, Family::V6) => map_names::SRC_RANGE6,
             (Table::AffinityMatch, Family::V4) => map_names::AFF_MATCH4,
             (Table::AffinityMatch, Family::V6) => map_names::AFF_MATCH6,
+            (Table::Echo, Family::V4) => map_names::ECHO4,
+            (Table::Echo, Family::V6) => map_names::ECHO6,
         }
     }
 }
@@ -77,6 +82,8 @@ pub struct Dump {
     pub src_ranges: BTreeSet<(u32, Cidr)>,
     /// The backends session affinity may name, per frontend (`lb*_aff_match`).
     pub aff_match: BTreeSet<AffMatch>,
+    /// Service address → what an echo request to it gets (`lb*_echo`).
+    pub echo: BTreeMap<IpAddr, EchoValue>,
     /// Maglev table index → its M cells (backend ids, 0: empty), for the tables Maglev masters
     /// name (`lb_maglev`; the other tables' cells are free space).
     pub maglev: BTreeMap<u32, Vec<u32>>,
@@ -137,6 +144,7 @@ impl Dump {
                 .count(),
             Table::SourceRanges => src_ranges_of(&self.src_ranges, family),
             Table::AffinityMatch => aff_match_of(&self.aff_match, family),
+            Table::Echo => self.echo.keys().filter(|a| Family::of(a) == family).count(),
         }
     }
 }
@@ -221,6 +229,9 @@ pub trait LbMaps {
     /// Lets affinity entries of a frontend name a backend.
     fn put_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError>;
     fn del_aff_match(&mut self, entry: &AffMatch) -> Result<(), MapOpError>;
+    /// Sets what an echo request to service address `addr` gets.
+    fn put_echo(&mut self, addr: IpAddr, value: EchoValue) -> Result<(), MapOpError>;
+    fn del_echo(&mut self, addr: IpAddr) -> Result<(), MapOpError>;
     /// `lb_maglev`'s shape; no tables (the default): Maglev frontends fall back to random.
     fn maglev_geometry(&self) -> MaglevGeometry {
         MaglevGeometry::default()
@@ -283,6 +294,8 @@ pub struct BpfMaps {
     pub src_ranges6: LpmTrie<MapData, SrcRange6, u8>,
     pub aff_match4: HashMap<MapData, AffinityMatchKey, u8>,
     pub aff_match6: HashMap<MapData, AffinityMatchKey, u8>,
+    pub echo4: HashMap<MapData, EchoKey4, EchoValue>,
+    pub echo6: HashMap<MapData, EchoKey6, EchoValue>,
     pub capacities: BTreeMap<(Table, Family), u32>,
     /// `lb_maglev`, with the M the programs were loaded with (`None`: pins of an lb without
     /// Maglev, opened read-only).
@@ -441,6 +454,14 @@ impl LbMaps for BpfMaps {
             let addr = Ipv6Addr::from(d.addr).into();
             dump.src_ranges
                 .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
+        }
+        for item in self.echo4.iter() {
+            let (k, v) = item?;
+            dump.echo.insert(Ipv4Addr::from(k.addr).into(), v);
+        }
+        for item in self.echo6.iter() {
+            let (k, v) = item?;
+            dump.echo.insert(Ipv6Addr::from(k.addr).into(), v);
         }
         for (family, map, name) in [
             (Family::V4, &self.aff_match4, map_names::AFF_MATCH4),
@@ -675,6 +696,28 @@ impl LbMaps for BpfMaps {
         ignore_missing(map.remove(&entry.key())).map_err(|e| MapOpError::from_aya(name, e))
     }
 
+    fn put_echo(&mut self, addr: IpAddr, value: EchoValue) -> Result<(), MapOpError> {
+        match addr {
+            IpAddr::V4(a) => self
+                .echo4
+                .insert(EchoKey4 { addr: a.octets() }, value, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::ECHO4, e)),
+            IpAddr::V6(a) => self
+                .echo6
+                .insert(EchoKey6 { addr: a.octets() }, value, 0)
+                .map_err(|e| MapOpError::from_aya(map_names::ECHO6, e)),
+        }
+    }
+
+    fn del_echo(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        match addr {
+            IpAddr::V4(a) => ignore_missing(self.echo4.remove(&EchoKey4 { addr: a.octets() }))
+                .map_err(|e| MapOpError::from_aya(map_names::ECHO4, e)),
+            IpAddr::V6(a) => ignore_missing(self.echo6.remove(&EchoKey6 { addr: a.octets() }))
+                .map_err(|e| MapOpError::from_aya(map_names::ECHO6, e)),
+        }
+    }
+
     fn maglev_geometry(&self) -> MaglevGeometry {
         self.maglev_geometry
     }
@@ -833,6 +876,13 @@ pub enum MapOp {
     },
     PutAffMatch(AffMatch),
     DelAffMatch(AffMatch),
+    PutEcho {
+        addr: IpAddr,
+        value: EchoValue,
+    },
+    DelEcho {
+        addr: IpAddr,
+    },
     PutMaglev {
         table: u32,
         cell: u32,
@@ -850,6 +900,7 @@ impl MapOp {
                 | MapOp::PutClusterIp { .. }
                 | MapOp::PutSrcRange { .. }
                 | MapOp::PutAffMatch(_)
+                | MapOp::PutEcho { .. }
                 | MapOp::PutMaglev { .. }
         )
     }
@@ -896,6 +947,8 @@ impl std::fmt::Display for MapOp {
                 m.scope.as_str(),
                 m.backend_id
             ),
+            MapOp::PutEcho { addr, value } => write!(f, "put echo {addr} {}", echo_text(value)),
+            MapOp::DelEcho { addr } => write!(f, "del echo {addr}"),
             MapOp::PutMaglev { table, cell, id } => {
                 write!(f, "put maglev table {table} cell {cell} backend {id}")
             }
@@ -1063,6 +1116,20 @@ impl LbMaps for MemMaps {
         Ok(())
     }
 
+    fn put_echo(&mut self, addr: IpAddr, value: EchoValue) -> Result<(), MapOpError> {
+        let exists = self.dump.echo.contains_key(&addr);
+        self.check_room(Table::Echo, Family::of(&addr), exists)?;
+        self.journal.push(MapOp::PutEcho { addr, value });
+        self.dump.echo.insert(addr, value);
+        Ok(())
+    }
+
+    fn del_echo(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        self.journal.push(MapOp::DelEcho { addr });
+        self.dump.echo.remove(&addr);
+        Ok(())
+    }
+
     fn maglev_geometry(&self) -> MaglevGeometry {
         self.maglev_geometry
     }
@@ -1201,6 +1268,9 @@ pub fn render(dump: &Dump) -> String {
         };
         let _ = writeln!(out, "cluster-ip {addr} frontends={n}({check})");
     }
+    for (addr, v) in &dump.echo {
+        let _ = writeln!(out, "echo {addr} {}", echo_text(v));
+    }
     for (id, cidr) in &dump.src_ranges {
         let used = dump.services.iter().any(|((_, slot), v)| {
             *slot == 0 && v.rev_nat_id == *id && v.flags & svc_flags::SOURCE_RANGES != 0
@@ -1226,6 +1296,26 @@ pub fn render(dump: &Dump) -> String {
         }
     }
     out
+}
+
+/// An `lb*_echo` value as `internal=… external=…`.
+pub fn echo_text(v: &EchoValue) -> String {
+    format!(
+        "internal={} external={}",
+        echo_name(v.internal),
+        echo_name(v.external)
+    )
+}
+
+/// The name of an `echo` verdict.
+pub fn echo_name(verdict: u8) -> &'static str {
+    match verdict {
+        echo::NONE => "pass",
+        echo::ANSWER => "answer",
+        echo::REJECT => "reject",
+        echo::DROP => "drop",
+        _ => "unknown",
+    }
 }
 
 /// A Maglev table's summary: its cells per backend (or the ids it names that are missing).

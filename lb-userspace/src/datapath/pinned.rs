@@ -6,8 +6,9 @@ use std::{collections::BTreeMap, fs, io, path::Path};
 use anyhow::{Context as _, bail};
 use aya::maps::{Array, HashMap, Map, MapData, MapInfo, PerCpuArray};
 use lb_common::{
-    AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue,
-    MetricValue, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, map_names, metrics,
+    AffinityMatchKey, Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, EchoKey4,
+    EchoKey6, EchoValue, MetricValue, RevNat4, RevNat6, Svc4Key, Svc6Key, SvcValue, map_names,
+    metrics,
 };
 
 use super::maps::{BpfMaps, MaglevGeometry, Table, read_counter};
@@ -59,6 +60,8 @@ impl BpfMaps {
             src_ranges6: open_trie(dir, map_names::SRC_RANGE6)?,
             aff_match4: open_hash::<AffinityMatchKey, u8>(dir, map_names::AFF_MATCH4)?,
             aff_match6: open_hash::<AffinityMatchKey, u8>(dir, map_names::AFF_MATCH6)?,
+            echo4: open_hash::<EchoKey4, EchoValue>(dir, map_names::ECHO4)?,
+            echo6: open_hash::<EchoKey6, EchoValue>(dir, map_names::ECHO6)?,
             capacities,
             maglev,
             maglev_geometry,
