@@ -964,6 +964,51 @@ fn tc_path_rejects_like_kube_proxy() {
     drop(lb);
 }
 
+/// `ping` to a ClusterIP from a pod is answered by the tc path (lb_tc_pod turns the request
+/// around), IPv4 and IPv6, with a fresh TTL; a ClusterIP without endpoints answers with an ICMP
+/// unreachable, as its TCP and UDP do.
+#[test]
+fn ping_to_a_cluster_ip_is_answered_by_the_tc_path() {
+    let mut tb = Testbed::create(3).expect("testbed");
+    tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+        .expect("echo servers");
+    let manifests = Manifests::new(&tb.id);
+    manifests.add("empty.yaml", NO_ENDPOINTS);
+    let lb = start_lb(&mut tb, &manifests.0, false);
+    let ping = |tb: &mut Testbed, target: &str| -> Vec<serde_json::Value> {
+        let mut cmd = Command::new(LB_ECHO);
+        cmd.args(["ping", "--target", target, "--count", "3"])
+            .args(["--timeout-ms", "1000"]);
+        let ns = tb.client.ns.clone();
+        let out = tb.run(&ns, None, cmd).expect("run ping");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("ping JSON"))
+            .collect()
+    };
+    let before = lb.counter(metrics::TC_ECHO_REPLY).unwrap();
+    for vip in ["198.19.0.10", "2001:db8:ffff::10"] {
+        let replies = ping(&mut tb, vip);
+        assert_eq!(replies.len(), 3, "{vip}: {replies:?}");
+        for r in &replies {
+            assert_eq!(r["reply_from"], vip, "{r}");
+            if !vip.contains(':') {
+                assert_eq!(r["ttl"], 64, "the datapath's answer: {r}");
+            }
+        }
+    }
+    assert_eq!(lb.counter(metrics::TC_ECHO_REPLY).unwrap() - before, 6);
+    for empty in ["198.19.0.20", "2001:db8:ffff::20"] {
+        let replies = ping(&mut tb, empty);
+        assert_eq!(replies.len(), 3, "{empty}: {replies:?}");
+        for r in &replies {
+            let e = r["error"].as_str().unwrap_or_default();
+            assert!(e.starts_with("unreachable"), "{empty}: {r}");
+        }
+    }
+    drop(lb);
+}
+
 /// The same through socket LB: connect() (TCP, and UDP's connect) and unconnected sendto()
 /// fail at once with ECONNREFUSED (EPERM before 5.18, see `sock_refusal`), for a service
 /// without endpoints and for an unknown port; with EPERM, a DROP's error, for an

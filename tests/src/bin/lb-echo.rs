@@ -19,6 +19,10 @@
 //!   one. One JSON line per event, `t_ms` since start: `{"t_ms":0,"event":"connect",...}`,
 //!   `{"t_ms":..,"event":"reply","backend":"NAME"}`, `{"t_ms":..,"event":"error","op":"send"|
 //!   "recv","errno":N,"error":"…"}`, and last `{"event":"done","sent":N,"received":M}`.
+//! * `lb-echo ping --target IP [--count N] [--timeout-ms MS]` is `ping`: N ICMP/ICMPv6 echo
+//!   requests from a raw socket (root), one JSON line each: `{"seq":0,"reply_from":"IP",
+//!   "ttl":64}` (the reply's TTL; 0 for IPv6), or `{"seq":0,"error":"…"}` (an unreachable
+//!   error's type and sender, or a timeout). The exit code is 1 if any request got no reply.
 use std::{
     io::{self, BufRead, BufReader, Read as _, Write as _},
     mem,
@@ -90,6 +94,16 @@ enum Cmd {
         #[arg(long)]
         go_file: Option<std::path::PathBuf>,
     },
+    /// ICMP/ICMPv6 echo requests (ping), one JSON line per request.
+    Ping {
+        #[arg(long)]
+        target: IpAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u16,
+        /// Timeout of each request, in milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
     /// A resolver-like connected UDP socket sending every interval, reconnecting on errors.
     Stream {
         #[arg(long)]
@@ -134,6 +148,11 @@ fn main() -> ExitCode {
                 go_file,
             },
         ),
+        Cmd::Ping {
+            target,
+            count,
+            timeout_ms,
+        } => ping(target, count, Duration::from_millis(timeout_ms)),
         Cmd::Stream {
             target,
             interval_ms,
@@ -682,4 +701,107 @@ fn parse_reply(reply: &[u8]) -> anyhow::Result<(String, String)> {
         }
         _ => bail!("unexpected reply {text:?}"),
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ping
+
+/// Sends `count` echo requests to `target`, one at a time, and prints what came back.
+fn ping(target: IpAddr, count: u16, timeout: Duration) -> anyhow::Result<ExitCode> {
+    let v6 = target.is_ipv6();
+    let (family, proto) = if v6 {
+        (libc::AF_INET6, libc::IPPROTO_ICMPV6)
+    } else {
+        (libc::AF_INET, libc::IPPROTO_ICMP)
+    };
+    // SAFETY: plain socket(2) call; the result is checked before use.
+    let fd = unsafe { libc::socket(family, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error()).context("raw ICMP socket (root?)");
+    }
+    // SAFETY: fd is a fresh socket that nothing else owns. A raw socket takes the same
+    // connect/send/recv calls as a UDP one (the port is ignored), so std's wrapper serves.
+    let sock = UdpSocket::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    // connect(): the kernel then hands this socket only packets from the target.
+    sock.connect(SocketAddr::new(target, 0))
+        .with_context(|| format!("connect {target}"))?;
+    sock.set_read_timeout(Some(timeout))?;
+    let id = (std::process::id() & 0xffff) as u16;
+    let mut failed = false;
+    for seq in 0..count {
+        let mut req = vec![if v6 { 128 } else { 8 }, 0, 0, 0];
+        req.extend_from_slice(&id.to_be_bytes());
+        req.extend_from_slice(&seq.to_be_bytes());
+        req.extend_from_slice(b"lb-echo ping");
+        if !v6 {
+            // ICMPv6's checksum (with its pseudo-header) is the kernel's on a raw socket.
+            let c = icmp_checksum(&req);
+            req[2..4].copy_from_slice(&c.to_be_bytes());
+        }
+        sock.send(&req).context("send")?;
+        let line = match ping_reply(&sock, v6, id, seq) {
+            Ok(ttl) => {
+                serde_json::json!({"seq": seq, "reply_from": target.to_string(), "ttl": ttl})
+            }
+            Err(err) => {
+                failed = true;
+                serde_json::json!({"seq": seq, "error": format!("{err:#}")})
+            }
+        };
+        println!("{line}");
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Waits for the answer to echo request (`id`, `seq`): its TTL (IPv4; an IPv6 raw socket sees
+/// no IP header: 0), or an error naming an ICMP unreachable about it (or the timeout).
+fn ping_reply(sock: &UdpSocket, v6: bool, id: u16, seq: u16) -> anyhow::Result<u8> {
+    let mut buf = [0u8; 2048];
+    loop {
+        // A connected raw socket gets a port unreachable about its own request as an error.
+        let n = match sock.recv(&mut buf) {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                bail!("unreachable (port unreachable: {e})")
+            }
+            r => r.context("no answer")?,
+        };
+        let pkt = &buf[..n];
+        let (ttl, icmp) = if v6 {
+            (0, pkt)
+        } else {
+            let ihl = usize::from(pkt.first().copied().unwrap_or(0) & 0x0f) * 4;
+            (
+                pkt.get(8).copied().unwrap_or(0),
+                pkt.get(ihl..).unwrap_or_default(),
+            )
+        };
+        let field = |o: usize| icmp.get(o..o + 2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+        let (reply, unreachable) = if v6 { (129, 1) } else { (0, 3) };
+        match icmp.first().copied() {
+            Some(t) if t == reply && field(4) == Some(id) && field(6) == Some(seq) => {
+                return Ok(ttl);
+            }
+            Some(t) if t == unreachable => {
+                bail!("unreachable (code {})", icmp.get(1).copied().unwrap_or(0))
+            }
+            // Our own request looped back, other pings' replies, neighbour discovery.
+            _ => {}
+        }
+    }
+}
+
+/// The Internet checksum of `data`.
+fn icmp_checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = data
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], c.get(1).copied().unwrap_or(0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
 }
