@@ -66,7 +66,7 @@ pub trait IcmpAf: FwdAf {
     const ECHO_REPLY: u8;
 
     /// Parses an echo request (code 0, not fragmented, directly after the fixed IP header for
-    /// IPv6) into `o` (`l4_off`: the ICMP header, `csum_off`: its checksum, `tcp_flags`: its
+    /// IPv6, the whole packet the IP header declares in the frame) into `o` (`l4_off`: the ICMP header, `csum_off`: its checksum, `tcp_flags`: its
     /// type). `Error::Unparsed` for anything else.
     fn parse_echo<C: PacketCtx>(ctx: &C, o: &mut Packet<Self::Addr>) -> Result<(), Error>;
 
@@ -183,7 +183,12 @@ impl IcmpAf for V4 {
         let tot_len = u16::from_be_bytes([ip[2], ip[3]]) as usize;
         let icmp_off = ETH_HLEN + ihl;
         let icmp = ctx.load::<[u8; 4]>(icmp_off)?;
-        if icmp[0] != Self::ECHO_REQUEST || icmp[1] != 0 || tot_len < ihl + ICMP_HLEN {
+        // The whole request in the frame: the reply is the request, turned around.
+        if icmp[0] != Self::ECHO_REQUEST
+            || icmp[1] != 0
+            || tot_len < ihl + ICMP_HLEN
+            || !ctx.holds(ETH_HLEN + tot_len)
+        {
             return Err(Error::Unparsed);
         }
         *o = outer(
@@ -314,7 +319,11 @@ impl IcmpAf for V6 {
         let payload_len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
         let icmp_off = ETH_HLEN + 40;
         let icmp = ctx.load::<[u8; 4]>(icmp_off)?;
-        if icmp[0] != Self::ECHO_REQUEST || icmp[1] != 0 || payload_len < ICMP_HLEN {
+        if icmp[0] != Self::ECHO_REQUEST
+            || icmp[1] != 0
+            || payload_len < ICMP_HLEN
+            || !ctx.holds(icmp_off + payload_len)
+        {
             return Err(Error::Unparsed);
         }
         *o = outer(

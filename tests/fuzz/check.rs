@@ -22,6 +22,12 @@
 //! - a frame to a frontend without backends, or to a ClusterIP on a port it has not, gets a
 //!   well-formed TCP RST or ICMP port unreachable back to its sender from tc (an RST is
 //!   dropped), and is left untouched for tc by XDP;
+//! - an ICMP/ICMPv6 echo request on an ingress hook (`parse_echo_request`) to an address
+//!   where a frontend without source ranges has backends is answered: the request turned
+//!   around (MACs and addresses swapped, TTL 64, the reply type, nothing else changed, every
+//!   checksum as valid as it came), XDP_TX / TC_ACT_REDIRECT; to one whose frontends have no
+//!   backends it is rejected like their traffic (ICMP port unreachable from tc, untouched for
+//!   tc by XDP); to any other address it passes untouched;
 //! - a frame to an unallocated service-CIDR address, or from outside a frontend's source
 //!   ranges, may be dropped; nothing else is;
 //! - anything else leaves untouched.
@@ -88,6 +94,23 @@ impl Model {
         self.services.iter().any(|s| s.cluster_ip && s.vip == addr)
     }
 
+    /// What an echo request to `addr` gets (lb's `lb*_echo`): frontends with source ranges
+    /// take no part.
+    pub fn echo(&self, addr: IpAddr) -> Echo {
+        let mut at = self
+            .services
+            .iter()
+            .filter(|s| s.vip == addr && s.source_ranges.is_empty())
+            .peekable();
+        if at.peek().is_none() {
+            Echo::Pass
+        } else if at.any(|s| !s.backends.is_empty()) {
+            Echo::Answer
+        } else {
+            Echo::Reject
+        }
+    }
+
     pub fn in_service_cidr(&self, addr: IpAddr) -> bool {
         self.service_cidrs.iter().any(|c| in_cidr(addr, *c))
     }
@@ -99,6 +122,14 @@ impl Model {
     pub fn masquerades(&self) -> bool {
         !self.node_ips.is_empty()
     }
+}
+
+/// What an echo request to a service address gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Echo {
+    Answer,
+    Reject,
+    Pass,
 }
 
 /// The headers of a frame lb can translate, by the rules lb documents (see the module docs).
@@ -343,6 +374,8 @@ pub enum Outcome {
     LaterFragment,
     /// An ICMP error rewritten for the flow it quotes.
     IcmpError,
+    /// An echo request answered.
+    EchoReply,
 }
 
 /// What the model says may happen to a parsed frame.
@@ -391,6 +424,11 @@ pub fn check(
         ));
     }
     let untouched = verdict == pass && out == input;
+    if prog != Prog::TcEgress
+        && let Some(p) = parse_echo_request(input)
+    {
+        return check_echo(model, prog, &p, input, verdict, out, untouched);
+    }
     if let Some(e) = parse_icmp_error(input) {
         return check_icmp(flows, prog, &e, input, verdict, out, untouched);
     }
@@ -793,6 +831,148 @@ fn reject_reply(p: &Parsed, input: &[u8], out: &[u8]) -> Result<(), String> {
     };
     if !sum.is_multiple_of(0xffff) {
         return Err("port unreachable: bad ICMP checksum".into());
+    }
+    Ok(())
+}
+
+/// An ICMP/ICMPv6 echo request as lb answers them: code 0, not fragmented, IPv6 without
+/// extension headers, the whole packet its IP header declares in the frame.
+pub fn parse_echo_request(f: &[u8]) -> Option<Parsed> {
+    let (v6, ihl, total, proto, src, dst, ttl) = match be16(f.get(..14)?, 12) {
+        0x0800 => {
+            let ip = f.get(14..34)?;
+            let ihl = usize::from(ip[0] & 0x0f) * 4;
+            if ip[0] >> 4 != 4 || ihl < 20 || ip[9] != ICMP || be16(ip, 6) & 0x3fff != 0 {
+                return None;
+            }
+            let (src, dst) = (addr(&ip[12..16]), addr(&ip[16..20]));
+            (false, ihl, usize::from(be16(ip, 2)), ICMP, src, dst, ip[8])
+        }
+        0x86dd => {
+            let ip = f.get(14..54)?;
+            if ip[0] >> 4 != 6 || ip[6] != ICMPV6 {
+                return None;
+            }
+            let (src, dst) = (addr(&ip[8..24]), addr(&ip[24..40]));
+            (
+                true,
+                40,
+                40 + usize::from(be16(ip, 4)),
+                ICMPV6,
+                src,
+                dst,
+                ip[7],
+            )
+        }
+        _ => return None,
+    };
+    let l4 = 14 + ihl;
+    let icmp = f.get(l4..l4 + 4)?;
+    let request = if v6 { 128 } else { 8 };
+    if icmp[0] != request || icmp[1] != 0 || total < ihl + 8 || f.len() < 14 + total {
+        return None;
+    }
+    Some(Parsed {
+        v6,
+        l3: 14,
+        ihl,
+        l4,
+        l4_len: total - ihl,
+        proto,
+        src,
+        dst,
+        sport: 0,
+        dport: 0,
+        tcp_flags: 0,
+        ttl,
+        frag: Frag::None,
+    })
+}
+
+/// An echo request on an ingress hook: answered, rejected or untouched as `Model::echo` says.
+fn check_echo(
+    model: &Model,
+    prog: Prog,
+    p: &Parsed,
+    input: &[u8],
+    verdict: u32,
+    out: &[u8],
+    untouched: bool,
+) -> Result<Outcome, String> {
+    match (model.echo(p.dst), prog) {
+        (Echo::Answer, _) => {
+            let want = if prog == Prog::Xdp {
+                XDP_TX
+            } else {
+                TC_ACT_REDIRECT
+            };
+            if verdict != want {
+                return Err(format!(
+                    "echo request to {} (backends): verdict {verdict}, want the reply ({want})",
+                    p.dst
+                ));
+            }
+            echo_reply(p, input, out)?;
+            Ok(Outcome::EchoReply)
+        }
+        (Echo::Reject, Prog::TcIngress | Prog::TcPod) => {
+            if verdict != TC_ACT_REDIRECT {
+                return Err(format!(
+                    "echo request to {} (no backends): verdict {verdict}, want a reject",
+                    p.dst
+                ));
+            }
+            reject_reply(p, input, out)?;
+            Ok(Outcome::Reject)
+        }
+        _ if untouched => Ok(Outcome::Untouched),
+        (echo, _) => Err(format!(
+            "echo request to {} ({echo:?}) was not passed untouched",
+            p.dst
+        )),
+    }
+}
+
+/// Checks that `out` is `input`, an echo request, turned into its reply: MACs and addresses
+/// swapped, TTL / hop limit 64, the reply type; nothing else changed but the checksums, each as
+/// valid (or as wrong, by the same amount) as it came.
+fn echo_reply(p: &Parsed, input: &[u8], out: &[u8]) -> Result<(), String> {
+    if out.len() != input.len() {
+        return Err(format!(
+            "echo reply of {} bytes to a request of {}",
+            out.len(),
+            input.len()
+        ));
+    }
+    let mut want = input.to_vec();
+    want[..6].copy_from_slice(&input[6..12]);
+    want[6..12].copy_from_slice(&input[..6]);
+    let (s, d, ttl, csum) = if p.v6 {
+        (22..38, 38..54, 21, None)
+    } else {
+        (26..30, 30..34, 22, Some(24..26))
+    };
+    want[s.clone()].copy_from_slice(&input[d.clone()]);
+    want[d].copy_from_slice(&input[s]);
+    want[ttl] = 64;
+    want[p.l4] = if p.v6 { 129 } else { 0 };
+    let icmp_csum = p.l4 + 2..p.l4 + 4;
+    let mut fields = vec![icmp_csum];
+    fields.extend(csum.clone());
+    if let Some(i) = changed_outside(&want, out, &fields) {
+        return Err(format!(
+            "echo reply: byte {i} is not the request's, turned around"
+        ));
+    }
+    let sums = |f: &[u8], r: Range<usize>| word_sum(&f[r]) % 0xffff;
+    if let Some(ip) = csum.map(|_| 14..14 + p.ihl)
+        && sums(input, ip.clone()) != sums(out, ip)
+    {
+        return Err("echo reply: IPv4 header checksum changed validity".into());
+    }
+    let icmp = p.l4..p.l4 + p.l4_len;
+    if sums(input, icmp.clone()) != sums(out, icmp) {
+        return Err("echo reply: ICMP checksum changed validity".into());
     }
     Ok(())
 }
