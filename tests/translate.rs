@@ -4,7 +4,7 @@
 //! this state" are golden cases instead (tests/golden/, `cargo test --test golden`).
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr},
     path::Path,
 };
 
@@ -41,10 +41,6 @@ fn translate(yaml: &str) -> Translation {
 
 fn v4(s: &str) -> IpAddr {
     IpAddr::V4(s.parse::<Ipv4Addr>().expect("IPv4 literal"))
-}
-
-fn v6(s: &str) -> IpAddr {
-    IpAddr::V6(s.parse::<Ipv6Addr>().expect("IPv6 literal"))
 }
 
 fn fe(addr: IpAddr, port: u16, proto: Proto) -> Frontend {
@@ -202,176 +198,6 @@ endpoints:
     }
     for f in t.state.services.keys() {
         assert_eq!(f.scope, Scope::External);
-    }
-}
-
-#[test]
-fn unnamed_service_port_matches_the_empty_slice_port_name_and_protocol_defaults_to_tcp() {
-    // The EndpointSlice controller writes `name: ""` for an unnamed service port. A slice port
-    // with no name at all is malformed (kube-proxy ignores it) and contributes nothing.
-    let t = translate(
-        "apiVersion: v1
-kind: Service
-metadata: {name: single, namespace: ns}
-spec:
-  clusterIP: 198.19.0.11
-  ports:
-    - {port: 80}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: single-1
-  namespace: ns
-  labels: {kubernetes.io/service-name: single}
-addressType: IPv4
-ports:
-  - {name: \"\", port: 8080}
-endpoints:
-  - addresses: [198.18.0.1]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: single-2
-  namespace: ns
-  labels: {kubernetes.io/service-name: single}
-addressType: IPv4
-ports:
-  - {port: 9090}
-endpoints:
-  - addresses: [198.18.0.2]
-",
-    );
-    let f = fe(v4("198.19.0.11"), 80, Proto::Tcp);
-    assert_eq!(backends(&t, f), set(&["198.18.0.1:8080/TCP"]));
-    assert_eq!(entry(&t, f).name.port_name, "");
-    assert_eq!(entry(&t, f).name.to_string(), "ns/single");
-    assert_eq!(t.skipped.len(), 1, "{:?}", t.skipped);
-    assert_eq!(t.skipped[0].object, "ns/single-2");
-    assert_eq!(t.skipped[0].reason, SkipReason::InvalidPort);
-}
-
-#[test]
-fn sctp_is_balanced_and_protocol_must_match_the_slice_port() {
-    // Port "x" is SCTP in the service; the slice has an SCTP and a TCP port of that name, and
-    // the UDP port "y" only has a TCP counterpart in the slice.
-    let t = translate(
-        "apiVersion: v1
-kind: Service
-metadata: {name: mixed, namespace: ns}
-spec:
-  clusterIP: 198.19.0.12
-  ports:
-    - {name: x, protocol: SCTP, port: 3868}
-    - {name: y, protocol: UDP, port: 5000}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: mixed-1
-  namespace: ns
-  labels: {kubernetes.io/service-name: mixed}
-addressType: IPv4
-ports:
-  - {name: x, protocol: TCP, port: 1111}
-  - {name: x, protocol: SCTP, port: 2222}
-  - {name: y, protocol: TCP, port: 3333}
-endpoints:
-  - addresses: [198.18.0.1]
-",
-    );
-    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
-    assert_eq!(
-        backends(&t, fe(v4("198.19.0.12"), 3868, Proto::Sctp)),
-        set(&["198.18.0.1:2222/SCTP"])
-    );
-    assert!(
-        entry(&t, fe(v4("198.19.0.12"), 5000, Proto::Udp))
-            .backends
-            .is_empty(),
-        "a TCP slice port does not serve a UDP service port"
-    );
-}
-
-#[test]
-fn dual_stack_frontends_take_backends_of_their_own_family_only() {
-    let t = translate(
-        "apiVersion: v1
-kind: Service
-metadata: {name: echo, namespace: demo}
-spec:
-  ipFamilyPolicy: RequireDualStack
-  ipFamilies: [IPv4, IPv6]
-  clusterIP: 198.19.0.50
-  clusterIPs: [198.19.0.50, \"2001:db8:ffff::50\"]
-  ports:
-    - {name: tcp, protocol: TCP, port: 80}
-    - {name: udp, protocol: UDP, port: 53}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: echo-v4
-  namespace: demo
-  labels: {kubernetes.io/service-name: echo}
-addressType: IPv4
-ports:
-  - {name: tcp, protocol: TCP, port: 8080}
-  - {name: udp, protocol: UDP, port: 5353}
-endpoints:
-  - addresses: [198.18.0.1]
-  - addresses: [198.18.0.2]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: echo-v6
-  namespace: demo
-  labels: {kubernetes.io/service-name: echo}
-addressType: IPv6
-ports:
-  - {name: tcp, protocol: TCP, port: 8081}
-  - {name: udp, protocol: UDP, port: 5354}
-endpoints:
-  - addresses: [\"2001:db8::1\"]
-",
-    );
-    assert!(t.skipped.is_empty(), "{:?}", t.skipped);
-    assert_eq!(
-        frontends(&t),
-        set(&[
-            "198.19.0.50:80/TCP",
-            "198.19.0.50:53/UDP",
-            "[2001:db8:ffff::50]:80/TCP",
-            "[2001:db8:ffff::50]:53/UDP",
-        ])
-    );
-    assert_eq!(
-        backends(&t, fe(v4("198.19.0.50"), 80, Proto::Tcp)),
-        set(&["198.18.0.1:8080/TCP", "198.18.0.2:8080/TCP"])
-    );
-    assert_eq!(
-        backends(&t, fe(v4("198.19.0.50"), 53, Proto::Udp)),
-        set(&["198.18.0.1:5353/UDP", "198.18.0.2:5353/UDP"])
-    );
-    assert_eq!(
-        backends(&t, fe(v6("2001:db8:ffff::50"), 80, Proto::Tcp)),
-        set(&["[2001:db8::1]:8081/TCP"])
-    );
-    assert_eq!(
-        backends(&t, fe(v6("2001:db8:ffff::50"), 53, Proto::Udp)),
-        set(&["[2001:db8::1]:5354/UDP"])
-    );
-    for (f, e) in &t.state.services {
-        assert_eq!(
-            e.name.to_string(),
-            format!("demo/echo:{}", e.name.port_name)
-        );
-        assert_eq!(e.flags, svc_flags::CLUSTER_IP);
-        for b in &e.backends {
-            assert_eq!(b.l4.addr.is_ipv4(), f.l4.addr.is_ipv4(), "{f}: {b:?}");
-        }
     }
 }
 
