@@ -669,9 +669,10 @@ fn backend_counters(tb: &Testbed) -> anyhow::Result<BackendCounters> {
     Ok(sum)
 }
 
-/// Reads the backends' counters until they account for every packet the veths received since
-/// `before` (the backlog the blast left is drained; on a busy machine softirqs can lag by far
-/// more than a fixed pause), or they stop moving for `still`, at most `limit`.
+/// Reads the backends' counters until they stop moving (the backlog the blast left is drained;
+/// on a busy machine softirqs can lag by far more than a fixed pause): still for one 50 ms poll
+/// when they account for every packet the veths received since `before` (give or take
+/// [`UNCOUNTED_SLACK`]), else still for `still`; at most `limit`.
 fn drained_counters(
     tb: &Testbed,
     before: &BackendCounters,
@@ -682,14 +683,15 @@ fn drained_counters(
     let mut last = backend_counters(tb)?;
     let mut moved = Instant::now();
     loop {
-        let d = last.since(before);
-        if d.unaccounted() == 0 || moved.elapsed() >= still || start.elapsed() >= limit {
-            return Ok(last);
-        }
         thread::sleep(Duration::from_millis(50));
         let now = backend_counters(tb)?;
         if now != last {
             moved = Instant::now();
+        } else if now.since(before).unaccounted() <= UNCOUNTED_SLACK || moved.elapsed() >= still {
+            return Ok(now);
+        }
+        if start.elapsed() >= limit {
+            return Ok(now);
         }
         last = now;
     }
