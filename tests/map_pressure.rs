@@ -3,7 +3,7 @@
 //! service programmed before intact (the baseline byte for byte; no half-written service),
 //! export the failure (`lb_services_unprogrammed`, `lb_map_full_total{map}`), and program the
 //! refused service on the first sync after room is freed. The baseline keeps answering through
-//! socket LB. Conntrack pressure is tested on the datapath itself (tests/datapath.rs,
+//! socket LB. Conntrack pressure is tested on the datapath itself (tests/datapath/conntrack.rs,
 //! `conntrack_pressure_never_misforwards`).
 use std::{
     collections::BTreeSet,

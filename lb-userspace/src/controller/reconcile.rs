@@ -1663,8 +1663,10 @@ fn at_addr<V>(map: &BTreeMap<Frontend, V>, addr: IpAddr) -> impl Iterator<Item =
 /// What an echo request to an address gets, from the masters installed at it (`at_addr`):
 /// per client scope, answered while any ClusterIP, external or LoadBalancer frontend there has
 /// a usable backend, else dropped where one drops its traffic (endpoints only elsewhere), else
-/// rejected. A frontend with source ranges takes no part (its traffic depends on the source).
-/// `None`: the address has no such frontend.
+/// rejected. A frontend with source ranges takes no part (its traffic depends on the source),
+/// nor does one at an address of this node (`LOCAL_ADDR`: an external IP on the node, which
+/// answers ping itself, whatever the service's endpoints). `None`: the address has no such
+/// frontend.
 fn echo_at<'a>(at: impl Iterator<Item = (&'a Frontend, &'a Installed)>) -> Option<EchoValue> {
     const SERVICE_ADDR: u16 =
         svc_flags::CLUSTER_IP | svc_flags::EXTERNAL_IP | svc_flags::LOAD_BALANCER;
@@ -1683,7 +1685,9 @@ fn echo_at<'a>(at: impl Iterator<Item = (&'a Frontend, &'a Installed)>) -> Optio
     let mut out = EchoValue::default();
     for (fe, i) in at {
         let m = &i.master;
-        if m.flags & SERVICE_ADDR == 0 || m.flags & svc_flags::SOURCE_RANGES != 0 {
+        if m.flags & SERVICE_ADDR == 0
+            || m.flags & (svc_flags::SOURCE_RANGES | svc_flags::LOCAL_ADDR) != 0
+        {
             continue;
         }
         let v = if m.count > 0 {
