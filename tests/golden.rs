@@ -16,7 +16,7 @@ use lb::{
     controller::manifests::{self, Objects},
     controller::reconcile::Reconciler,
     controller::translate::{NodeInfo, desired_state},
-    datapath::maps::{MemMaps, render},
+    datapath::testing::{MemMaps, render},
     model::{BackendState, LbAlgorithm, flag_names},
 };
 

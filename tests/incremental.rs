@@ -29,7 +29,8 @@ use lb::{
         translate::{NodeInfo, desired_state},
     },
     daemon::{self, SyncKind},
-    datapath::maps::{AffMatch, Dump, LbMaps, MaglevGeometry, MapOpError, MemMaps, Table, render},
+    datapath::maps::{AffMatch, Dump, LbMaps, MaglevGeometry, MapOpError, Table},
+    datapath::testing::{MemMaps, render},
     metrics::Metrics,
     model::{Backend, Cidr, Family, Frontend, LbAlgorithm},
 };

@@ -13,7 +13,8 @@ use std::{
 use aya::maps::{Array, HashMap, Map, MapData};
 use lb::{
     cli::inspect::{self, ServiceView},
-    datapath::maps::{LbMaps as _, MemMaps},
+    datapath::maps::LbMaps as _,
+    datapath::testing::MemMaps,
     model::{Backend, Frontend, L4Addr, Proto},
     state_dir::FrontendName,
 };

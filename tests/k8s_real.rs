@@ -44,7 +44,7 @@ use lb::{
         source::{self, Snapshot, SnapshotReceiver},
     },
     daemon,
-    datapath::maps::{MemMaps, render},
+    datapath::testing::{MemMaps, render},
     metrics::Metrics,
 };
 use lb_tests::{

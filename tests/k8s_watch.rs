@@ -15,7 +15,7 @@ use lb::{
     controller::source::{self, Snapshot, SnapshotReceiver},
     controller::translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
     daemon,
-    datapath::maps::{MemMaps, render},
+    datapath::testing::{MemMaps, render},
     metrics::Metrics,
 };
 use support::{

@@ -343,7 +343,8 @@ mod reconcile {
 
     use lb::{
         controller::reconcile::Reconciler,
-        datapath::maps::{Dump, MapOp, MemMaps, maglev_table_of},
+        datapath::maps::{Dump, maglev_table_of},
+        datapath::testing::{MapOp, MemMaps},
         model::{DesiredState, Frontend, LbAlgorithm, Proto},
     };
     use lb_common::{SvcValue, lb_alg};

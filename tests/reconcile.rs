@@ -1,5 +1,5 @@
 //! Tests of the reconciler (`lb::controller::reconcile::Reconciler`) against the in-memory maps
-//! (`lb::datapath::maps::MemMaps`): what it writes, in which order, and what it leaves behind.
+//! (`lb::datapath::testing::MemMaps`): what it writes, in which order, and what it leaves behind.
 //!
 //! Every expectation is derived from the desired state (which frontends, which backends in which
 //! slots) or from the datapath's lookup rules (master entry at slot 0 with a count, slots
@@ -13,7 +13,8 @@ use std::{
 
 use lb::{
     controller::reconcile::{ApplyReport, Reconciler},
-    datapath::maps::{AffMatch, Dump, LbMaps, MapOp, MapOpError, MemMaps, Table, render},
+    datapath::maps::{AffMatch, Dump, LbMaps, MapOpError, Table},
+    datapath::testing::{MapOp, MemMaps, render},
     model::{
         Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, Proto, Scope,
         ServiceEntry, ServicePortName,

@@ -36,7 +36,7 @@ fn a_cold_apply_writes_in_batches_what_entry_by_entry_writes_hold() {
     let mut kernel = Reconciler::new(datapath.take_lb_maps().unwrap()).unwrap();
     let report = kernel.apply(&desired);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
-    let mut mem = Reconciler::new(lb::datapath::maps::MemMaps::with_capacity(1 << 13)).unwrap();
+    let mut mem = Reconciler::new(lb::datapath::testing::MemMaps::with_capacity(1 << 13)).unwrap();
     let report = mem.apply(&desired);
     assert!(report.errors.is_empty(), "{:?}", report.errors);
     let dump = lb::datapath::maps::LbMaps::dump(kernel.maps()).unwrap();

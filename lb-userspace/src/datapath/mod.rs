@@ -3,7 +3,8 @@
 //! maps (`maps`) and their write error (`error`); the pins' layout version (`meta`); opening what a running lb pinned (`pinned`); finding cgroup v2 (`cgroup`);
 //! probing what the kernel offers and which fallbacks lb takes (`features`); the links of lb's
 //! netns and their changes, over rtnetlink (`linkwatch`); destroying
-//! connected UDP sockets pinned to removed backends (`sockterm`).
+//! connected UDP sockets pinned to removed backends (`sockterm`); the maps' test doubles
+//! (`testing`, feature `testing` only).
 pub mod batch;
 pub mod cgroup;
 pub mod error;
@@ -16,3 +17,5 @@ pub mod maps;
 pub mod meta;
 pub mod pinned;
 pub mod sockterm;
+#[cfg(feature = "testing")]
+pub mod testing;
