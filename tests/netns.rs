@@ -374,8 +374,9 @@ fn manifest_dir_is_watched_and_health_and_metrics_follow() {
     .unwrap();
     write(svc("198.19.0.78"));
     lb.wait_for(
-        // rev-NAT and master of the new address, and the address into the ClusterIP set.
-        |l| l.contains("synced") && l.contains("services=5") && l.contains("writes=3"),
+        // rev-NAT and master of the new address, and the address into the ClusterIP set and
+        // the echo table.
+        |l| l.contains("synced") && l.contains("services=5") && l.contains("writes=4"),
         "changed file applied",
     )
     .unwrap();
