@@ -59,6 +59,25 @@ use crate::{
     },
 };
 
+/// What `apply_service` writes for a frontend (`plan_service`), decided before anything is.
+struct ServicePlan {
+    family: Family,
+    /// The entry's backends, the active ones (slots `1..=active`) first.
+    backends: Vec<Backend>,
+    active: usize,
+    /// The backend id of each of `backends`, new ones allocated in the plan.
+    ids: Vec<u32>,
+    /// The frontend as installed now.
+    existing: Option<Installed>,
+    rev_nat_id: u32,
+    /// Source ranges and affinity matches to add.
+    ranges: Vec<Cidr>,
+    matches: Vec<AffMatch>,
+    affine: bool,
+    /// Entries each table needs beyond what the frontend holds now.
+    needed: [(Table, i64); 5],
+}
+
 /// A frontend as installed: its master entry and the backend id in each slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Installed {
@@ -1079,6 +1098,129 @@ impl<M: LbMaps> Reconciler<M> {
         room: &mut BTreeMap<(Table, Family), i64>,
         report: &mut ApplyReport,
     ) -> Result<(), Failure> {
+        let plan = self.plan_service(fe, entry)?;
+        let family = plan.family;
+        for (table, needed) in plan.needed {
+            let free = room.get(&(table, family)).copied().unwrap_or(0);
+            if needed > free {
+                return Err(Failure {
+                    error: format!(
+                        "map {} is full: needs {needed} more entries, {} free of {}",
+                        table.map_name(family),
+                        free.max(0),
+                        self.maps.capacity(table, family)
+                    ),
+                    full_map: Some(table.map_name(family)),
+                });
+            }
+        }
+        let active = plan.active;
+        let maglev = self.plan_maglev(fe, entry, &plan.backends[..active], &plan.ids[..active]);
+        if maglev.fallback {
+            let g = self.maps.maglev_geometry();
+            report.fallbacks.push(ServiceError {
+                frontend: *fe,
+                service: entry.name.to_string(),
+                error: format!(
+                    "map {} is full ({} tables of {} cells in use): Maglev service programmed \
+                     with random selection",
+                    map_names::MAGLEV,
+                    self.maglev_tables.len(),
+                    g.table_size
+                ),
+                full_map: Some(map_names::MAGLEV),
+            });
+        }
+        let total = plan.backends.len();
+        let master = SvcValue {
+            backend_id: maglev.master_backend_id,
+            count: active as u16,
+            qcount: (total - active) as u16,
+            rev_nat_id: plan.rev_nat_id,
+            flags: entry.flags,
+            lb_alg: maglev.lb_alg,
+            pad: 0,
+            affinity_timeout: if plan.affine {
+                entry.affinity_timeout
+            } else {
+                0
+            },
+        };
+        // The state a backend gets in the (shared) backends map: one entry per address, so
+        // the most usable state any frontend of the desired state gives it.
+        let global: Vec<Backend> = plan
+            .backends
+            .iter()
+            .map(|b| Backend {
+                l4: b.l4,
+                state: self.wanted_state(&b.l4).unwrap_or(b.state),
+            })
+            .collect();
+        let unchanged = plan.ranges.is_empty()
+            && plan.matches.is_empty()
+            && maglev.writes.is_empty()
+            && plan
+                .existing
+                .as_ref()
+                .is_some_and(|i| i.master == master && i.slots == plan.ids)
+            && self.revnat.get(&plan.rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
+            && global
+                .iter()
+                .zip(&plan.ids)
+                .all(|(b, id)| self.backends.get(id) == Some(b));
+        if unchanged {
+            if let Some(set) = maglev.built {
+                self.maglev_built.insert(*fe, set);
+            }
+            return Ok(());
+        }
+        for (table, needed) in plan.needed {
+            *room.entry((table, family)).or_default() -= needed;
+        }
+
+        // 0. A new ClusterIP, before anything of its first frontend (see the module docs).
+        if entry.flags & svc_flags::CLUSTER_IP != 0 && !self.cluster_ips.contains_key(&fe.l4.addr) {
+            let n = cluster_ips.get(&fe.l4.addr).copied().unwrap_or(1);
+            self.put_cluster_ip(fe.l4.addr, n, report);
+        }
+        // 1.–2c. Backends, rev-NAT, source ranges, affinity matches.
+        self.write_referenced(fe, &plan, &global, report)
+            .map_err(|e| e.to_string())?;
+        // 3. Slots and the Maglev table, then 4. the master entry that makes them visible.
+        let old = plan.existing;
+        // Known again only once the table is whole.
+        self.maglev_built.remove(fe);
+        let table = maglev_table_of(&master).map(|t| (t, maglev.writes.as_slice()));
+        if let Err(e) = self.write_slots_and_master(fe, &plan.ids, table, &master, report) {
+            if let Some(old) = old {
+                self.restore(fe, &old, report);
+            }
+            return Err(e.to_string().into());
+        }
+        if let Some(set) = maglev.built {
+            self.maglev_built.insert(*fe, set);
+        }
+        // A table the master no longer names is free (its cells are rewritten before reuse).
+        if let Some(t) = old.as_ref().and_then(|i| maglev_table_of(&i.master))
+            && maglev_table_of(&master) != Some(t)
+        {
+            self.maglev_tables.remove(&t);
+        }
+        // 5. Slots a shrunk service no longer counts.
+        let old_len = old.map_or(0, |i| i.slots.len());
+        for slot in (total + 1..=old_len).rev() {
+            self.delete_slot(fe, slot as u16, "surplus slot", report);
+        }
+        Ok(())
+    }
+
+    /// What `apply_service` would write for `fe`, and the room it needs: ids are allocated in
+    /// the plan only, until written.
+    fn plan_service(
+        &mut self,
+        fe: &Frontend,
+        entry: &ServiceEntry,
+    ) -> Result<ServicePlan, Failure> {
         let family = Family::of(&fe.l4.addr);
         if entry
             .backends
@@ -1103,10 +1245,8 @@ impl<M: LbMaps> Reconciler<M> {
             )
             .into());
         }
-
-        // Plan: ids (allocated only in the plan until written) and the room it needs.
         let mut new_backends = Vec::new();
-        let mut planned_ids = Vec::with_capacity(total);
+        let mut ids = Vec::with_capacity(total);
         let mut seen_new: HashMap<L4Addr, u32> = HashMap::new();
         for b in &backends {
             let id = match self.backend_ids.get(&b.l4).copied() {
@@ -1117,7 +1257,7 @@ impl<M: LbMaps> Reconciler<M> {
                     id
                 }),
             };
-            planned_ids.push(id);
+            ids.push(id);
         }
         let existing = self.services.get(fe).cloned();
         let existing_entries = existing
@@ -1141,102 +1281,44 @@ impl<M: LbMaps> Reconciler<M> {
             Vec::new()
         };
         let affine = entry.flags & svc_flags::AFFINITY != 0;
-        let matches: Vec<AffMatch> = aff_matches(fe, affine, rev_nat_id, &planned_ids[..active])
+        let matches: Vec<AffMatch> = aff_matches(fe, affine, rev_nat_id, &ids[..active])
             .filter(|m| !self.aff_match.contains(m))
             .collect();
-        for (table, needed) in [
+        let needed = [
             (Table::Services, needed_services),
             (Table::Backends, new_backends.len() as i64),
             (Table::RevNat, i64::from(new_revnat)),
             (Table::SourceRanges, ranges.len() as i64),
             (Table::AffinityMatch, matches.len() as i64),
-        ] {
-            let free = room.get(&(table, family)).copied().unwrap_or(0);
-            if needed > free {
-                return Err(Failure {
-                    error: format!(
-                        "map {} is full: needs {needed} more entries, {} free of {}",
-                        table.map_name(family),
-                        free.max(0),
-                        self.maps.capacity(table, family)
-                    ),
-                    full_map: Some(table.map_name(family)),
-                });
-            }
-        }
-
-        let maglev = self.plan_maglev(fe, entry, &backends[..active], &planned_ids[..active]);
-        if maglev.fallback {
-            let g = self.maps.maglev_geometry();
-            report.fallbacks.push(ServiceError {
-                frontend: *fe,
-                service: entry.name.to_string(),
-                error: format!(
-                    "map {} is full ({} tables of {} cells in use): Maglev service programmed \
-                     with random selection",
-                    map_names::MAGLEV,
-                    self.maglev_tables.len(),
-                    g.table_size
-                ),
-                full_map: Some(map_names::MAGLEV),
-            });
-        }
-        let master = SvcValue {
-            backend_id: maglev.master_backend_id,
-            count: active as u16,
-            qcount: (total - active) as u16,
+        ];
+        Ok(ServicePlan {
+            family,
+            backends,
+            active,
+            ids,
+            existing,
             rev_nat_id,
-            flags: entry.flags,
-            lb_alg: maglev.lb_alg,
-            pad: 0,
-            affinity_timeout: if affine { entry.affinity_timeout } else { 0 },
-        };
-        // The state a backend gets in the (shared) backends map: one entry per address, so
-        // the most usable state any frontend of the desired state gives it.
-        let global: Vec<Backend> = backends
-            .iter()
-            .map(|b| Backend {
-                l4: b.l4,
-                state: self.wanted_state(&b.l4).unwrap_or(b.state),
-            })
-            .collect();
-        let unchanged = ranges.is_empty()
-            && matches.is_empty()
-            && maglev.writes.is_empty()
-            && existing
-                .as_ref()
-                .is_some_and(|i| i.master == master && i.slots == planned_ids)
-            && self.revnat.get(&rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
-            && global
-                .iter()
-                .zip(&planned_ids)
-                .all(|(b, id)| self.backends.get(id) == Some(b));
-        if unchanged {
-            if let Some(set) = maglev.built {
-                self.maglev_built.insert(*fe, set);
-            }
-            return Ok(());
-        }
-        for (table, needed) in [
-            (Table::Services, needed_services),
-            (Table::Backends, new_backends.len() as i64),
-            (Table::RevNat, i64::from(new_revnat)),
-            (Table::SourceRanges, ranges.len() as i64),
-            (Table::AffinityMatch, matches.len() as i64),
-        ] {
-            *room.entry((table, family)).or_default() -= needed;
-        }
+            ranges,
+            matches,
+            affine,
+            needed,
+        })
+    }
 
-        // 0. A new ClusterIP, before anything of its first frontend (see the module docs).
-        if entry.flags & svc_flags::CLUSTER_IP != 0 && !self.cluster_ips.contains_key(&fe.l4.addr) {
-            let n = cluster_ips.get(&fe.l4.addr).copied().unwrap_or(1);
-            self.put_cluster_ip(fe.l4.addr, n, report);
-        }
+    /// Steps 1–2c of `apply_service`: everything a frontend's slots and master refer to,
+    /// written before them.
+    fn write_referenced(
+        &mut self,
+        fe: &Frontend,
+        plan: &ServicePlan,
+        global: &[Backend],
+        report: &mut ApplyReport,
+    ) -> Result<(), MapOpError> {
         // 1. Backends (new ones, and known ones whose state changed).
-        for (b, id) in global.iter().zip(&planned_ids) {
+        for (b, id) in global.iter().zip(&plan.ids) {
             let b = *b;
             if self.backends.get(id) != Some(&b) {
-                self.maps.put_backend(*id, &b).map_err(|e| e.to_string())?;
+                self.maps.put_backend(*id, &b)?;
                 report.writes += 1;
                 if self.backends.insert(*id, b).is_none() {
                     self.counts.backends[fam_of(&b.l4.addr)] += 1;
@@ -1245,10 +1327,9 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
         // 2. Rev-NAT, before any packet can be balanced to a backend of this frontend.
+        let rev_nat_id = plan.rev_nat_id;
         if self.revnat.get(&rev_nat_id) != Some(&(fe.l4.addr, fe.l4.port)) {
-            self.maps
-                .put_revnat(rev_nat_id, fe.l4.addr, fe.l4.port)
-                .map_err(|e| e.to_string())?;
+            self.maps.put_revnat(rev_nat_id, fe.l4.addr, fe.l4.port)?;
             report.writes += 1;
             if self
                 .revnat
@@ -1260,10 +1341,8 @@ impl<M: LbMaps> Reconciler<M> {
             self.revnat_ids.insert(fe.l4, rev_nat_id);
         }
         // 2b. Source ranges, before a master with SOURCE_RANGES can drop what they allow.
-        for cidr in &ranges {
-            self.maps
-                .put_src_range(rev_nat_id, cidr)
-                .map_err(|e| e.to_string())?;
+        for cidr in &plan.ranges {
+            self.maps.put_src_range(rev_nat_id, cidr)?;
             report.writes += 1;
             if self.src_ranges.insert((rev_nat_id, *cidr)) {
                 self.counts.src_ranges[fam_of(&cidr.addr)] += 1;
@@ -1273,49 +1352,24 @@ impl<M: LbMaps> Reconciler<M> {
         // affinity entry naming one is honoured from the first packet that can pick it), and
         // the ones the frontend no longer offers deleted before the master drops them, so no
         // client is kept on a backend the frontend has left.
-        for m in &matches {
-            self.maps.put_aff_match(m).map_err(|e| e.to_string())?;
+        for m in &plan.matches {
+            self.maps.put_aff_match(m)?;
             report.writes += 1;
             if self.aff_match.insert(*m) {
                 self.counts.aff_match[fam(m.family)] += 1;
             }
         }
         let keep: BTreeSet<AffMatch> =
-            aff_matches(fe, affine, rev_nat_id, &planned_ids[..active]).collect();
+            aff_matches(fe, plan.affine, rev_nat_id, &plan.ids[..plan.active]).collect();
         let stale: Vec<AffMatch> = self
-            .aff_matches_of(family, rev_nat_id, fe.scope)
+            .aff_matches_of(plan.family, rev_nat_id, fe.scope)
             .filter(|m| !keep.contains(m))
             .collect();
         for m in stale {
-            self.maps.del_aff_match(&m).map_err(|e| e.to_string())?;
+            self.maps.del_aff_match(&m)?;
             report.deletes += 1;
             self.aff_match.remove(&m);
             self.counts.aff_match[fam(m.family)] -= 1;
-        }
-        // 3. Slots and the Maglev table, then 4. the master entry that makes them visible.
-        let old = existing;
-        // Known again only once the table is whole.
-        self.maglev_built.remove(fe);
-        let table = maglev_table_of(&master).map(|t| (t, maglev.writes.as_slice()));
-        if let Err(e) = self.write_slots_and_master(fe, &planned_ids, table, &master, report) {
-            if let Some(old) = old {
-                self.restore(fe, &old, report);
-            }
-            return Err(e.to_string().into());
-        }
-        if let Some(set) = maglev.built {
-            self.maglev_built.insert(*fe, set);
-        }
-        // A table the master no longer names is free (its cells are rewritten before reuse).
-        if let Some(t) = old.as_ref().and_then(|i| maglev_table_of(&i.master))
-            && maglev_table_of(&master) != Some(t)
-        {
-            self.maglev_tables.remove(&t);
-        }
-        // 5. Slots a shrunk service no longer counts.
-        let old_len = old.map_or(0, |i| i.slots.len());
-        for slot in (total + 1..=old_len).rev() {
-            self.delete_slot(fe, slot as u16, "surplus slot", report);
         }
         Ok(())
     }
