@@ -536,8 +536,51 @@ impl<M: LbMaps> Reconciler<M> {
                 self.apply_counted(fe, entry, &ips, &mut room, &mut report);
             }
         }
-        // A backend's state is the most usable any frontend gives it: a change may move it for
-        // frontends that did not change (which `apply` would write it for).
+        self.refresh_backend_states(changes, &changed, desired, &changed_want, &mut report);
+
+        // 3. Clean-up, as `apply`'s, of what the changed frontends touched: tables claimed by
+        // failed writes, then backends, rev-NAT entries, ClusterIPs, source ranges and
+        // affinity matches nothing refers to any more.
+        self.free_unnamed_tables(old_tables, &changed);
+        self.retry_maglev_fallbacks(desired, &ips, &mut room, &mut report);
+        self.delete_stray_slots(&mut report);
+        let mut ids = old_ids;
+        ids.extend(
+            changed
+                .iter()
+                .filter_map(|fe| desired.services.get(fe))
+                .flat_map(|e| e.backends.iter())
+                .filter_map(|b| self.backend_ids.get(&b.l4).copied()),
+        );
+        let mut revnat = old_revnat;
+        revnat.extend(
+            changed
+                .iter()
+                .filter_map(|fe| self.services.get(fe))
+                .map(|i| i.master.rev_nat_id),
+        );
+        self.collect_garbage_of(&ids, &revnat, &changed, cw, false, &mut report);
+        let addrs: BTreeSet<IpAddr> = changed.iter().map(|fe| fe.l4.addr).collect();
+        for addr in addrs {
+            self.sync_address(addr, &mut report);
+        }
+        self.prune_src_ranges_of(&changed, desired, &revnat, &mut report);
+        self.prune_aff_matches_of(&changed, &old, &mut report);
+        self.finish(&report);
+        debug_assert_eq!(self.counts, self.recount(), "entry counts drifted");
+        report
+    }
+
+    /// A backend's state is the most usable any frontend gives it: a change may move it for
+    /// frontends that did not change (which `apply` would write it for).
+    fn refresh_backend_states(
+        &mut self,
+        changes: &BTreeMap<Frontend, Option<ServiceEntry>>,
+        changed: &BTreeSet<Frontend>,
+        desired: &DesiredState,
+        changed_want: &HashMap<L4Addr, u32>,
+        report: &mut ApplyReport,
+    ) {
         let mut touched: Vec<L4Addr> = changes
             .values()
             .flatten()
@@ -569,10 +612,11 @@ impl<M: LbMaps> Reconciler<M> {
                 }
             }
         }
+    }
 
-        // 3. Clean-up, as `apply`'s, of what the changed frontends touched: tables claimed by
-        // failed writes, then backends, rev-NAT entries, ClusterIPs, source ranges and
-        // affinity matches nothing refers to any more.
+    /// Frees the Maglev tables among `old_tables` (and those claimed by failed writes) that no
+    /// frontend of `changed` names any more.
+    fn free_unnamed_tables(&mut self, old_tables: Vec<u32>, changed: &BTreeSet<Frontend>) {
         let tables: BTreeSet<u32> = old_tables
             .into_iter()
             .chain(std::mem::take(&mut self.claimed_tables))
@@ -587,49 +631,42 @@ impl<M: LbMaps> Reconciler<M> {
                 self.maglev_tables.remove(&t);
             }
         }
-        self.retry_maglev_fallbacks(desired, &ips, &mut room, &mut report);
-        self.delete_stray_slots(&mut report);
-        let mut ids = old_ids;
-        ids.extend(
-            changed
-                .iter()
-                .filter_map(|fe| desired.services.get(fe))
-                .flat_map(|e| e.backends.iter())
-                .filter_map(|b| self.backend_ids.get(&b.l4).copied()),
-        );
-        let mut revnat = old_revnat;
-        revnat.extend(
-            changed
-                .iter()
-                .filter_map(|fe| self.services.get(fe))
-                .map(|i| i.master.rev_nat_id),
-        );
-        self.collect_garbage_of(&ids, &revnat, &changed, cw, false, &mut report);
-        let addrs: BTreeSet<IpAddr> = changed.iter().map(|fe| fe.l4.addr).collect();
-        for addr in &addrs {
-            let want = echo_at(at_addr(&self.services, *addr));
-            self.set_echo(*addr, want, &mut report);
-        }
-        for addr in addrs {
-            let n = at_addr(&self.services, addr)
-                .filter(|(_, i)| i.master.flags & svc_flags::CLUSTER_IP != 0)
-                .count() as u32;
-            if n == 0 && self.cluster_ips.contains_key(&addr) {
-                match self.maps.del_cluster_ip(addr) {
-                    Ok(()) => {
-                        report.deletes += 1;
-                        self.cluster_ips.remove(&addr);
-                        self.counts.cluster_ips[fam_of(&addr)] -= 1;
-                    }
-                    Err(e) => {
-                        self.degraded = true;
-                        tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry")
-                    }
+    }
+
+    /// Brings `addr`'s echo entry and ClusterIP set entry in line with the frontends installed
+    /// at it.
+    fn sync_address(&mut self, addr: IpAddr, report: &mut ApplyReport) {
+        let want = echo_at(at_addr(&self.services, addr));
+        self.set_echo(addr, want, report);
+        let n = at_addr(&self.services, addr)
+            .filter(|(_, i)| i.master.flags & svc_flags::CLUSTER_IP != 0)
+            .count() as u32;
+        if n == 0 && self.cluster_ips.contains_key(&addr) {
+            match self.maps.del_cluster_ip(addr) {
+                Ok(()) => {
+                    report.deletes += 1;
+                    self.cluster_ips.remove(&addr);
+                    self.counts.cluster_ips[fam_of(&addr)] -= 1;
                 }
-            } else if n > 0 && self.cluster_ips.get(&addr) != Some(&n) {
-                self.put_cluster_ip(addr, n, &mut report);
+                Err(e) => {
+                    self.degraded = true;
+                    tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry")
+                }
             }
+        } else if n > 0 && self.cluster_ips.get(&addr) != Some(&n) {
+            self.put_cluster_ip(addr, n, report);
         }
+    }
+
+    /// Deletes the source ranges of the rev-NAT ids `revnat` that no frontend of `changed`
+    /// wants any more.
+    fn prune_src_ranges_of(
+        &mut self,
+        changed: &BTreeSet<Frontend>,
+        desired: &DesiredState,
+        revnat: &BTreeSet<u32>,
+        report: &mut ApplyReport,
+    ) {
         // Both scopes of a frontend's address share its rev-NAT id.
         let scoped: BTreeSet<Frontend> = changed
             .iter()
@@ -653,9 +690,19 @@ impl<M: LbMaps> Reconciler<M> {
             .filter(|r| !wanted_ranges.contains(r))
             .copied()
             .collect();
-        self.delete_src_ranges(stale, &mut report);
+        self.delete_src_ranges(stale, report);
+    }
+
+    /// Deletes the affinity matches of `changed` (as installed before, `old`, and now) that
+    /// their masters no longer offer.
+    fn prune_aff_matches_of(
+        &mut self,
+        changed: &BTreeSet<Frontend>,
+        old: &BTreeMap<Frontend, Installed>,
+        report: &mut ApplyReport,
+    ) {
         let mut stale = Vec::new();
-        for fe in &changed {
+        for fe in changed {
             let family = Family::of(&fe.l4.addr);
             let ids: BTreeSet<u32> = old
                 .get(fe)
@@ -692,9 +739,6 @@ impl<M: LbMaps> Reconciler<M> {
                 }
             }
         }
-        self.finish(&report);
-        debug_assert_eq!(self.counts, self.recount(), "entry counts drifted");
-        report
     }
 
     /// Tries the Maglev frontends that found no free table once more, when frontends after
