@@ -344,140 +344,12 @@ impl BpfMaps {
 impl LbMaps for BpfMaps {
     fn dump(&self) -> anyhow::Result<Dump> {
         let mut dump = Dump::default();
-        for item in self.backends4.iter() {
-            let (id, b) = item?;
-            if let Some(proto) = Proto::from_number(b.proto) {
-                let l4 = L4Addr {
-                    addr: Ipv4Addr::from(b.addr).into(),
-                    port: b.port,
-                    proto,
-                };
-                let state = BackendState::try_from(b.state)
-                    .with_context(|| format!("{} entry {id}", map_names::BACKENDS4))?;
-                dump.backends.insert(id, Backend { l4, state });
-            }
-        }
-        for item in self.backends6.iter() {
-            let (id, b) = item?;
-            if let Some(proto) = Proto::from_number(b.proto) {
-                let l4 = L4Addr {
-                    addr: Ipv6Addr::from(b.addr).into(),
-                    port: b.port,
-                    proto,
-                };
-                let state = BackendState::try_from(b.state)
-                    .with_context(|| format!("{} entry {id}", map_names::BACKENDS6))?;
-                dump.backends.insert(id, Backend { l4, state });
-            }
-        }
-        for item in self.revnat4.iter() {
-            let (id, r) = item?;
-            dump.revnat
-                .insert(id, (Ipv4Addr::from(r.addr).into(), r.port));
-        }
-        for item in self.revnat6.iter() {
-            let (id, r) = item?;
-            dump.revnat
-                .insert(id, (Ipv6Addr::from(r.addr).into(), r.port));
-        }
-        for item in self.services4.iter() {
-            let (k, v) = item?;
-            if let Some(proto) = Proto::from_number(k.proto) {
-                let scope = Scope::try_from(k.scope)
-                    .with_context(|| format!("{} key {k:?}", map_names::SERVICES4))?;
-                let fe = Frontend {
-                    l4: L4Addr {
-                        addr: Ipv4Addr::from(k.addr).into(),
-                        port: k.port,
-                        proto,
-                    },
-                    scope,
-                };
-                dump.services.insert((fe, k.slot), v);
-            }
-        }
-        for item in self.services6.iter() {
-            let (k, v) = item?;
-            if let Some(proto) = Proto::from_number(k.proto) {
-                let scope = Scope::try_from(k.scope)
-                    .with_context(|| format!("{} key {k:?}", map_names::SERVICES6))?;
-                let fe = Frontend {
-                    l4: L4Addr {
-                        addr: Ipv6Addr::from(k.addr).into(),
-                        port: k.port,
-                        proto,
-                    },
-                    scope,
-                };
-                dump.services.insert((fe, k.slot), v);
-            }
-        }
-        let tables: BTreeSet<u32> = dump
-            .services
-            .iter()
-            .filter(|((_, slot), _)| *slot == 0)
-            .filter_map(|(_, v)| maglev_table_of(v))
-            .filter(|t| *t < self.maglev_geometry.tables)
-            .collect();
-        let m = self.maglev_geometry.table_size;
-        for t in tables {
-            let Some(maglev) = &self.maglev else { break };
-            let cells = (0..m)
-                .map(|c| maglev.get(&(t * m + c), 0))
-                .collect::<Result<Vec<u32>, _>>()
-                .with_context(|| format!("reading {} table {t}", map_names::MAGLEV))?;
-            dump.maglev.insert(t, cells);
-        }
-        for item in self.cluster_ips4.iter() {
-            let (k, v) = item?;
-            dump.cluster_ips
-                .insert(Ipv4Addr::from(k.addr).into(), v.frontends);
-        }
-        for item in self.cluster_ips6.iter() {
-            let (k, v) = item?;
-            dump.cluster_ips
-                .insert(Ipv6Addr::from(k.addr).into(), v.frontends);
-        }
-        for k in self.src_ranges4.keys() {
-            let k = k?;
-            let d = k.data();
-            let prefix = k.prefix_len().saturating_sub(32).min(32) as u8;
-            let addr = Ipv4Addr::from(d.addr).into();
-            dump.src_ranges
-                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
-        }
-        for k in self.src_ranges6.keys() {
-            let k = k?;
-            let d = k.data();
-            let prefix = k.prefix_len().saturating_sub(32).min(128) as u8;
-            let addr = Ipv6Addr::from(d.addr).into();
-            dump.src_ranges
-                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
-        }
-        for item in self.echo4.iter() {
-            let (k, v) = item?;
-            dump.echo.insert(Ipv4Addr::from(k.addr).into(), v);
-        }
-        for item in self.echo6.iter() {
-            let (k, v) = item?;
-            dump.echo.insert(Ipv6Addr::from(k.addr).into(), v);
-        }
-        for (family, map, name) in [
-            (Family::V4, &self.aff_match4, map_names::AFF_MATCH4),
-            (Family::V6, &self.aff_match6, map_names::AFF_MATCH6),
-        ] {
-            for k in map.keys() {
-                let k = k?;
-                let scope =
-                    Scope::try_from(k.scope).with_context(|| format!("{name} key {k:?}"))?;
-                dump.aff_match.insert(AffMatch {
-                    family,
-                    rev_nat_id: k.rev_nat_id,
-                    scope,
-                    backend_id: k.backend_id,
-                });
-            }
-        }
+        self.dump_backends(&mut dump)?;
+        self.dump_services(&mut dump)?;
+        self.dump_maglev(&mut dump)?;
+        self.dump_address_sets(&mut dump)?;
+        self.dump_src_ranges(&mut dump)?;
+        self.dump_aff_match(&mut dump)?;
         Ok(dump)
     }
 
@@ -819,6 +691,180 @@ impl BpfMaps {
             .filter_map(|slot| self.service(fe, slot))
             .filter_map(|v| self.backend(family, v.backend_id))
             .collect()
+    }
+}
+
+/// A backend as `dump` reads it from either family's map (`None`: a protocol lb does not
+/// know, skipped).
+fn backend_entry(
+    name: &str,
+    id: u32,
+    addr: IpAddr,
+    port: u16,
+    proto: u8,
+    state: u8,
+) -> anyhow::Result<Option<Backend>> {
+    let Some(proto) = Proto::from_number(proto) else {
+        return Ok(None);
+    };
+    let state = BackendState::try_from(state).with_context(|| format!("{name} entry {id}"))?;
+    let l4 = L4Addr { addr, port, proto };
+    Ok(Some(Backend { l4, state }))
+}
+
+/// A frontend as `dump` reads it from either family's service key (`None`: a protocol lb
+/// does not know, skipped).
+fn frontend_entry(
+    name: &str,
+    addr: IpAddr,
+    port: u16,
+    proto: u8,
+    scope: u8,
+) -> anyhow::Result<Option<Frontend>> {
+    let Some(proto) = Proto::from_number(proto) else {
+        return Ok(None);
+    };
+    let scope = Scope::try_from(scope).with_context(|| format!("{name} key {addr} {port}"))?;
+    Ok(Some(Frontend {
+        l4: L4Addr { addr, port, proto },
+        scope,
+    }))
+}
+
+/// `LbMaps::dump`'s parts, a table each.
+impl BpfMaps {
+    fn dump_backends(&self, dump: &mut Dump) -> anyhow::Result<()> {
+        for item in self.backends4.iter() {
+            let (id, b) = item?;
+            let addr = Ipv4Addr::from(b.addr).into();
+            let name = map_names::BACKENDS4;
+            if let Some(b) = backend_entry(name, id, addr, b.port, b.proto, b.state)? {
+                dump.backends.insert(id, b);
+            }
+        }
+        for item in self.backends6.iter() {
+            let (id, b) = item?;
+            let addr = Ipv6Addr::from(b.addr).into();
+            let name = map_names::BACKENDS6;
+            if let Some(b) = backend_entry(name, id, addr, b.port, b.proto, b.state)? {
+                dump.backends.insert(id, b);
+            }
+        }
+        for item in self.revnat4.iter() {
+            let (id, r) = item?;
+            dump.revnat
+                .insert(id, (Ipv4Addr::from(r.addr).into(), r.port));
+        }
+        for item in self.revnat6.iter() {
+            let (id, r) = item?;
+            dump.revnat
+                .insert(id, (Ipv6Addr::from(r.addr).into(), r.port));
+        }
+        Ok(())
+    }
+
+    fn dump_services(&self, dump: &mut Dump) -> anyhow::Result<()> {
+        for item in self.services4.iter() {
+            let (k, v) = item?;
+            let addr = Ipv4Addr::from(k.addr).into();
+            let name = map_names::SERVICES4;
+            if let Some(fe) = frontend_entry(name, addr, k.port, k.proto, k.scope)? {
+                dump.services.insert((fe, k.slot), v);
+            }
+        }
+        for item in self.services6.iter() {
+            let (k, v) = item?;
+            let addr = Ipv6Addr::from(k.addr).into();
+            let name = map_names::SERVICES6;
+            if let Some(fe) = frontend_entry(name, addr, k.port, k.proto, k.scope)? {
+                dump.services.insert((fe, k.slot), v);
+            }
+        }
+        Ok(())
+    }
+
+    /// The tables the masters in `dump` name.
+    fn dump_maglev(&self, dump: &mut Dump) -> anyhow::Result<()> {
+        let tables: BTreeSet<u32> = dump
+            .services
+            .iter()
+            .filter(|((_, slot), _)| *slot == 0)
+            .filter_map(|(_, v)| maglev_table_of(v))
+            .filter(|t| *t < self.maglev_geometry.tables)
+            .collect();
+        let m = self.maglev_geometry.table_size;
+        for t in tables {
+            let Some(maglev) = &self.maglev else { break };
+            let cells = (0..m)
+                .map(|c| maglev.get(&(t * m + c), 0))
+                .collect::<Result<Vec<u32>, _>>()
+                .with_context(|| format!("reading {} table {t}", map_names::MAGLEV))?;
+            dump.maglev.insert(t, cells);
+        }
+        Ok(())
+    }
+
+    /// The ClusterIP set and the echo table.
+    fn dump_address_sets(&self, dump: &mut Dump) -> anyhow::Result<()> {
+        for item in self.cluster_ips4.iter() {
+            let (k, v) = item?;
+            dump.cluster_ips
+                .insert(Ipv4Addr::from(k.addr).into(), v.frontends);
+        }
+        for item in self.cluster_ips6.iter() {
+            let (k, v) = item?;
+            dump.cluster_ips
+                .insert(Ipv6Addr::from(k.addr).into(), v.frontends);
+        }
+        Ok(())
+    }
+
+    fn dump_src_ranges(&self, dump: &mut Dump) -> anyhow::Result<()> {
+        for k in self.src_ranges4.keys() {
+            let k = k?;
+            let d = k.data();
+            let prefix = k.prefix_len().saturating_sub(32).min(32) as u8;
+            let addr = Ipv4Addr::from(d.addr).into();
+            dump.src_ranges
+                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
+        }
+        for k in self.src_ranges6.keys() {
+            let k = k?;
+            let d = k.data();
+            let prefix = k.prefix_len().saturating_sub(32).min(128) as u8;
+            let addr = Ipv6Addr::from(d.addr).into();
+            dump.src_ranges
+                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
+        }
+        for item in self.echo4.iter() {
+            let (k, v) = item?;
+            dump.echo.insert(Ipv4Addr::from(k.addr).into(), v);
+        }
+        for item in self.echo6.iter() {
+            let (k, v) = item?;
+            dump.echo.insert(Ipv6Addr::from(k.addr).into(), v);
+        }
+        Ok(())
+    }
+
+    fn dump_aff_match(&self, dump: &mut Dump) -> anyhow::Result<()> {
+        for (family, map, name) in [
+            (Family::V4, &self.aff_match4, map_names::AFF_MATCH4),
+            (Family::V6, &self.aff_match6, map_names::AFF_MATCH6),
+        ] {
+            for k in map.keys() {
+                let k = k?;
+                let scope =
+                    Scope::try_from(k.scope).with_context(|| format!("{name} key {k:?}"))?;
+                dump.aff_match.insert(AffMatch {
+                    family,
+                    rev_nat_id: k.rev_nat_id,
+                    scope,
+                    backend_id: k.backend_id,
+                });
+            }
+        }
+        Ok(())
     }
 }
 
