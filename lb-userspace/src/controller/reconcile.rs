@@ -1161,19 +1161,7 @@ impl<M: LbMaps> Reconciler<M> {
         let active = plan.active;
         let maglev = self.plan_maglev(fe, entry, &plan.backends[..active], &plan.ids[..active]);
         if maglev.fallback {
-            let g = self.maps.maglev_geometry();
-            report.fallbacks.push(ServiceError {
-                frontend: *fe,
-                service: entry.name.to_string(),
-                error: format!(
-                    "map {} is full ({} tables of {} cells in use): Maglev service programmed \
-                     with random selection",
-                    map_names::MAGLEV,
-                    self.maglev_tables.len(),
-                    g.table_size
-                ),
-                full_map: Some(map_names::MAGLEV),
-            });
+            report.fallbacks.push(self.maglev_fallback(fe, entry));
         }
         let total = plan.backends.len();
         let master = SvcValue {
@@ -1222,20 +1210,50 @@ impl<M: LbMaps> Reconciler<M> {
             *room.entry((table, family)).or_default() -= needed;
         }
 
+        self.write_planned(
+            fe,
+            entry,
+            plan,
+            &master,
+            maglev,
+            &global,
+            cluster_ips,
+            report,
+        )
+    }
+
+    /// Writes a frontend `apply_service` planned, in the order the module docs give, its
+    /// previous state restored if its slots or master cannot be written.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the plan's parts apply_service computed, passed on"
+    )]
+    fn write_planned(
+        &mut self,
+        fe: &Frontend,
+        entry: &ServiceEntry,
+        plan: ServicePlan,
+        master: &SvcValue,
+        maglev: MaglevPlan,
+        global: &[Backend],
+        cluster_ips: &BTreeMap<IpAddr, u32>,
+        report: &mut ApplyReport,
+    ) -> Result<(), Failure> {
+        let total = plan.backends.len();
         // 0. A new ClusterIP, before anything of its first frontend (see the module docs).
         if entry.flags & svc_flags::CLUSTER_IP != 0 && !self.cluster_ips.contains_key(&fe.l4.addr) {
             let n = cluster_ips.get(&fe.l4.addr).copied().unwrap_or(1);
             self.put_cluster_ip(fe.l4.addr, n, report);
         }
         // 1.–2c. Backends, rev-NAT, source ranges, affinity matches.
-        self.write_referenced(fe, &plan, &global, report)
+        self.write_referenced(fe, &plan, global, report)
             .map_err(|e| e.to_string())?;
         // 3. Slots and the Maglev table, then 4. the master entry that makes them visible.
         let old = plan.existing;
         // Known again only once the table is whole.
         self.maglev_built.remove(fe);
-        let table = maglev_table_of(&master).map(|t| (t, maglev.writes.as_slice()));
-        if let Err(e) = self.write_slots_and_master(fe, &plan.ids, table, &master, report) {
+        let table = maglev_table_of(master).map(|t| (t, maglev.writes.as_slice()));
+        if let Err(e) = self.write_slots_and_master(fe, &plan.ids, table, master, report) {
             if let Some(old) = old {
                 self.restore(fe, &old, report);
             }
@@ -1246,7 +1264,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         // A table the master no longer names is free (its cells are rewritten before reuse).
         if let Some(t) = old.as_ref().and_then(|i| maglev_table_of(&i.master))
-            && maglev_table_of(&master) != Some(t)
+            && maglev_table_of(master) != Some(t)
         {
             self.maglev_tables.remove(&t);
         }
@@ -1256,6 +1274,22 @@ impl<M: LbMaps> Reconciler<M> {
             self.delete_slot(fe, slot as u16, "surplus slot", report);
         }
         Ok(())
+    }
+
+    /// The report of a Maglev frontend that found no free table.
+    fn maglev_fallback(&self, fe: &Frontend, entry: &ServiceEntry) -> ServiceError {
+        ServiceError {
+            frontend: *fe,
+            service: entry.name.to_string(),
+            error: format!(
+                "map {} is full ({} tables of {} cells in use): Maglev service programmed with \
+                 random selection",
+                map_names::MAGLEV,
+                self.maglev_tables.len(),
+                self.maps.maglev_geometry().table_size
+            ),
+            full_map: Some(map_names::MAGLEV),
+        }
     }
 
     /// What `apply_service` would write for `fe`, and the room it needs: ids are allocated in
