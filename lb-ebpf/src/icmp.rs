@@ -167,6 +167,20 @@ fn outer<A>(saddr: A, daddr: A, proto: u8, ty: u8, l4_off: usize, l4_len: usize)
     }
 }
 
+/// The outer headers of an ICMP message in the IPv4 header `ip` (`ihl` bytes, `tot_len` in
+/// all) of type `ty`.
+#[inline(always)]
+fn outer4(ip: &[u8; 20], ty: u8, ihl: usize, tot_len: usize) -> Packet<[u8; 4]> {
+    outer(
+        [ip[12], ip[13], ip[14], ip[15]],
+        [ip[16], ip[17], ip[18], ip[19]],
+        IPPROTO_ICMP,
+        ty,
+        ETH_HLEN + ihl,
+        tot_len - ihl,
+    )
+}
+
 impl IcmpAf for V4 {
     const SADDR_OFF: usize = 12;
     const DADDR_OFF: usize = 16;
@@ -191,14 +205,7 @@ impl IcmpAf for V4 {
         {
             return Err(Error::Unparsed);
         }
-        *o = outer(
-            [ip[12], ip[13], ip[14], ip[15]],
-            [ip[16], ip[17], ip[18], ip[19]],
-            IPPROTO_ICMP,
-            icmp[0],
-            icmp_off,
-            tot_len - ihl,
-        );
+        *o = outer4(&ip, icmp[0], ihl, tot_len);
         Ok(())
     }
 
@@ -244,14 +251,7 @@ impl IcmpAf for V4 {
         {
             return Err(Error::Unparsed);
         }
-        *o = outer(
-            [ip[12], ip[13], ip[14], ip[15]],
-            [ip[16], ip[17], ip[18], ip[19]],
-            IPPROTO_ICMP,
-            icmp[0],
-            icmp_off,
-            tot_len - ihl,
-        );
+        *o = outer4(&ip, icmp[0], ihl, tot_len);
         quoted_l4(
             ctx,
             q,

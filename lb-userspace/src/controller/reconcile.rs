@@ -642,17 +642,7 @@ impl<M: LbMaps> Reconciler<M> {
             .filter(|(_, i)| i.master.flags & svc_flags::CLUSTER_IP != 0)
             .count() as u32;
         if n == 0 && self.cluster_ips.contains_key(&addr) {
-            match self.maps.del_cluster_ip(addr) {
-                Ok(()) => {
-                    report.deletes += 1;
-                    self.cluster_ips.remove(&addr);
-                    self.counts.cluster_ips[fam_of(&addr)] -= 1;
-                }
-                Err(e) => {
-                    self.degraded = true;
-                    tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry")
-                }
-            }
+            self.del_cluster_ip(addr, report);
         } else if n > 0 && self.cluster_ips.get(&addr) != Some(&n) {
             self.put_cluster_ip(addr, n, report);
         }
@@ -1021,6 +1011,22 @@ impl<M: LbMaps> Reconciler<M> {
         }
     }
 
+    /// Deletes `addr` from the ClusterIP set; a failure is logged, and retried by the next
+    /// apply.
+    fn del_cluster_ip(&mut self, addr: IpAddr, report: &mut ApplyReport) {
+        match self.maps.del_cluster_ip(addr) {
+            Ok(()) => {
+                report.deletes += 1;
+                self.cluster_ips.remove(&addr);
+                self.counts.cluster_ips[fam_of(&addr)] -= 1;
+            }
+            Err(e) => {
+                self.degraded = true;
+                tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry")
+            }
+        }
+    }
+
     /// Makes the ClusterIP set match the frontends installed now: addresses without any are
     /// removed (their last frontend is gone), counts are brought up to date.
     fn sync_cluster_ips(&mut self, report: &mut ApplyReport) {
@@ -1032,17 +1038,7 @@ impl<M: LbMaps> Reconciler<M> {
             .copied()
             .collect();
         for addr in stale {
-            match self.maps.del_cluster_ip(addr) {
-                Ok(()) => {
-                    report.deletes += 1;
-                    self.cluster_ips.remove(&addr);
-                    self.counts.cluster_ips[fam_of(&addr)] -= 1;
-                }
-                Err(e) => {
-                    self.degraded = true;
-                    tracing::warn!(%addr, error = %e, "cannot delete ClusterIP entry")
-                }
-            }
+            self.del_cluster_ip(addr, report);
         }
         for (addr, n) in installed {
             if self.cluster_ips.get(&addr) != Some(&n) {
