@@ -517,6 +517,47 @@ fn a_snapshot_with_two_objects_of_one_name_is_translated_whole_and_the_next_rebu
     );
 }
 
+/// The daemon's way: one `ChangeDetector` diffs each snapshot and the translator applies that
+/// diff. It translates as `update` (a detector of the translator's own) does, step by step;
+/// a diff that does not follow the one applied last (one was skipped, or another detector's)
+/// rebuilds from the whole snapshot instead of missing what the skipped one named.
+#[test]
+fn the_shared_diff_drives_the_translator_as_update_does() {
+    use lb::controller::changes::ChangeDetector;
+    let mut rng = Rng(11);
+    let mut world = World {
+        services: vec![None; NAMESPACES.len() * SERVICES],
+        slices: vec![None; NAMESPACES.len() * SERVICES * 2],
+        node: node(&mut rng),
+    };
+    let mut detector = ChangeDetector::new();
+    let (mut shared, mut own) = (IncrementalTranslator::new(), IncrementalTranslator::new());
+    let mut incremental = 0;
+    for step in 0..300 {
+        world.step(&mut rng);
+        let (services, slices) = world.snapshot(&mut rng);
+        let diff = detector.observe_objects(&services, &slices);
+        if step % 50 == 49 {
+            // Skipped: the next diff does not follow what the translator applied.
+            continue;
+        }
+        let got = shared.apply(&diff, &services, &slices, &world.node);
+        let want = own.update(&services, &slices, &world.node);
+        if step % 50 == 0 && step > 0 {
+            assert_eq!(got, Update::Full, "step {step}: after a skipped diff");
+        } else {
+            assert_eq!(got, want, "step {step}");
+        }
+        incremental += usize::from(matches!(got, Update::Changed(_)));
+        assert_eq!(
+            shared.translation(),
+            desired_state(&services, &slices, &world.node),
+            "step {step}"
+        );
+    }
+    assert!(incremental > 200, "{incremental} incremental updates");
+}
+
 /// `MemMaps` whose writes and deletes fail now and then while `flaky` is set.
 struct Flaky {
     inner: Rc<RefCell<MemMaps>>,

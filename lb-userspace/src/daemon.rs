@@ -9,6 +9,7 @@ use tokio::{
 
 use crate::{
     controller::{
+        changes::{ChangeDetector, SnapshotDiff},
         incremental::{IncrementalTranslator, Update},
         k8s,
         reconcile::{ApplyReport, Reconciler},
@@ -22,10 +23,7 @@ use crate::{
         maps::LbMaps,
     },
     healthcheck::{self, HealthServers},
-    metrics::{
-        self, Metrics,
-        kubeproxy::{ChangeTracker, Changes},
-    },
+    metrics::{self, Metrics, kubeproxy::Changes},
     node_facts::{self, NodeFacts, NodeFactsArgs, host_ips},
     state_dir,
 };
@@ -203,7 +201,11 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut generation = 0u64;
     let mut facts: Option<NodeFacts> = None;
     let mut health_checks = HealthServers::new(metrics.clone());
-    let mut changes_tracker = ChangeTracker::new(std::time::SystemTime::now());
+    // The one change detector (controller/changes.rs): each update's snapshot diff, computed
+    // once, feeds the translator, kube-proxy's change metrics and, through the translator's
+    // `Update`, the UDP re-steering.
+    let mut detector = ChangeDetector::new();
+    let started = std::time::SystemTime::now();
     let mut translator = IncrementalTranslator::new();
     let mut last_full = Instant::now();
     let mut full_timer = tokio::time::interval(if opts.full_sync_interval.is_zero() {
@@ -228,7 +230,8 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     && last_full.elapsed() >= opts.full_sync_interval;
                 let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
                 metrics.mark_change_pending(snapshot.changed_at);
-                let changes = changes_tracker.observe(&snapshot);
+                let diff = detector.observe(&snapshot);
+                let changes = Changes::of(&diff, started);
                 metrics.kube_proxy().queued(&changes);
                 generation += 1;
                 // Before the first attach, like the maps: the first packet sees this node's facts.
@@ -246,7 +249,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     &base,
                     SyncKind { generation, full },
                     &metrics,
-                    &changes,
+                    &Observed { diff: Some(diff), changes },
                 );
                 if full {
                     last_full = Instant::now();
@@ -273,6 +276,11 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 }
                 let Some(snapshot) = rx.borrow().clone() else { continue };
                 generation += 1;
+                // Diffed too, so the translator follows the detector's every snapshot (nothing,
+                // unless a change arrived that the arm above has not taken yet: its objects are
+                // counted here then).
+                let diff = detector.observe(&snapshot);
+                let changes = Changes::of(&diff, started);
                 let base = node_base(&opts, facts.as_ref());
                 let synced = sync_node(
                     &mut reconciler,
@@ -281,7 +289,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                     &base,
                     SyncKind { generation, full: true },
                     &metrics,
-                    &Changes::default(),
+                    &Observed { diff: Some(diff), changes },
                 );
                 last_full = Instant::now();
                 // A repair may have deleted backends too.
@@ -537,6 +545,16 @@ pub struct Synced {
     pub update: Update,
 }
 
+/// What the daemon's change detector found in the snapshot a sync applies.
+#[derive(Debug, Default)]
+pub struct Observed {
+    /// The snapshot's diff against the one before; `None`: the translator diffs it itself
+    /// (callers without a detector).
+    pub diff: Option<SnapshotDiff>,
+    /// What `diff` counts for kube-proxy's SLIs (nothing without one).
+    pub changes: Changes,
+}
+
 /// Which sync this is.
 #[derive(Clone, Copy, Debug)]
 pub struct SyncKind {
@@ -593,13 +611,14 @@ pub fn sync<M: LbMaps>(
         &base,
         kind,
         metrics,
-        &Changes::default(),
+        &Observed::default(),
     )
 }
 
 /// `sync` for the node `base` describes (its zone comes from the snapshot's Node object);
-/// `changes` are what the snapshot changed, for kube-proxy's SLIs. Only what changed since the
-/// last sync is translated and written, unless `kind.full`.
+/// `observed` is what the snapshot changed: the translator recomputes what its diff names, and
+/// its counts are kube-proxy's SLIs. Only what changed since the last sync is translated and
+/// written, unless `kind.full`.
 pub fn sync_node<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     translator: &mut IncrementalTranslator,
@@ -607,7 +626,7 @@ pub fn sync_node<M: LbMaps>(
     base: &NodeInfo,
     kind: SyncKind,
     metrics: &Metrics,
-    changes: &Changes,
+    observed: &Observed,
 ) -> Synced {
     let generation = kind.generation;
     let start = Instant::now();
@@ -623,9 +642,12 @@ pub fn sync_node<M: LbMaps>(
     };
     if kind.full {
         // Anew, as if lb had just started: nothing carried over can hide a difference.
-        *translator = IncrementalTranslator::new();
+        translator.reset();
     }
-    let update = translator.update(&snapshot.services, &snapshot.slices, &node);
+    let update = match &observed.diff {
+        Some(diff) => translator.apply(diff, &snapshot.services, &snapshot.slices, &node),
+        None => translator.update(&snapshot.services, &snapshot.slices, &node),
+    };
     let skipped = translator.skipped();
     for s in &skipped {
         tracing::warn!(skipped = %s, "skipping object");
@@ -698,7 +720,7 @@ pub fn sync_node<M: LbMaps>(
     // Before the log line: whoever sees "synced" finds the sync counted.
     metrics
         .kube_proxy()
-        .programmed(changes, std::time::SystemTime::now(), &no_local);
+        .programmed(&observed.changes, std::time::SystemTime::now(), &no_local);
     metrics.mark_synced();
     let names_changed = match &update {
         Update::Full => true,

@@ -12,13 +12,14 @@
 //!   family. lb does the same, so a dual-stack pod counts once on each listener.
 //! - Local endpoints are `LocalReadyEndpoints`: unique IPs of endpoints on this node whose
 //!   `ready` condition is true or unset (serving-but-terminating endpoints do not count),
-//!   over all of the service's slices and ports.
+//!   over all of the service's slices and ports, read from the translation's EndpointSlice
+//!   index (`translate::index_slices`): the same slices, ports and copy of an endpoint listed
+//!   twice as the programmed backends.
 //!
 //! [`desired`] is the pure part; [`HealthServers`] opens, updates and closes the listeners.
 use std::{
     borrow::Borrow,
     collections::{BTreeMap, BTreeSet, HashSet},
-    fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::Arc,
 };
@@ -35,45 +36,11 @@ use tokio::{
     task::JoinHandle,
 };
 
+pub use crate::model::Family;
 use crate::{
-    controller::translate::{self, LABEL_HEADLESS, LABEL_SERVICE_NAME},
+    controller::translate::{self, LABEL_SERVICE_NAME, NodeInfo},
     metrics::Metrics,
 };
-
-/// An IP family; each has listeners of its own, as kube-proxy's per-family proxiers do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Family {
-    IPv4,
-    IPv6,
-}
-
-impl Family {
-    pub const ALL: [Family; 2] = [Family::IPv4, Family::IPv6];
-
-    fn of(ip: IpAddr) -> Self {
-        if ip.is_ipv4() {
-            Family::IPv4
-        } else {
-            Family::IPv6
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            Family::IPv4 => 0,
-            Family::IPv6 => 1,
-        }
-    }
-}
-
-impl fmt::Display for Family {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Family::IPv4 => "IPv4",
-            Family::IPv6 => "IPv6",
-        })
-    }
-}
 
 /// One listener: a health check node port in one IP family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -122,18 +89,14 @@ fn cluster_ip_families(svc: &Service) -> BTreeSet<Family> {
     let Some(spec) = svc.spec.as_ref() else {
         return BTreeSet::new();
     };
-    let parse = |s: &str| s.parse::<IpAddr>().ok().map(Family::of);
+    let parse = |s: &str| s.parse::<IpAddr>().ok().map(|ip| Family::of(&ip));
     match spec.ip_families.as_deref() {
         // With ipFamilies, the i-th family's ClusterIP is clusterIPs[i].
         Some(families) if !families.is_empty() => families
             .iter()
             .zip(spec.cluster_ips.iter().flatten())
             .filter_map(|(family, ip)| {
-                let want = match family.as_str() {
-                    "IPv4" => Family::IPv4,
-                    "IPv6" => Family::IPv6,
-                    _ => return None,
-                };
+                let want = Family::from_k8s(family)?;
                 (parse(ip) == Some(want)).then_some(want)
             })
             .collect(),
@@ -163,80 +126,6 @@ fn health_check_port(svc: &Service) -> Option<u16> {
     u16::try_from(spec.health_check_node_port?)
         .ok()
         .filter(|p| *p != 0)
-}
-
-/// One endpoint of a service port as kube-proxy's EndpointSliceCache keeps it.
-#[derive(Clone, Copy)]
-struct Endpoint {
-    ready: bool,
-    terminating: bool,
-    local: bool,
-}
-
-/// (namespace, service) → family → (port name, protocol, ip, port) → endpoint.
-type Index = BTreeMap<(String, String), [BTreeMap<(String, String, IpAddr, u16), Endpoint>; 2]>;
-
-fn index_slices<E: Borrow<EndpointSlice>>(slices: &[E], node_name: &str) -> Index {
-    let mut out = Index::new();
-    let mut slices: Vec<&EndpointSlice> = slices.iter().map(Borrow::borrow).collect();
-    slices.sort_by_key(|s| object_name(&s.metadata));
-    for slice in slices {
-        let labels = slice.metadata.labels.as_ref();
-        if labels.is_some_and(|l| l.contains_key(LABEL_HEADLESS)) {
-            continue;
-        }
-        let Some(service) = labels
-            .and_then(|l| l.get(LABEL_SERVICE_NAME))
-            .filter(|s| !s.is_empty())
-        else {
-            continue;
-        };
-        let family = match slice.address_type.as_str() {
-            "IPv4" => Family::IPv4,
-            "IPv6" => Family::IPv6,
-            _ => continue,
-        };
-        let namespace = slice
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
-        let by_port = &mut out.entry((namespace, service.clone())).or_default()[family.index()];
-        // kube-proxy ignores ports without a name or number; a slice without any usable port
-        // contributes no endpoints.
-        let ports: Vec<(String, String, u16)> = slice
-            .ports
-            .iter()
-            .flatten()
-            .filter_map(|p| {
-                let port = u16::try_from(p.port?).ok().filter(|n| *n != 0)?;
-                let proto = p.protocol.clone().unwrap_or_else(|| "TCP".into());
-                Some((p.name.clone()?, proto, port))
-            })
-            .collect();
-        for ep in slice.endpoints.iter().flatten() {
-            let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
-                continue;
-            };
-            if Family::of(ip) != family {
-                continue;
-            }
-            let cond = ep.conditions.as_ref();
-            let endpoint = Endpoint {
-                ready: cond.and_then(|c| c.ready).unwrap_or(true),
-                terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
-                local: !node_name.is_empty() && ep.node_name.as_deref() == Some(node_name),
-            };
-            for (name, proto, port) in &ports {
-                let key = (name.clone(), proto.clone(), ip, *port);
-                // kube-proxy's rule for an endpoint in two slices: a non-terminating copy wins.
-                if !by_port.contains_key(&key) || !endpoint.terminating {
-                    by_port.insert(key, endpoint);
-                }
-            }
-        }
-    }
-    out
 }
 
 /// The health check listeners for `services` and `slices` on node `node_name`: kube-proxy's
@@ -276,7 +165,12 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             service.is_some_and(|name| keys.contains(&(ns, name.as_str())))
         })
         .collect();
-    let index = index_slices(&slices, node_name);
+    // What the index refuses, translation reports.
+    let index = translate::index_slices(
+        &slices,
+        &NodeInfo::from_node(node_name, None),
+        &mut Vec::new(),
+    );
     let mut out = HealthChecks::default();
     for svc in services {
         let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
@@ -297,9 +191,10 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         for family in cluster_ip_families(svc) {
             let local_endpoints = endpoints.map_or(0, |by_family| {
                 by_family[family.index()]
-                    .iter()
-                    .filter(|(_, e)| e.local && e.ready)
-                    .map(|((_, _, ip, _), _)| *ip)
+                    .values()
+                    .flat_map(|by_addr| by_addr.values())
+                    .filter(|e| e.local && e.ready)
+                    .map(|e| e.l4.addr)
                     .collect::<BTreeSet<_>>()
                     .len()
             });
@@ -432,8 +327,8 @@ impl HealthServers {
 
     fn open_one(&self, listen: Listen, health: ServiceHealth) -> std::io::Result<Server> {
         let ip = match listen.family {
-            Family::IPv4 => IpAddr::V4(self.v4),
-            Family::IPv6 => IpAddr::V6(self.v6),
+            Family::V4 => IpAddr::V4(self.v4),
+            Family::V6 => IpAddr::V6(self.v6),
         };
         let listener = bind(SocketAddr::new(ip, listen.port))?;
         let (health_tx, health_rx) = watch::channel(health);
@@ -629,7 +524,7 @@ mod tests {
         assert_eq!(
             checks.servers[&Listen {
                 port: 31000,
-                family: Family::IPv4
+                family: Family::V4
             }],
             ServiceHealth {
                 namespace: "ns".into(),
@@ -652,10 +547,10 @@ mod tests {
             ]),
         )];
         assert_eq!(
-            count(&desired(&svc, &s, "other"), 31000, Family::IPv4),
+            count(&desired(&svc, &s, "other"), 31000, Family::V4),
             Some(1)
         );
-        assert_eq!(count(&desired(&svc, &s, ""), 31000, Family::IPv4), Some(0));
+        assert_eq!(count(&desired(&svc, &s, ""), 31000, Family::V4), Some(0));
     }
 
     #[test]
@@ -675,7 +570,7 @@ mod tests {
                    {"addresses": ["198.18.13.2"], "nodeName": "me"}]),
         );
         let checks = desired(&[svc], &[elsewhere, neighbour, own], "me");
-        assert_eq!(count(&checks, 31000, Family::IPv4), Some(2));
+        assert_eq!(count(&checks, 31000, Family::V4), Some(2));
     }
 
     #[test]
@@ -689,10 +584,7 @@ mod tests {
             json!([{"port": 8080}, {"name": "x", "port": 0}, {"name": "y"}]),
             json!([{"addresses": ["198.18.11.2"], "nodeName": "me"}]),
         )];
-        assert_eq!(
-            count(&desired(&svc, &s, "me"), 31000, Family::IPv4),
-            Some(0)
-        );
+        assert_eq!(count(&desired(&svc, &s, "me"), 31000, Family::V4), Some(0));
     }
 
     #[test]
@@ -718,10 +610,73 @@ mod tests {
                         "conditions": {"ready": false, "terminating": true}}]),
             ),
         ];
-        assert_eq!(
-            count(&desired(&svc, &s, "me"), 31000, Family::IPv4),
-            Some(1)
-        );
+        assert_eq!(count(&desired(&svc, &s, "me"), 31000, Family::V4), Some(1));
+    }
+
+    /// Health checks and translation read one EndpointSlice index, so an endpoint listed
+    /// twice (two slices, copies that differ in readiness or node) is the same copy for both:
+    /// the local endpoint count is the number of addresses the eTP=Local NodePort sends new
+    /// flows to.
+    #[test]
+    fn health_checks_and_translation_agree_on_duplicated_endpoints() {
+        use crate::model::BackendState;
+        let svc = lb_service("ns", "web", 31000, &["198.19.0.10"]);
+        let ports = json!([{"name": "http", "port": 8080, "protocol": "TCP"}]);
+        let ready = json!({"addresses": ["198.18.11.2"], "nodeName": "me"});
+        let terminating = json!({"addresses": ["198.18.11.2"], "nodeName": "me",
+            "conditions": {"ready": false, "serving": true, "terminating": true}});
+        let not_ready = json!({"addresses": ["198.18.11.2"], "nodeName": "me",
+            "conditions": {"ready": false}});
+        let remote = json!({"addresses": ["198.18.11.2"], "nodeName": "other"});
+        // Another local ready endpoint, so no case falls back to terminating ones.
+        let other = json!({"addresses": ["198.18.20.2"], "nodeName": "me"});
+        let node = NodeInfo {
+            name: "me".into(),
+            nodeport_ips: vec!["192.0.2.1".parse().unwrap()],
+            ..NodeInfo::default()
+        };
+        for (a, b, want) in [
+            (&ready, &terminating, 2),
+            (&terminating, &ready, 2),
+            (&ready, &remote, 2),
+            (&remote, &ready, 2),
+            (&terminating, &remote, 1),
+            (&ready, &not_ready, 1),
+            (&not_ready, &ready, 2),
+        ] {
+            let slices = [
+                slice(
+                    "ns",
+                    "web-a",
+                    "web",
+                    "IPv4",
+                    ports.clone(),
+                    json!([a, other]),
+                ),
+                slice("ns", "web-b", "web", "IPv4", ports.clone(), json!([b])),
+            ];
+            let health = count(
+                &desired(std::slice::from_ref(&svc), &slices, "me"),
+                31000,
+                Family::V4,
+            );
+            let t = translate::desired_state(std::slice::from_ref(&svc), &slices, &node);
+            let node_ports: Vec<_> = t
+                .state
+                .services
+                .values()
+                .filter(|e| e.flags & lb_common::svc_flags::NODE_PORT != 0)
+                .collect();
+            assert_eq!(node_ports.len(), 1, "{:?}", t.state);
+            let active: BTreeSet<IpAddr> = node_ports[0]
+                .backends
+                .iter()
+                .filter(|b| b.state == BackendState::Active)
+                .map(|b| b.l4.addr)
+                .collect();
+            assert_eq!(health, Some(want), "{a} then {b}");
+            assert_eq!(active.len(), want, "{a} then {b}: {:?}", node_ports[0]);
+        }
     }
 
     #[test]
@@ -751,20 +706,20 @@ mod tests {
         let slices = [v4, v6];
         let dual = lb_service("ns", "web", 31000, &["198.19.0.10", "2001:db8:ffff::10"]);
         let checks = desired(&[dual], &slices, "me");
-        assert_eq!(count(&checks, 31000, Family::IPv4), Some(2));
-        assert_eq!(count(&checks, 31000, Family::IPv6), Some(1));
+        assert_eq!(count(&checks, 31000, Family::V4), Some(2));
+        assert_eq!(count(&checks, 31000, Family::V6), Some(1));
         // A single-stack service gets no listener of the other family.
         let v6_only = lb_service("ns", "web", 31000, &["2001:db8:ffff::10"]);
         let checks = desired(&[v6_only], &slices, "me");
-        assert_eq!(count(&checks, 31000, Family::IPv4), None);
-        assert_eq!(count(&checks, 31000, Family::IPv6), Some(1));
+        assert_eq!(count(&checks, 31000, Family::V4), None);
+        assert_eq!(count(&checks, 31000, Family::V6), Some(1));
         // ipFamilies pairs with clusterIPs by index.
         let mut svc = lb_service("ns", "web", 31000, &["2001:db8:ffff::10", "198.19.0.10"]);
         svc.spec.as_mut().unwrap().ip_families = Some(vec!["IPv6".into()]);
         let checks = desired(&[svc], &slices, "me");
         assert_eq!(
             checks.servers.keys().map(|l| l.family).collect::<Vec<_>>(),
-            [Family::IPv6]
+            [Family::V6]
         );
     }
 
@@ -841,7 +796,7 @@ mod tests {
             [PortConflict {
                 listen: Listen {
                     port: 31000,
-                    family: Family::IPv4
+                    family: Family::V4
                 },
                 service: "b/web".into(),
                 owner: "a/web".into(),
@@ -899,7 +854,7 @@ mod tests {
                     (
                         Listen {
                             port: *port,
-                            family: Family::IPv4,
+                            family: Family::V4,
                         },
                         ServiceHealth {
                             namespace: "ns".into(),

@@ -33,6 +33,34 @@ impl Family {
             IpAddr::V6(_) => Family::V6,
         }
     }
+
+    /// The family of an EndpointSlice's `addressType` or a Service's `ipFamilies` entry
+    /// (`IPv4`, `IPv6`); `None` for anything else (`FQDN`).
+    pub fn from_k8s(s: &str) -> Option<Self> {
+        match s {
+            "IPv4" => Some(Family::V4),
+            "IPv6" => Some(Family::V6),
+            _ => None,
+        }
+    }
+
+    /// The index of per-family arrays (IPv4 first).
+    pub fn index(self) -> usize {
+        match self {
+            Family::V4 => 0,
+            Family::V6 => 1,
+        }
+    }
+}
+
+/// `IPv4` or `IPv6`, as Kubernetes spells the families.
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        })
+    }
 }
 
 /// Which backend set a frontend's key selects. The discriminants are lb-common's `scope` ABI

@@ -11,14 +11,17 @@
 //!   or local addresses change (a pod's veth gets an address), the services with a nodePort,
 //!   external IPs or LoadBalancer IPs.
 //!
-//! An object is unchanged when it is the same `Arc` as before (the reflector stores hand out
-//! the same one until the object changes), has the same resourceVersion, or has equal contents
-//! (manifests carry no resourceVersion). A snapshot with two objects of one namespace/name (a
-//! manifest directory can hold them) is translated whole, and the next one rebuilds the caches.
+//! What changed is not found here: [`IncrementalTranslator::apply`] takes the snapshot diff the
+//! daemon's change detector computes once per update (`changes`, shared with the metrics), and
+//! only walks the objects it names. A diff that does not follow the one applied before (another
+//! detector's, or one skipped) rebuilds the caches from the whole snapshot, as the first does;
+//! [`IncrementalTranslator::update`] runs a detector of the translator's own, for callers
+//! without one. A snapshot with two objects of one namespace/name (a manifest directory can
+//! hold them) is translated whole, and the next one rebuilds the caches.
 //!
 //! Per service only its frontend keys, its skipped entries and its no-local counts are kept;
 //! the entries live once, in the desired state.
-use std::{collections::BTreeMap, hash::BuildHasherDefault, sync::Arc};
+use std::{collections::BTreeMap, sync::Arc};
 
 use foldhash::{HashMap, HashSet, HashSetExt as _};
 
@@ -28,7 +31,7 @@ use k8s_openapi::{
 };
 
 use super::{
-    source::{PtrHasher, same},
+    changes::{ChangeDetector, SnapshotDiff},
     translate::{
         self, LABEL_SERVICE_NAME, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped,
         Translation,
@@ -67,6 +70,15 @@ fn key_of(meta: &ObjectMeta) -> Key {
     )
 }
 
+/// namespace (empty when unset) and name, as the change detector names objects: two objects
+/// with one `key_of` and two of these are two objects of one name here.
+fn raw_key(meta: &ObjectMeta) -> (&str, &str) {
+    (
+        meta.namespace.as_deref().unwrap_or_default(),
+        meta.name.as_deref().unwrap_or_default(),
+    )
+}
+
 /// The service an EndpointSlice belongs to, if it names one.
 fn group_of(slice: &EndpointSlice) -> Option<Key> {
     let service = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
@@ -77,35 +89,10 @@ fn group_of(slice: &EndpointSlice) -> Option<Key> {
     Some((ns.unwrap_or_else(|| "default".into()), service.clone()))
 }
 
-type PtrMap = std::collections::HashMap<usize, u32, BuildHasherDefault<PtrHasher>>;
-
-fn ptr<T>(a: &Arc<T>) -> usize {
-    Arc::as_ptr(a) as usize
-}
-
-/// The id `order` (the last update's objects in snapshot order, by address) has at position
-/// `i` for the object at `p`. A reflector store hands its objects out in the same order while
-/// only their contents change, so most objects are matched by one sequential compare instead
-/// of a hash lookup: what bounds a sync's time at 10,000s of objects, above all on caches a
-/// full sync has just flushed. Every address in `order` is of an object the translator still
-/// holds, so an equal address is the same object.
-fn at(order: &[(usize, u32)], i: usize, p: usize) -> Option<u32> {
-    order.get(i).filter(|(q, _)| *q == p).map(|(_, id)| *id)
-}
-
-/// Records that position `i` of this update's snapshot holds `p` with id `id`.
-fn set_at(order: &mut Vec<(usize, u32)>, i: usize, p: usize, id: u32) {
-    match order.get_mut(i) {
-        Some(slot) => *slot = (p, id),
-        None => order.push((p, id)),
-    }
-}
-
 struct Svc {
     obj: Arc<Service>,
     key: Key,
     order: ServiceOrder,
-    seen: u64,
     /// The frontends it claims in claim order (claim `(id, i)` is `frontends[i]`), each with
     /// the number of `skipped` entries reported before it.
     frontends: Vec<(Frontend, usize)>,
@@ -139,7 +126,6 @@ struct Slice {
     obj: Arc<EndpointSlice>,
     key: Key,
     group: Option<Key>,
-    seen: u64,
 }
 
 /// A claim on a frontend: (service id, index among the service's claims).
@@ -155,19 +141,16 @@ fn claim_order(svcs: &[Option<Svc>], c: Claim) -> (&ServiceOrder, u32) {
 #[derive(Default)]
 pub struct IncrementalTranslator {
     node: Option<NodeInfo>,
-    generation: u64,
+    /// The (detector, observation) of the diff applied last: the next must follow it.
+    applied: Option<(u64, u64)>,
+    /// The detector `update` runs, for callers without one.
+    own: Option<ChangeDetector>,
     svcs: Vec<Option<Svc>>,
     free_svcs: Vec<u32>,
     svc_by_key: HashMap<Key, u32>,
-    svc_by_ptr: PtrMap,
-    /// The last update's services in snapshot order: (address, id).
-    svc_order: Vec<(usize, u32)>,
     slices: Vec<Option<Slice>>,
     free_slices: Vec<u32>,
     slice_by_key: HashMap<Key, u32>,
-    slice_by_ptr: PtrMap,
-    /// The last update's slices in snapshot order: (address, id).
-    slice_order: Vec<(usize, u32)>,
     /// Slice ids per service they name.
     groups: HashMap<Key, Vec<u32>>,
     /// Skipped entries of slices, by slice namespace/name (the order `desired_state` reports
@@ -264,9 +247,36 @@ impl IncrementalTranslator {
         self.slices[id as usize].as_mut().expect("live slice id")
     }
 
-    /// Translates a snapshot; returns which frontends changed.
+    /// Forgets the translation (the next update rebuilds it from the whole snapshot), keeping
+    /// the detector `update` runs.
+    pub fn reset(&mut self) {
+        let own = self.own.take();
+        *self = Self {
+            own,
+            ..Self::default()
+        };
+    }
+
+    /// Translates a snapshot, diffing it against the previous one with a detector of the
+    /// translator's own; returns which frontends changed.
     pub fn update(
         &mut self,
+        services: &[Arc<Service>],
+        slices: &[Arc<EndpointSlice>],
+        node: &NodeInfo,
+    ) -> Update {
+        let diff = self
+            .own
+            .get_or_insert_with(ChangeDetector::new)
+            .observe_objects(services, slices);
+        self.apply(&diff, services, slices, node)
+    }
+
+    /// Translates the snapshot of `services` and `slices`, which `diff` says what changed of;
+    /// returns which frontends changed.
+    pub fn apply(
+        &mut self,
+        diff: &SnapshotDiff,
         services: &[Arc<Service>],
         slices: &[Arc<EndpointSlice>],
         node: &NodeInfo,
@@ -275,11 +285,14 @@ impl IncrementalTranslator {
             a.name == b.name && a.zone == b.zone && a.lb_algorithm == b.lb_algorithm
         };
         let full = self.whole_skipped.is_some()
+            || !diff.follows(self.applied)
             || self.node.as_ref().is_none_or(|old| !same_node(old, node));
         let mut dirty: HashSet<u32> = HashSet::new();
         if full {
+            let own = self.own.take();
             *self = Self {
                 node: Some(node.clone()),
+                own,
                 ..Self::default()
             };
         } else if let Some(old) = self.node.as_ref().filter(|old| *old != node) {
@@ -295,167 +308,125 @@ impl IncrementalTranslator {
             }
             self.node = Some(node.clone());
         }
-        self.generation += 1;
-        let g = self.generation;
+        self.applied = Some(diff.id());
+        if diff.services.repeats || diff.slices.repeats {
+            return self.whole(services, slices, node);
+        }
+        // A full update takes every object as added; otherwise the diff's.
+        let (changed_svcs, removed_svcs, changed_slices, removed_slices) = if full {
+            (services, &[][..], slices, &[][..])
+        } else {
+            (
+                &diff.services.changed[..],
+                &diff.services.removed[..],
+                &diff.slices.changed[..],
+                &diff.slices.removed[..],
+            )
+        };
 
-        // Which services to recompute, and which are gone.
+        // Which services to recompute, and which are gone. A removed one lets its name go at
+        // once, so an object that takes it in the same update (its namespace now spelled out)
+        // is another service.
         let mut gone: HashSet<u32> = HashSet::new();
-        let mut seen = 0usize;
-        for (i, arc) in services.iter().enumerate() {
-            let p = ptr(arc);
-            let known = at(&self.svc_order, i, p).or_else(|| self.svc_by_ptr.get(&p).copied());
-            let id = match known {
-                Some(id) => id,
-                None => {
-                    let key = key_of(&arc.metadata);
-                    match self.svc_by_key.get(&key) {
-                        Some(&id) => {
-                            let s = self.svc_mut(id);
-                            if s.seen == g {
-                                return self.whole(services, slices, node);
-                            }
-                            let (old, changed) = (ptr(&s.obj), !same(&s.obj, arc));
-                            s.obj = Arc::clone(arc);
-                            self.svc_by_ptr.remove(&old);
-                            self.svc_by_ptr.insert(p, id);
-                            if changed {
-                                dirty.insert(id);
-                            }
-                            id
-                        }
-                        None => {
-                            let svc = Svc {
-                                obj: Arc::clone(arc),
-                                key: key.clone(),
-                                order: translate::service_order(arc),
-                                seen: 0,
-                                frontends: Vec::new(),
-                                skipped: Vec::new(),
-                                no_local: NoLocalEndpoints::default(),
-                                uses_nodeport_ips: false,
-                                uses_local_ips: false,
-                            };
-                            let id = match self.free_svcs.pop() {
-                                Some(id) => {
-                                    self.svcs[id as usize] = Some(svc);
-                                    id
-                                }
-                                None => {
-                                    self.svcs.push(Some(svc));
-                                    (self.svcs.len() - 1) as u32
-                                }
-                            };
-                            self.svc_by_key.insert(key, id);
-                            self.svc_by_ptr.insert(p, id);
-                            dirty.insert(id);
-                            id
-                        }
-                    }
-                }
+        for old in removed_svcs {
+            let Some(&id) = self.svc_by_key.get(&key_of(&old.metadata)) else {
+                return self.whole(services, slices, node);
             };
-            let s = self.svc_mut(id);
-            if s.seen == g {
+            if raw_key(&self.svc(id).obj.metadata) != raw_key(&old.metadata) {
                 return self.whole(services, slices, node);
             }
-            s.seen = g;
-            seen += 1;
-            set_at(&mut self.svc_order, i, p, id);
+            self.svc_by_key.remove(&key_of(&old.metadata));
+            gone.insert(id);
+            dirty.insert(id);
         }
-        self.svc_order.truncate(services.len());
-        if seen != self.svc_by_key.len() {
-            for (id, s) in self.svcs.iter().enumerate() {
-                if let Some(s) = s
-                    && s.seen != g
-                {
-                    gone.insert(id as u32);
-                    dirty.insert(id as u32);
+        for arc in changed_svcs {
+            let key = key_of(&arc.metadata);
+            if let Some(&id) = self.svc_by_key.get(&key) {
+                let s = self.svc_mut(id);
+                if raw_key(&s.obj.metadata) != raw_key(&arc.metadata) {
+                    // Two objects of one name (`default` spelled out and not).
+                    return self.whole(services, slices, node);
                 }
+                s.obj = Arc::clone(arc);
+                dirty.insert(id);
+                continue;
             }
+            let svc = Svc {
+                obj: Arc::clone(arc),
+                key: key.clone(),
+                order: translate::service_order(arc),
+                frontends: Vec::new(),
+                skipped: Vec::new(),
+                no_local: NoLocalEndpoints::default(),
+                uses_nodeport_ips: false,
+                uses_local_ips: false,
+            };
+            let id = match self.free_svcs.pop() {
+                Some(id) => {
+                    self.svcs[id as usize] = Some(svc);
+                    id
+                }
+                None => {
+                    self.svcs.push(Some(svc));
+                    (self.svcs.len() - 1) as u32
+                }
+            };
+            self.svc_by_key.insert(key, id);
+            dirty.insert(id);
         }
 
         // Slices: their own skipped entries, and the services they belong to.
         let mut dirty_groups: HashSet<Key> = HashSet::new();
-        let mut seen = 0usize;
-        for (i, arc) in slices.iter().enumerate() {
-            let p = ptr(arc);
-            let known = at(&self.slice_order, i, p).or_else(|| self.slice_by_ptr.get(&p).copied());
-            let id = match known {
-                Some(id) => id,
+        for old in removed_slices {
+            let key = key_of(&old.metadata);
+            let Some(&id) = self.slice_by_key.get(&key) else {
+                return self.whole(services, slices, node);
+            };
+            let Some(s) = self.slices[id as usize]
+                .take_if(|s| raw_key(&s.obj.metadata) == raw_key(&old.metadata))
+            else {
+                return self.whole(services, slices, node);
+            };
+            self.slice_by_key.remove(&key);
+            self.slice_skips.remove(&format!("{}/{}", s.key.0, s.key.1));
+            if let Some(group) = s.group {
+                self.leave_group(&group, id);
+                dirty_groups.insert(group);
+            }
+            self.free_slices.push(id);
+        }
+        for arc in changed_slices {
+            let key = key_of(&arc.metadata);
+            let id = match self.slice_by_key.get(&key) {
+                Some(&id) => {
+                    let s = self.slice_mut(id);
+                    if raw_key(&s.obj.metadata) != raw_key(&arc.metadata) {
+                        return self.whole(services, slices, node);
+                    }
+                    s.obj = Arc::clone(arc);
+                    id
+                }
                 None => {
-                    let key = key_of(&arc.metadata);
-                    let id = match self.slice_by_key.get(&key) {
-                        Some(&id) => {
-                            let s = self.slice_mut(id);
-                            if s.seen == g {
-                                return self.whole(services, slices, node);
-                            }
-                            let (old, changed) = (ptr(&s.obj), !same(&s.obj, arc));
-                            s.obj = Arc::clone(arc);
-                            self.slice_by_ptr.remove(&old);
-                            self.slice_by_ptr.insert(p, id);
-                            if !changed {
-                                self.slice_mut(id).seen = g;
-                                seen += 1;
-                                set_at(&mut self.slice_order, i, p, id);
-                                continue;
-                            }
+                    let slice = Slice {
+                        obj: Arc::clone(arc),
+                        key: key.clone(),
+                        group: None,
+                    };
+                    let id = match self.free_slices.pop() {
+                        Some(id) => {
+                            self.slices[id as usize] = Some(slice);
                             id
                         }
                         None => {
-                            let slice = Slice {
-                                obj: Arc::clone(arc),
-                                key: key.clone(),
-                                group: None,
-                                seen: 0,
-                            };
-                            let id = match self.free_slices.pop() {
-                                Some(id) => {
-                                    self.slices[id as usize] = Some(slice);
-                                    id
-                                }
-                                None => {
-                                    self.slices.push(Some(slice));
-                                    (self.slices.len() - 1) as u32
-                                }
-                            };
-                            self.slice_by_key.insert(key, id);
-                            self.slice_by_ptr.insert(p, id);
-                            id
+                            self.slices.push(Some(slice));
+                            (self.slices.len() - 1) as u32
                         }
                     };
-                    self.slice_changed(id, node, &mut dirty_groups);
+                    self.slice_by_key.insert(key, id);
                     id
                 }
             };
-            let s = self.slice_mut(id);
-            if s.seen == g {
-                return self.whole(services, slices, node);
-            }
-            s.seen = g;
-            seen += 1;
-            set_at(&mut self.slice_order, i, p, id);
-        }
-        self.slice_order.truncate(slices.len());
-        if seen != self.slice_by_key.len() {
-            let gone_slices: Vec<u32> = self
-                .slices
-                .iter()
-                .enumerate()
-                .filter_map(|(id, s)| s.as_ref().filter(|s| s.seen != g).map(|_| id as u32))
-                .collect();
-            for id in gone_slices {
-                let Some(s) = self.slices[id as usize].take() else {
-                    continue;
-                };
-                self.slice_by_key.remove(&s.key);
-                self.slice_by_ptr.remove(&ptr(&s.obj));
-                self.slice_skips.remove(&format!("{}/{}", s.key.0, s.key.1));
-                if let Some(group) = s.group {
-                    self.leave_group(&group, id);
-                    dirty_groups.insert(group);
-                }
-                self.free_slices.push(id);
-            }
+            self.slice_changed(id, node, &mut dirty_groups);
         }
         for group in &dirty_groups {
             if let Some(&id) = self.svc_by_key.get(group) {
@@ -505,8 +476,6 @@ impl IncrementalTranslator {
                 continue;
             };
             self.no_local.sub(&s.no_local);
-            self.svc_by_key.remove(&s.key);
-            self.svc_by_ptr.remove(&ptr(&s.obj));
             self.with_skips.remove(id);
             self.free_svcs.push(*id);
         }
@@ -618,8 +587,11 @@ impl IncrementalTranslator {
         node: &NodeInfo,
     ) -> Update {
         let t = translate::desired_state(services, slices, node);
+        let (own, applied) = (self.own.take(), self.applied);
         *self = Self {
             node: Some(node.clone()),
+            applied,
+            own,
             state: t.state,
             no_local: t.no_local_endpoints,
             whole_skipped: Some(t.skipped),

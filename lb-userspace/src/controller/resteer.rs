@@ -81,7 +81,9 @@ pub fn changes(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> 
 
 /// The UDP (frontend address, backend) pairs programmed, counted over the frontends of every
 /// scope, kept up to date from each sync's `Update`, so a sync that changed a few frontends
-/// compares only those (`changes` is the whole-state reference).
+/// compares only those (`changes` is the whole-state reference). It diffs no snapshot: the
+/// `Update` is the daemon's one snapshot diff (`controller::changes`) as the translator carried
+/// it to frontends; the pair counts are the state of its own that a diff cannot name.
 #[derive(Debug, Default)]
 pub struct PairTracker {
     counts: BTreeMap<(L4Addr, L4Addr), u32>,

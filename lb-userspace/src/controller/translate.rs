@@ -5,7 +5,8 @@
 //!   EndpointSlices);
 //! - per service port and IP family, the endpoints from all of the service's slices, matched on
 //!   the slice port's name and protocol, first address only, deduplicated on `ip:port` with a
-//!   local copy preferred (`EndpointSliceCache`);
+//!   local copy preferred (`EndpointSliceCache`), then one that is not terminating: the one
+//!   index ([`index_slices`]) the health check node ports count local endpoints from too;
 //! - `CategorizeEndpoints` (pkg/proxy/topology.go): Ready endpoints, else serving-and-terminating
 //!   ones, separately for Cluster and Local policy; topology hints (`forNodes`, then
 //!   `forZones`) when every ready endpoint has one and one matches this node;
@@ -17,6 +18,7 @@
 //! Bad objects are skipped, each with one reason, and never stop the rest from applying.
 use std::{
     borrow::Borrow,
+    cmp::Ordering,
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
@@ -29,7 +31,7 @@ use k8s_openapi::api::{
 use lb_common::svc_flags;
 
 use crate::model::{
-    Backend, BackendState, Cidr, DesiredState, Frontend, L4Addr, LbAlgorithm, Proto, Scope,
+    Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm, Proto, Scope,
     ServiceEntry, ServicePortName,
 };
 
@@ -243,19 +245,45 @@ pub fn ignored(svc: &Service) -> Option<Ignored> {
 /// One endpoint of a service port, as kube-proxy's `BaseEndpointInfo` sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Endpoint {
-    l4: L4Addr,
-    ready: bool,
+    pub(crate) l4: L4Addr,
+    /// `ready` true or unset.
+    pub(crate) ready: bool,
     serving: bool,
     terminating: bool,
-    local: bool,
+    /// On this node (`nodeName` is the node's name).
+    pub(crate) local: bool,
     zone_hints: BTreeSet<String>,
     node_hints: BTreeSet<String>,
 }
 
-/// Endpoints per (namespace, service) → family (0 = IPv4) → (port name, protocol) → `ip:port`.
+impl Endpoint {
+    /// Whether this copy of an endpoint replaces `old`, a copy of the same `ip:port` from an
+    /// earlier slice (a pod listed twice, as during a slice rebalance): a local copy beats one
+    /// of another node (kube-proxy's `EndpointSliceCache`), then a copy that is not terminating
+    /// beats a terminating one; between equal copies a later local one replaces the earlier and
+    /// a later remote one does not (kube-proxy's rule again). Translation and health checks
+    /// both see the copy this keeps.
+    fn replaces(&self, old: &Endpoint) -> bool {
+        let rank = |e: &Endpoint| (e.local, !e.terminating);
+        match rank(self).cmp(&rank(old)) {
+            Ordering::Greater => true,
+            Ordering::Less => false,
+            Ordering::Equal => self.local,
+        }
+    }
+}
+
+/// Endpoints per (namespace, service) → family ([`Family::index`]) → (port name, protocol) →
+/// `ip:port`.
 pub(crate) type SliceIndex =
     BTreeMap<(String, String), [BTreeMap<(String, Proto), BTreeMap<L4Addr, Endpoint>>; 2]>;
 
+/// The one EndpointSlice index: which service each slice belongs to (its
+/// `kubernetes.io/service-name` label; headless and FQDN slices are left out), the endpoints of
+/// each of its usable ports (named, numbered, a known protocol) whose first address is of the
+/// slice's family, and which copy of an endpoint listed twice is kept ([`Endpoint::replaces`]).
+/// Translation programs it; the health check node ports count its local ready endpoints.
+/// What it refuses is reported in `skipped`.
 pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
     slices: &[E],
     node: &NodeInfo,
@@ -290,8 +318,8 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
             continue;
         };
         let family = match slice.address_type.as_str() {
-            "IPv4" => 0,
-            "IPv6" => 1,
+            "IPv4" => Family::V4,
+            "IPv6" => Family::V6,
             // FQDN slices are for DNS, not proxies.
             "FQDN" => continue,
             other => {
@@ -349,7 +377,7 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
-        let by_port = &mut out.entry((namespace, service.clone())).or_default()[family];
+        let by_port = &mut out.entry((namespace, service.clone())).or_default()[family.index()];
         for ep in endpoints {
             let Some(first) = ep.addresses.first() else {
                 continue;
@@ -364,7 +392,7 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
                     continue;
                 }
             };
-            if (family == 0) != addr.is_ipv4() {
+            if Family::of(&addr) != family {
                 skipped.push(skip(
                     SkipReason::AddressFamilyMismatch,
                     format!("endpoint address {addr} in an {} slice", slice.address_type),
@@ -402,8 +430,7 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
                     node_hints: node_hints.clone(),
                 };
                 let set = by_port.entry((name.clone(), *proto)).or_default();
-                // A duplicate replaces the first only if it is local (kube-proxy's rule).
-                if !set.contains_key(&l4) || local {
+                if set.get(&l4).is_none_or(|old| entry.replaces(old)) {
                     set.insert(l4, entry);
                 }
             }

@@ -19,21 +19,16 @@
 //! kube-proxy runs one proxier per IP family; lb programs both families in one sync, so the
 //! sync series carry the same value under `IPv4` and `IPv6`. A change is an object that
 //! differs from the snapshot lb last applied (added, changed, removed), as kube-proxy's change
-//! trackers count them; network programming latency is observed once per changed
+//! trackers count them (from the daemon's one snapshot diff, `controller::changes`); network
+//! programming latency is observed once per changed
 //! EndpointSlice with an `endpoints.kubernetes.io/last-change-trigger-time` later than lb's
 //! start, from that time to the map write, labelled with the slice's address family.
 use std::{
-    collections::{HashMap, HashSet},
-    hash::BuildHasherDefault,
-    sync::{Arc, atomic::AtomicU64},
+    sync::atomic::AtomicU64,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use k8s_openapi::{
-    Metadata,
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
-};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{
@@ -46,7 +41,8 @@ use prometheus_client::{
 };
 
 use crate::controller::{
-    source::{PtrHasher, Snapshot, same},
+    changes::{ChangeDetector, SnapshotDiff},
+    source::Snapshot,
     translate::NoLocalEndpoints,
 };
 
@@ -283,146 +279,50 @@ pub struct Changes {
     pub triggers: Vec<(usize, SystemTime)>,
 }
 
-type Key = (String, String);
+impl Changes {
+    /// What `diff` counts for kube-proxy: its Services and EndpointSlices added, changed or
+    /// removed, and the trigger times later than `started` (lb's start: kube-proxy ignores
+    /// changes made before it ran) of the slices added or changed (a deleted slice's trigger
+    /// time is of its last update, not of the deletion).
+    pub fn of(diff: &SnapshotDiff, started: SystemTime) -> Self {
+        let mut triggers = Vec::new();
+        for slice in &diff.slices.changed {
+            if let Some(t) = trigger_time(slice)
+                && t > started
+            {
+                triggers.push((usize::from(slice.address_type == "IPv6"), t));
+            }
+        }
+        Changes {
+            services: diff.services.count(),
+            endpoint_slices: diff.slices.count(),
+            triggers,
+        }
+    }
+}
 
-/// Counts the objects each snapshot changes, as kube-proxy's change trackers do.
+/// Counts the objects each snapshot changes, as kube-proxy's change trackers do: the shared
+/// change detector ([`ChangeDetector`]) and [`Changes::of`], for callers without a daemon's
+/// detector (the daemon counts the diff it computes once per update).
 #[derive(Debug)]
 pub struct ChangeTracker {
-    services: Tracked<Service>,
-    slices: Tracked<EndpointSlice>,
+    detector: ChangeDetector,
     /// Trigger times before this are of changes made before lb ran (kube-proxy ignores them).
     started: SystemTime,
-}
-
-/// The objects of the previous snapshot, by name and by address (an unchanged reflector
-/// entry is the same `Arc`, so most objects are matched without looking at them).
-#[derive(Debug)]
-struct Tracked<T> {
-    by_key: HashMap<Key, Arc<T>>,
-    by_ptr: HashSet<usize, BuildHasherDefault<PtrHasher>>,
-    /// The previous snapshot's addresses in its order: an object at the same position as
-    /// before is matched without a hash lookup (see `incremental::at`); `by_key` holds them
-    /// all, so an equal address is the same object.
-    order: Vec<usize>,
-}
-
-impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
-    fn new() -> Self {
-        Self {
-            by_key: HashMap::new(),
-            by_ptr: HashSet::default(),
-            order: Vec::new(),
-        }
-    }
-
-    /// The objects of `new` added or changed against the previous snapshot, and how many of
-    /// its objects are gone; `new` becomes the previous snapshot.
-    fn observe<'a>(&mut self, new: &'a [Arc<T>]) -> (Vec<&'a Arc<T>>, usize) {
-        let mut matched = 0;
-        let mut fresh = Vec::new();
-        let before = std::mem::take(&mut self.order);
-        self.order
-            .extend(new.iter().map(|o| Arc::as_ptr(o) as usize));
-        for (i, (o, p)) in new.iter().zip(&self.order).enumerate() {
-            if before.get(i) == Some(p) || self.by_ptr.contains(p) {
-                matched += 1;
-            } else {
-                fresh.push((key(o), o));
-            }
-        }
-        let known = fresh
-            .iter()
-            .filter(|(k, _)| self.by_key.contains_key(k))
-            .count();
-        let distinct = fresh.iter().map(|(k, _)| k).collect::<HashSet<_>>().len();
-        if matched + known != self.by_key.len() || distinct != fresh.len() {
-            // Something went (or a name repeats): compare whole.
-            let index = index(new);
-            let (updated, removed) = changed(&self.by_key, &index);
-            let updated: HashSet<usize> = updated
-                .into_iter()
-                .map(|(_, v)| Arc::as_ptr(&v) as usize)
-                .collect();
-            let updated = new
-                .iter()
-                .filter(|o| updated.contains(&(Arc::as_ptr(o) as usize)))
-                .collect();
-            self.by_ptr = index.values().map(|o| Arc::as_ptr(o) as usize).collect();
-            if index.len() != new.len() {
-                // A name repeats: `by_key` does not hold every object `order` names.
-                self.order.clear();
-            }
-            self.by_key = index;
-            return (updated, removed);
-        }
-        let mut updated = Vec::new();
-        for (k, o) in fresh {
-            if self.by_key.get(&k).is_none_or(|old| !same(old, o)) {
-                updated.push(o);
-            }
-            if let Some(old) = self.by_key.insert(k, Arc::clone(o)) {
-                self.by_ptr.remove(&(Arc::as_ptr(&old) as usize));
-            }
-            self.by_ptr.insert(Arc::as_ptr(o) as usize);
-        }
-        (updated, 0)
-    }
 }
 
 impl ChangeTracker {
     pub fn new(started: SystemTime) -> Self {
         Self {
-            services: Tracked::new(),
-            slices: Tracked::new(),
+            detector: ChangeDetector::new(),
             started,
         }
     }
 
     /// The changes `snapshot` makes against the previous one; it becomes the previous one.
     pub fn observe(&mut self, snapshot: &Snapshot) -> Changes {
-        let mut changes = Changes::default();
-        let (updated, removed) = self.services.observe(&snapshot.services);
-        changes.services = updated.len() + removed;
-        let (updated, removed) = self.slices.observe(&snapshot.slices);
-        changes.endpoint_slices = updated.len() + removed;
-        // A deleted slice's trigger time is of its last update, not of the deletion: only
-        // added and updated slices count.
-        for slice in updated {
-            if let Some(t) = trigger_time(slice)
-                && t > self.started
-            {
-                let family = usize::from(slice.address_type == "IPv6");
-                changes.triggers.push((family, t));
-            }
-        }
-        changes
+        Changes::of(&self.detector.observe(snapshot), self.started)
     }
-}
-
-fn key<T: Metadata<Ty = ObjectMeta>>(o: &Arc<T>) -> Key {
-    let m = o.metadata();
-    (
-        m.namespace.clone().unwrap_or_default(),
-        m.name.clone().unwrap_or_default(),
-    )
-}
-
-fn index<T: Metadata<Ty = ObjectMeta>>(objects: &[Arc<T>]) -> HashMap<Key, Arc<T>> {
-    objects.iter().map(|o| (key(o), Arc::clone(o))).collect()
-}
-
-/// The objects of `new` that are added or differ from `old`, and how many of `old` are gone.
-fn changed<'a, T: PartialEq + Metadata<Ty = ObjectMeta>>(
-    old: &HashMap<Key, Arc<T>>,
-    new: &'a HashMap<Key, Arc<T>>,
-) -> (Vec<(&'a Key, Arc<T>)>, usize) {
-    let updated = new
-        .iter()
-        .filter(|(k, v)| old.get(*k).is_none_or(|o| !same(o, v)))
-        .map(|(k, v)| (k, Arc::clone(v)))
-        .collect();
-    let removed = old.keys().filter(|k| !new.contains_key(*k)).count();
-    (updated, removed)
 }
 
 /// The slice's `LAST_CHANGE_TRIGGER_TIME`, if it is there and parses.

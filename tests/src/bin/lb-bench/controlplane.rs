@@ -5,7 +5,7 @@
 //!   kube-proxy's full ruleset and `nft -f` of kube-proxy's full table, each into a fresh
 //!   scratch netns;
 //! - change: one EndpointSlice change (an endpoint replaced) to map write, through the
-//!   daemon's own sync (`ChangeTracker::observe` + `daemon::sync_node`: the incremental
+//!   daemon's own sync (`ChangeDetector::observe` + `daemon::sync_node`: the incremental
 //!   translation and `Reconciler::apply_update`), over many changes, at 10,000 services × 10
 //!   endpoints and 1,000 × 100; beside it the full sync (translate of every object + apply of
 //!   the full state: what every sync did before, and what `--full-sync-interval` still does),
@@ -26,14 +26,15 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
+    controller::changes::ChangeDetector,
     controller::incremental::IncrementalTranslator,
     controller::reconcile::{ApplyReport, Reconciler},
     controller::source::Snapshot,
     controller::translate::{NodeInfo, desired_state},
-    daemon::{SyncKind, sync_node},
+    daemon::{Observed, SyncKind, sync_node},
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
-    metrics::{Metrics, kubeproxy::ChangeTracker},
+    metrics::{Metrics, kubeproxy::Changes},
 };
 use lb_common::{map_names, map_sizes};
 
@@ -257,12 +258,13 @@ fn program_cold(objects: &Objects, opts: &LoadOptions) -> anyhow::Result<(Durati
     Ok((start.elapsed(), report))
 }
 
-/// lb as `lb run` syncs, on private maps: each snapshot through `ChangeTracker::observe` and
+/// lb as `lb run` syncs, on private maps: each snapshot through `ChangeDetector::observe` and
 /// `daemon::sync_node` (incremental translation, `Reconciler::apply_update`).
 struct Daemon {
     reconciler: Reconciler<BpfMaps>,
     translator: IncrementalTranslator,
-    tracker: ChangeTracker,
+    detector: ChangeDetector,
+    started: std::time::SystemTime,
     metrics: Arc<Metrics>,
     generation: u64,
     _datapath: Datapath,
@@ -277,7 +279,8 @@ impl Daemon {
         let mut d = Self {
             reconciler,
             translator: IncrementalTranslator::new(),
-            tracker: ChangeTracker::new(std::time::SystemTime::now()),
+            detector: ChangeDetector::new(),
+            started: std::time::SystemTime::now(),
             metrics: Metrics::new(),
             generation: 0,
             _datapath: datapath,
@@ -302,7 +305,8 @@ impl Daemon {
             changed_at: Instant::now(),
         };
         let start = Instant::now();
-        let changes = self.tracker.observe(&snapshot);
+        let diff = self.detector.observe(&snapshot);
+        let changes = Changes::of(&diff, self.started);
         self.generation += 1;
         let kind = SyncKind {
             generation: self.generation,
@@ -316,7 +320,10 @@ impl Daemon {
             &node,
             kind,
             &self.metrics,
-            &changes,
+            &Observed {
+                diff: Some(diff),
+                changes,
+            },
         );
         (start.elapsed(), synced.report)
     }
