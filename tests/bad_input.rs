@@ -18,12 +18,10 @@ use std::{
 };
 
 use lb::{
-    controller::{
-        manifests,
-        translate::{self, NodeInfo},
-    },
     datapath::maps::Dump,
+    kube::manifests,
     model::{DesiredState, Frontend},
+    translate::{self, NodeInfo},
 };
 use lb_tests::{
     bins::{LB, LB_ECHO},

@@ -24,7 +24,7 @@ use std::{
 use check::{Flows, Model, Outcome, Service};
 use lb::{
     model::{Backend, DesiredState, Frontend, L4Addr, Proto, ServiceEntry, ServicePortName},
-    node_facts::NodeFactsArgs,
+    node::NodeFactsArgs,
 };
 use lb_common::{ct_dir, ct_flags, svc_flags};
 use packets::{

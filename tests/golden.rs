@@ -13,11 +13,11 @@ use std::{
 };
 
 use lb::{
-    controller::manifests::{self, Objects},
-    controller::reconcile::Reconciler,
-    controller::translate::{NodeInfo, desired_state},
     datapath::testing::{MemMaps, render},
+    kube::manifests::{self, Objects},
     model::{BackendState, LbAlgorithm, flag_names},
+    reconcile::Reconciler,
+    translate::{NodeInfo, desired_state},
 };
 
 const NODE: &str = "node-a";

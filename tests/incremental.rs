@@ -22,17 +22,15 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use lb::{
-    controller::{
-        incremental::{IncrementalTranslator, Update},
-        reconcile::Reconciler,
-        source::Snapshot,
-        translate::{NodeInfo, desired_state},
-    },
     daemon::{self, SyncKind},
     datapath::maps::{AffMatch, Dump, LbMaps, MaglevGeometry, MapOpError, Table},
     datapath::testing::{MemMaps, render},
+    kube::source::Snapshot,
     metrics::Metrics,
     model::{Backend, Cidr, Family, Frontend, LbAlgorithm},
+    reconcile::Reconciler,
+    translate::incremental::{IncrementalTranslator, Update},
+    translate::{NodeInfo, desired_state},
 };
 use lb_common::{EchoValue, SvcValue};
 use serde_json::{Value, json};
@@ -380,8 +378,7 @@ fn run(seed: u64, steps: usize, capacity: u32) -> (usize, usize, Coverage) {
         let want = desired_state(&services, &slices, &world.node);
         let got = translator.translation();
         if got != want {
-            let only = |a: &lb::controller::translate::Translation,
-                        b: &lb::controller::translate::Translation| {
+            let only = |a: &lb::translate::Translation, b: &lb::translate::Translation| {
                 a.state
                     .services
                     .iter()
@@ -407,16 +404,13 @@ fn run(seed: u64, steps: usize, capacity: u32) -> (usize, usize, Coverage) {
         }
         let a = incremental.apply_update(translator.state(), &update);
         let b = full.apply(&want.state);
-        let dup =
-            |r: lb::controller::translate::SkipReason| want.skipped.iter().any(|s| s.reason == r);
-        seen.contested += usize::from(dup(
-            lb::controller::translate::SkipReason::DuplicateFrontend,
-        ));
+        let dup = |r: lb::translate::SkipReason| want.skipped.iter().any(|s| s.reason == r);
+        seen.contested += usize::from(dup(lb::translate::SkipReason::DuplicateFrontend));
         seen.errors += usize::from(!b.errors.is_empty());
         left = b.errors.len() + b.fallbacks.len();
         seen.fallbacks += usize::from(!b.fallbacks.is_empty());
         seen.frontends = seen.frontends.max(want.state.services.len());
-        let errors = |r: &lb::controller::reconcile::ApplyReport| {
+        let errors = |r: &lb::reconcile::ApplyReport| {
             let mut e: Vec<String> = r.errors.iter().map(|e| e.frontend.to_string()).collect();
             e.sort();
             e
@@ -523,7 +517,7 @@ fn a_snapshot_with_two_objects_of_one_name_is_translated_whole_and_the_next_rebu
 /// rebuilds from the whole snapshot instead of missing what the skipped one named.
 #[test]
 fn the_shared_diff_drives_the_translator_as_update_does() {
-    use lb::controller::changes::ChangeDetector;
+    use lb::kube::changes::ChangeDetector;
     let mut rng = Rng(11);
     let mut world = World {
         services: vec![None; NAMESPACES.len() * SERVICES],

@@ -39,13 +39,11 @@ use kube::{
     api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams},
 };
 use lb::{
-    controller::{
-        reconcile::Reconciler,
-        source::{self, Snapshot, SnapshotReceiver},
-    },
     daemon,
     datapath::testing::{MemMaps, render},
+    kube::source::{self, Snapshot, SnapshotReceiver},
     metrics::Metrics,
+    reconcile::Reconciler,
 };
 use lb_tests::{
     bins::LB_ECHO,
@@ -70,7 +68,7 @@ const B2: &str = "198.18.12.2";
 const B3: &str = "198.18.13.2";
 
 async fn client(kubeconfig: &Path) -> Client {
-    lb::controller::k8s::client(Some(kubeconfig))
+    lb::kube::k8s::client(Some(kubeconfig))
         .await
         .expect("kube client")
 }
@@ -180,7 +178,7 @@ async fn set_ready(admin: &Client, name: &str, ip: &str, ready: bool) {
 struct Harness {
     rx: SnapshotReceiver,
     reconciler: Reconciler<MemMaps>,
-    translator: lb::controller::incremental::IncrementalTranslator,
+    translator: lb::translate::incremental::IncrementalTranslator,
     metrics: Arc<Metrics>,
     maps: Maps,
     snapshots: usize,
@@ -201,7 +199,7 @@ impl Harness {
             .with_test_writer()
             .try_init();
         let (tx, rx) = source::channel();
-        let task = tokio::spawn(lb::controller::k8s::watch(
+        let task = tokio::spawn(lb::kube::k8s::watch(
             client(lb_kubeconfig).await,
             NODE.into(),
             tx,

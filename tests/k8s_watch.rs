@@ -10,13 +10,13 @@ use std::{collections::BTreeSet, sync::Arc, time::Duration};
 use k8s_openapi::api::core::v1::Service;
 use kube::{Api, api::ListParams};
 use lb::{
-    controller::k8s,
-    controller::reconcile::Reconciler,
-    controller::source::{self, Snapshot, SnapshotReceiver},
-    controller::translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
     daemon,
     datapath::testing::{MemMaps, render},
+    kube::k8s,
+    kube::source::{self, Snapshot, SnapshotReceiver},
+    kube::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
     metrics::Metrics,
+    reconcile::Reconciler,
 };
 use support::{
     Ep,
@@ -47,7 +47,7 @@ struct Harness {
     _kubeconfig: KubeconfigFile,
     rx: SnapshotReceiver,
     reconciler: Reconciler<MemMaps>,
-    translator: lb::controller::incremental::IncrementalTranslator,
+    translator: lb::translate::incremental::IncrementalTranslator,
     metrics: Arc<Metrics>,
     maps: Maps,
     snapshots: usize,

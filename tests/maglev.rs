@@ -15,12 +15,12 @@ use aya::{
 };
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders};
 use lb::{
-    controller::reconcile::Reconciler,
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
     model::{
         Backend, DesiredState, Frontend, L4Addr, LbAlgorithm, Proto, ServiceEntry, ServicePortName,
     },
+    reconcile::Reconciler,
 };
 use lb_common::{Ct4Key, Ct4Value, flow_hash, lb_alg, map_names, prog_names, svc_flags};
 
@@ -342,10 +342,10 @@ mod reconcile {
     use std::collections::BTreeMap;
 
     use lb::{
-        controller::reconcile::Reconciler,
         datapath::maps::{Dump, maglev_table_of},
         datapath::testing::{MapOp, MemMaps},
         model::{DesiredState, Frontend, LbAlgorithm, Proto},
+        reconcile::Reconciler,
     };
     use lb_common::{SvcValue, lb_alg};
 

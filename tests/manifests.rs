@@ -1,4 +1,4 @@
-//! Tests of the manifest-directory source (`lb::controller::manifests::load_dir`) on real temporary
+//! Tests of the manifest-directory source (`lb::kube::manifests::load_dir`) on real temporary
 //! directories.
 use std::{
     fs,
@@ -6,7 +6,7 @@ use std::{
     sync::atomic::{AtomicUsize, Ordering},
 };
 
-use lb::controller::manifests::{Objects, Problem, load_dir};
+use lb::kube::manifests::{Objects, Problem, load_dir};
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct TempDir(PathBuf);
@@ -458,11 +458,8 @@ fn loaded_objects_translate() {
     dir.write("slices/web-2.json", &slice("web-2", "web", "198.18.0.29"));
     let (o, problems) = load(&dir);
     assert!(problems.is_empty(), "{problems:?}");
-    let t = lb::controller::translate::desired_state(
-        &o.services,
-        &o.slices,
-        &lb::controller::translate::NodeInfo::default(),
-    );
+    let t =
+        lb::translate::desired_state(&o.services, &o.slices, &lb::translate::NodeInfo::default());
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);
     let entries: Vec<_> = t.state.services.iter().collect();
     assert_eq!(entries.len(), 1);
@@ -522,11 +519,11 @@ items:
         .map(|n| n.metadata.name.clone().unwrap_or_default())
         .collect();
     assert_eq!(names, ["node-a", "node-b"]);
-    let info = lb::controller::translate::NodeInfo::from_node("node-a", o.nodes.first());
+    let info = lb::translate::NodeInfo::from_node("node-a", o.nodes.first());
     assert_eq!(info.name, "node-a");
     assert_eq!(info.zone.as_deref(), Some("zone-1"));
     assert_eq!(
-        lb::controller::translate::NodeInfo::from_node("node-b", o.nodes.get(1)).zone,
+        lb::translate::NodeInfo::from_node("node-b", o.nodes.get(1)).zone,
         None
     );
 }

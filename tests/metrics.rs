@@ -11,7 +11,7 @@ use std::{
 
 use aya::maps::{HashMap, PerCpuArray, PerCpuValues};
 use lb::{
-    conntrack::{Gc, Reason, monotonic_secs},
+    datapath::conntrack::{Gc, Reason, monotonic_secs},
     datapath::load::{Datapath, LoadOptions},
     metrics::{HEALTH_TIMEOUT, Metrics, rfc3339, serve},
 };
@@ -732,7 +732,7 @@ async fn datapath_maps_are_read_at_scrape_time() {
     );
 
     // States no entry is in any more read 0 after the next pass.
-    m.observe_ct_gc(&lb::conntrack::GcReport::default());
+    m.observe_ct_gc(&lb::datapath::conntrack::GcReport::default());
     let r = {
         let (metrics_addr, _, task) = start(&m).await;
         let r = fetch(metrics_addr, "/metrics").await;
@@ -763,8 +763,8 @@ fn object<T: serde::de::DeserializeOwned>(yaml: &str) -> Arc<T> {
 fn snapshot(
     services: Vec<Arc<k8s_openapi::api::core::v1::Service>>,
     slices: Vec<Arc<k8s_openapi::api::discovery::v1::EndpointSlice>>,
-) -> lb::controller::source::Snapshot {
-    lb::controller::source::Snapshot {
+) -> lb::kube::source::Snapshot {
+    lb::kube::source::Snapshot {
         services,
         slices,
         node: None,
@@ -779,8 +779,8 @@ fn snapshot(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_proxy_slis_follow_changes_and_probes() {
     use lb::{
-        controller::translate::NoLocalEndpoints,
         metrics::kubeproxy::{ChangeTracker, LAST_CHANGE_TRIGGER_TIME},
+        translate::NoLocalEndpoints,
     };
     let metrics = Metrics::new();
     let (maddr, haddr, task) = start(&metrics).await;

@@ -1478,7 +1478,7 @@ fn conntrack_gc_removes_expired_entries() {
         dir: ct_dir::SERVICE,
         pad: [0; 2],
     };
-    let now = lb::conntrack::monotonic_secs();
+    let now = lb::datapath::conntrack::monotonic_secs();
     let value = |expires| Ct4Value {
         backend_id: b1,
         rev_nat_id: 1,
@@ -1506,7 +1506,7 @@ fn conntrack_gc_removes_expired_entries() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Connected UDP re-steering (issue 15, item 5; controller/resteer.rs, datapath/sockterm.rs)
+// Connected UDP re-steering (issue 15, item 5; reconcile/resteer.rs, datapath/sockterm.rs)
 
 /// Whether the kernel has the `bpf_sock_destroy` kfunc (6.5+), lb's re-steering mechanism.
 fn has_sock_destroy() -> bool {
@@ -1577,7 +1577,7 @@ fn resteer_rounds(no_destroy: bool) {
     let args = lb_args(&tb, &manifests.0, true);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut opts =
-        lb_tests::daemon::LbOptions::for_testbed(&tb, "info,lb::controller::resteer=debug");
+        lb_tests::daemon::LbOptions::for_testbed(&tb, "info,lb::reconcile::resteer=debug");
     if no_destroy {
         opts.env.push(("LB_NO_SOCK_DESTROY".into(), "1".into()));
     }

@@ -179,7 +179,7 @@ fn lb_run_needs_exactly_the_capabilities_it_checks_for() {
         "lb runs with BPF, PERFMON and NET_ADMIN only:\n{log}"
     );
     // The UDP re-steering iterator loads with these too (where the kernel has the kfunc);
-    // only entering other processes' netns would need more (controller/resteer.rs).
+    // only entering other processes' netns would need more (reconcile/resteer.rs).
     let kfunc = fs::read_to_string("/proc/kallsyms")
         .unwrap_or_default()
         .lines()

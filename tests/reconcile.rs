@@ -1,4 +1,4 @@
-//! Tests of the reconciler (`lb::controller::reconcile::Reconciler`) against the in-memory maps
+//! Tests of the reconciler (`lb::reconcile::Reconciler`) against the in-memory maps
 //! (`lb::datapath::testing::MemMaps`): what it writes, in which order, and what it leaves behind.
 //!
 //! Every expectation is derived from the desired state (which frontends, which backends in which
@@ -12,13 +12,13 @@ use std::{
 };
 
 use lb::{
-    controller::reconcile::{ApplyReport, Reconciler},
     datapath::maps::{AffMatch, Dump, LbMaps, MapOpError, Table},
     datapath::testing::{MapOp, MemMaps, render},
     model::{
         Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, Proto, Scope,
         ServiceEntry, ServicePortName,
     },
+    reconcile::{ApplyReport, Reconciler},
 };
 use lb_common::{EchoValue, SvcValue, svc_flags};
 

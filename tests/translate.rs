@@ -10,11 +10,11 @@ use std::{
 
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use lb::{
-    controller::manifests::{Objects, parse_into},
-    controller::translate::{
+    kube::manifests::{Objects, parse_into},
+    model::{BackendState, Frontend, Proto, Scope, ServiceEntry},
+    translate::{
         Ignored, NodeInfo, SkipReason, Skipped, Translation, desired_state, ignored, node_eligible,
     },
-    model::{BackendState, Frontend, Proto, Scope, ServiceEntry},
 };
 use lb_common::svc_flags;
 
@@ -451,8 +451,7 @@ fn empty_input_gives_empty_state() {
 #[test]
 fn the_example_manifests_translate_to_the_demo_state() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples");
-    let (o, problems) =
-        lb::controller::manifests::load_dir(&dir).expect("deploy/examples is readable");
+    let (o, problems) = lb::kube::manifests::load_dir(&dir).expect("deploy/examples is readable");
     assert!(problems.is_empty(), "{problems:?}");
     let t = anywhere(&o);
     assert!(t.skipped.is_empty(), "{:?}", t.skipped);

@@ -8,24 +8,22 @@ use tokio::{
 };
 
 use crate::{
-    controller::{
-        changes::{ChangeDetector, SnapshotDiff},
-        incremental::{IncrementalTranslator, Update},
-        k8s,
-        reconcile::{ApplyReport, Reconciler},
-        resteer::{PairTracker, Resteer},
-        source::{self, Snapshot},
-        translate::{self, NodeInfo},
-    },
     datapath::{
         linkwatch::{self, Link, LinkEvent},
         load::{Datapath, LoadOptions, TcHook, XdpMode},
         maps::LbMaps,
     },
-    healthcheck::{self, HealthServers},
+    kube::changes::{ChangeDetector, SnapshotDiff},
+    kube::k8s,
+    kube::source::{self, Snapshot},
+    metrics::healthcheck::{self, HealthServers},
     metrics::{self, Metrics, kubeproxy::Changes},
-    node_facts::{self, NodeFacts, NodeFactsArgs, host_ips},
+    node::{self, NodeFacts, NodeFactsArgs, host_ips},
+    reconcile::resteer::{PairTracker, Resteer},
+    reconcile::{ApplyReport, Reconciler},
     state_dir,
+    translate::incremental::{IncrementalTranslator, Update},
+    translate::{self, NodeInfo},
 };
 
 /// Where the objects come from.
@@ -74,7 +72,7 @@ pub struct RunOptions {
     /// `--lb-algorithm`, `--maglev-table-size`, `--bpf-maglev-tables`.
     pub algorithm: crate::config::AlgorithmArgs,
     /// Conntrack lifetimes (`--bpf-ct-timeout-regular-*`).
-    pub ct_timeouts: crate::conntrack::CtTimeouts,
+    pub ct_timeouts: crate::datapath::conntrack::CtTimeouts,
     /// Between conntrack GC passes (`--ct-gc-interval`).
     pub ct_gc_interval: std::time::Duration,
     /// `--full-sync-interval`: how often a sync re-reads the maps and compares everything
@@ -137,12 +135,12 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
     let ct_gc = {
         let metrics = metrics.clone();
-        crate::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, move |r| {
+        crate::datapath::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, move |r| {
             metrics.observe_ct_gc(r)
         })?
     };
     let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
-    // Connected UDP re-steering (controller/resteer.rs): the pairs each sync removes.
+    // Connected UDP re-steering (reconcile/resteer.rs): the pairs each sync removes.
     let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
         (Some(cg), Ok(gone)) => {
             let m = metrics.clone();
@@ -201,7 +199,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
     let mut generation = 0u64;
     let mut facts: Option<NodeFacts> = None;
     let mut health_checks = HealthServers::new(metrics.clone());
-    // The one change detector (controller/changes.rs): each update's snapshot diff, computed
+    // The one change detector (kube/changes.rs): each update's snapshot diff, computed
     // once, feeds the translator, kube-proxy's change metrics and, through the translator's
     // `Update`, the UDP re-steering.
     let mut detector = ChangeDetector::new();
@@ -339,10 +337,7 @@ fn node_base(opts: &RunOptions, facts: Option<&NodeFacts>) -> NodeInfo {
         zone: None,
         lb_algorithm: opts.algorithm.lb_algorithm,
         nodeport_ips: facts.map_or_else(Vec::new, |f| f.nodeport_addresses.clone()),
-        local_ips: node_facts::host_addrs()
-            .into_iter()
-            .map(|(_, ip)| ip)
-            .collect(),
+        local_ips: node::host_addrs().into_iter().map(|(_, ip)| ip).collect(),
     }
 }
 
@@ -356,7 +351,7 @@ fn external_devices(opts: &RunOptions, facts: Option<&NodeFacts>) -> Vec<String>
         return Vec::new();
     }
     let ips = facts.map_or_else(Vec::new, |f| f.node_ips.clone());
-    node_facts::devices_holding(&ips, &node_facts::host_addrs())
+    node::devices_holding(&ips, &node::host_addrs())
 }
 
 /// The pod devices lb finds by itself (`--pod-devices auto`): every veth of its network

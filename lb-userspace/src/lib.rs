@@ -1,28 +1,35 @@
 //! lb: an eBPF service load balancer that replaces kube-proxy.
 //!
-//! The flow: a source (`controller::source`: manifest files, or the Kubernetes API) publishes
-//! objects; `controller::translate`, a pure function, turns them into a `model::DesiredState`;
-//! `controller::reconcile` makes the pinned BPF maps (`datapath::maps`, loaded by
-//! `datapath::load`) hold it; the kernel programs in lb-ebpf do the balancing. `daemon`
-//! (`lb run`) wires these together from above. `cli` reads the live maps back (`lb services`,
-//! `lb status`, `lb trace`), with service names from the daemon's `state_dir`; `metrics`
-//! serves Prometheus and health; `healthcheck` runs the health check node ports of
-//! `externalTrafficPolicy: Local` services; `privileges` checks at start that `lb run` has the
-//! capabilities it needs; `conntrack` sizes the conntrack maps, sets their lifetimes and
-//! garbage-collects them. `config` holds the option types several of them share, and imports
-//! nothing of lb but `model`.
+//! One folder per stage, read bottom-up; imports run only down (tests/layout.rs fails on a
+//! circle between modules or between folders):
 //!
-//! Imports run one way, with no circles (tests/layout.rs checks): an option or type two
-//! modules share lives below both.
+//! - ground: `model` (frontends, backends, the desired state), `config` (option types the
+//!   cli and the daemon share), `node` (this node's facts: IPs, cluster and service CIDRs),
+//!   `state_dir` (names the daemon leaves for the read-only commands), `privileges`;
+//! - `kube/`: where objects come from (a manifest directory or the Kubernetes API), as
+//!   snapshots, and `kube::changes`, the one diff of a snapshot against the one before;
+//! - `translate/`: the pure function from a snapshot to a `model::DesiredState` (kube-proxy's
+//!   rules, the one EndpointSlice index), kept up to date per service (`incremental`), and
+//!   Maglev tables (`maglev`);
+//! - `datapath/`: lb's eBPF object loaded and attached, its pinned maps typed (`maps`), the
+//!   conntrack maps sized and collected (`conntrack`), sockets destroyed (`sockterm`), kernel
+//!   features probed;
+//! - `reconcile/`: the ordered diff that makes the maps hold a desired state, and
+//!   re-steering of connected UDP sockets after a sync (`resteer`);
+//! - `metrics/`: what lb serves over HTTP: Prometheus metrics (kube-proxy's among them),
+//!   health, and the health check node ports of `externalTrafficPolicy: Local` services
+//!   (`metrics::healthcheck`, as kube-proxy's `pkg/proxy/healthcheck` serves both);
+//! - `daemon` (`lb run`) wires the stages together; `cli` (the `lb` command: `run`, `trace`,
+//!   `services`, `status`, …) is on top.
 pub mod cli;
 pub mod config;
-pub mod conntrack;
-pub mod controller;
 pub mod daemon;
 pub mod datapath;
-pub mod healthcheck;
+pub mod kube;
 pub mod metrics;
 pub mod model;
-pub mod node_facts;
+pub mod node;
 pub mod privileges;
+pub mod reconcile;
 pub mod state_dir;
+pub mod translate;

@@ -110,6 +110,7 @@ use prometheus_client::{
 
 use crate::datapath::maps::read_counter;
 
+pub mod healthcheck;
 pub mod kubeproxy;
 
 /// What `/proxyMode` answers (kube-proxy answers `iptables`, `ipvs` or `nftables`).
@@ -188,7 +189,7 @@ pub struct Metrics {
     ct_labels: Mutex<Vec<CtLabels>>,
     bpf: Arc<BpfCollector>,
     health: Mutex<Health>,
-    /// Connected UDP re-steering (`controller::resteer`).
+    /// Connected UDP re-steering (`reconcile::resteer`).
     pub udp: UdpResteerMetrics,
 }
 
@@ -368,7 +369,7 @@ impl Metrics {
             "Conntrack entries the GC deleted, by reason",
             ct_gc_deleted.clone(),
         );
-        for r in crate::conntrack::Reason::ALL {
+        for r in crate::datapath::conntrack::Reason::ALL {
             ct_gc_deleted
                 .get_or_create(&ReasonLabels { reason: r.as_str() })
                 .inc_by(0);
@@ -601,7 +602,7 @@ impl Metrics {
 
     /// A conntrack GC pass ran: its entries replace the `lb_conntrack_entries` series (a state
     /// no entry is in any more reads 0), its deletions and duration are counted.
-    pub fn observe_ct_gc(&self, report: &crate::conntrack::GcReport) {
+    pub fn observe_ct_gc(&self, report: &crate::datapath::conntrack::GcReport) {
         self.ct_gc_runs.inc();
         self.ct_gc_duration.observe(report.duration.as_secs_f64());
         self.ct_gc_errors.inc_by(report.errors);
@@ -680,7 +681,7 @@ impl Metrics {
         lock(&self.health).last_synced.map(|(_, t)| t)
     }
 
-    /// Whether this node should still get load-balancer traffic (`controller::translate::
+    /// Whether this node should still get load-balancer traffic (`translate::
     /// node_eligible` of its Node); `/healthz` fails while it should not.
     pub fn set_node_eligible(&self, eligible: bool) {
         lock(&self.health).node_ineligible = !eligible;
@@ -930,7 +931,7 @@ async fn livez_handler(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse
     ([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], "ok")
 }
 
-/// The connected UDP re-steering series (`controller::resteer`).
+/// The connected UDP re-steering series (`reconcile::resteer`).
 #[derive(Debug)]
 pub struct UdpResteerMetrics {
     destroyed: Counter,
@@ -977,7 +978,7 @@ impl UdpResteerMetrics {
 }
 
 /// The Kubernetes source reports here (`lb run` hands it its `Metrics`).
-impl crate::controller::k8s::ApiObserver for Metrics {
+impl crate::kube::k8s::ApiObserver for Metrics {
     fn watch_api_server(&self) {
         Metrics::watch_api_server(self);
     }

@@ -9,7 +9,7 @@ use std::{
 
 use lb_common::{IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, backend_state, scope, svc_flags};
 
-pub use crate::node_facts::Cidr;
+pub use crate::node::Cidr;
 
 /// A value read from a map that this lb has no name for (a map written by another lb).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]

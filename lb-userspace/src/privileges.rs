@@ -12,7 +12,7 @@
 //! | `CAP_PERFMON` (5.8+; or `CAP_SYS_ADMIN`) | the verifier's trusted mode: without it the socket programs are refused (pointer arithmetic under spectre hardening) |
 //! | `CAP_NET_ADMIN` | loading tc, XDP and cgroup sock_addr programs (network program types) and attaching them: tcx/XDP/cgroup links, and the netlink tc filters used before 6.6, where `CAP_SYS_ADMIN` does not stand in |
 //!
-//! | `CAP_SYS_ADMIN` + `CAP_SYS_PTRACE` (optional) | re-steering connected UDP sockets in other network namespaces (pods): `setns` into them, and opening other processes' `/proc/PID/ns/net`; without them only lb's own namespace is walked (`controller/resteer.rs`, logged at start) |
+//! | `CAP_SYS_ADMIN` + `CAP_SYS_PTRACE` (optional) | re-steering connected UDP sockets in other network namespaces (pods): `setns` into them, and opening other processes' `/proc/PID/ns/net`; without them only lb's own namespace is walked (`reconcile/resteer.rs`, logged at start) |
 //!
 //! Before 5.8 (no CAP_BPF) `CAP_SYS_ADMIN` is what `bpf(2)` checks, so it is required there.
 //! Not needed by `lb run`: `CAP_SYS_ADMIN` on 5.8+ (lb never opens programs or links by id;

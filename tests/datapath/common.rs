@@ -18,12 +18,12 @@ pub(crate) use etherparse::{
     icmpv4::DestUnreachableHeader, icmpv6::DestUnreachableCode,
 };
 pub(crate) use lb::{
-    conntrack::{CtTimeouts, monotonic_secs},
-    controller::reconcile::Reconciler,
+    datapath::conntrack::{CtTimeouts, monotonic_secs},
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
     model::{Backend, DesiredState, Frontend, L4Addr, Proto, Scope, ServiceEntry, ServicePortName},
-    node_facts::{NodeFacts, NodeFactsArgs},
+    node::{NodeFacts, NodeFactsArgs},
+    reconcile::Reconciler,
 };
 pub(crate) use lb_common::{
     Ct4Key, Ct4Value, Ct6Key, Ct6Value, LbConfig, MetricValue, Svc4Key, SvcValue, TraceRecord,

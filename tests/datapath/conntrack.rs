@@ -368,7 +368,7 @@ fn zero_conntrack_lifetime_is_refused() {
 /// `--bpf-ct-global-*-max` sizes all four conntrack maps (TCP and the rest, both families).
 #[test]
 fn conntrack_map_sizes_follow_the_flags() {
-    let args = lb::conntrack::CtArgs {
+    let args = lb::datapath::conntrack::CtArgs {
         bpf_ct_global_tcp_max: 4096,
         bpf_ct_global_any_max: 2048,
         ..Default::default()

@@ -61,8 +61,8 @@ fn source_ranges_and_no_local_endpoint_drop_on_xdp_and_tc() {
 /// at all is still rejected. IPv4 and IPv6, TCP and UDP.
 #[test]
 fn internal_local_with_endpoints_elsewhere_drops_and_without_endpoints_rejects() {
-    use lb::controller::{
-        manifests::{self, Objects},
+    use lb::{
+        kube::manifests::{self, Objects},
         translate::{NodeInfo, desired_state},
     };
     let yaml = r#"

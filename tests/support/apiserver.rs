@@ -1,5 +1,5 @@
 //! A local fake Kubernetes API server that speaks the real list/watch protocol for Services,
-//! EndpointSlices and Nodes, so the kube-rs reflectors in `controller::k8s` can be tested without a
+//! EndpointSlices and Nodes, so the kube-rs reflectors in `kube::k8s` can be tested without a
 //! cluster.
 //!
 //! Behaviour against the real thing is tested in tests/k8s_real.rs (etcd + kube-apiserver +

@@ -5,11 +5,11 @@ use std::net::IpAddr;
 
 use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
 use lb::{
-    controller::reconcile::Reconciler,
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
     model::DesiredState,
-    node_facts::{NodeFacts, NodeFactsArgs},
+    node::{NodeFacts, NodeFactsArgs},
+    reconcile::Reconciler,
 };
 use lb_common::prog_names;
 

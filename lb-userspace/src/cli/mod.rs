@@ -12,9 +12,9 @@ use lb_common::DEFAULT_PIN_DIR;
 
 use crate::{
     config::DeviceArgs,
-    controller::k8s,
     daemon::{self, RunOptions, SourceConfig},
     datapath::cgroup::cgroup2_root,
+    kube::k8s,
 };
 
 #[derive(Parser)]
@@ -121,13 +121,13 @@ struct RunArgs {
     #[arg(long, value_parser = parse_map_max)]
     bpf_map_max: Vec<(String, u32)>,
     #[command(flatten)]
-    ct: crate::conntrack::CtArgs,
+    ct: crate::datapath::conntrack::CtArgs,
     /// Seconds between passes of the conntrack GC, which deletes expired and closed entries
     /// and those of removed backends (a sync that removes backends also starts one at once).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     ct_gc_interval: u64,
     #[command(flatten)]
-    node_facts: crate::node_facts::NodeFactsArgs,
+    node_facts: crate::node::NodeFactsArgs,
     #[command(flatten)]
     algorithm: crate::config::AlgorithmArgs,
     /// Seconds each Kubernetes watch request lasts (`timeoutSeconds`; kube-rs' default) before

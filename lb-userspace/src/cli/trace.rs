@@ -27,21 +27,19 @@ use serde::Serialize;
 
 use crate::{
     config::AlgorithmArgs,
-    conntrack::CtTimeouts,
-    controller::{
-        manifests,
-        reconcile::Reconciler,
-        translate::{self, NodeInfo},
-    },
+    datapath::conntrack::CtTimeouts,
     datapath::load::XdpMode,
     datapath::{
         load::{Datapath, LoadOptions, SERVICE_MAPS},
         maps::BpfMaps,
         pinned::open_hash,
     },
+    kube::manifests,
     model::{Family, Frontend, Proto, Scope},
-    node_facts::{NodeFacts, NodeFactsArgs, host_ips},
+    node::{NodeFacts, NodeFactsArgs, host_ips},
+    reconcile::Reconciler,
     state_dir,
+    translate::{self, NodeInfo},
 };
 
 const TC_ACT_SHOT: u32 = 2;
@@ -73,7 +71,7 @@ impl fmt::Display for Origin {
     }
 }
 
-pub use crate::node_facts::Cidr;
+pub use crate::node::Cidr;
 
 /// How to classify a source address when `--from` is not given.
 #[derive(Clone, Debug, Default)]
@@ -1396,7 +1394,7 @@ pub struct TraceArgs {
     /// The conntrack lifetimes, as `lb run` takes them (the sizes are accepted too; a trace's
     /// private conntrack holds a few entries whatever they say).
     #[command(flatten)]
-    pub ct: crate::conntrack::CtArgs,
+    pub ct: crate::datapath::conntrack::CtArgs,
     /// Trace a private copy programmed from these manifests instead of the running lb.
     #[arg(long)]
     pub manifests: Option<std::path::PathBuf>,

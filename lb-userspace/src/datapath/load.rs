@@ -34,7 +34,7 @@ use super::{
     maps::{BpfMaps, MaglevGeometry, Table},
 };
 pub use crate::config::XdpMode;
-use crate::{config::valid_table_size, model::Family, node_facts::NodeFacts};
+use crate::{config::valid_table_size, model::Family, node::NodeFacts};
 
 /// The eBPF object, built from lb-ebpf by build.rs on every build.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
@@ -787,7 +787,7 @@ impl Datapath {
     }
 
     /// A descriptor of `lb_udp_gone`, the pairs `lb_sk_egress` drops datagrams for
-    /// (`controller::resteer` keeps it up to date).
+    /// (`reconcile::resteer` keeps it up to date).
     pub fn udp_gone_map(&self) -> anyhow::Result<super::sockterm::GoneMap> {
         let map = self
             .ebpf

@@ -17,7 +17,7 @@ use lb_common::{
 pub use super::error::MapOpError;
 use crate::{
     model::{Backend, BackendState, Family, Frontend, L4Addr, Proto, Scope},
-    node_facts::Cidr,
+    node::Cidr,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

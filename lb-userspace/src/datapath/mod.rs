@@ -7,6 +7,7 @@
 //! (`testing`, feature `testing` only).
 pub mod batch;
 pub mod cgroup;
+pub mod conntrack;
 pub mod error;
 pub mod features;
 mod held;

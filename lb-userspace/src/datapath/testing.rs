@@ -15,7 +15,7 @@ use super::maps::{
 };
 use crate::{
     model::{Backend, Family, Frontend, Scope, flag_names},
-    node_facts::Cidr,
+    node::Cidr,
 };
 
 /// One write or delete `MemMaps` performed.

@@ -19,7 +19,7 @@
 //! kube-proxy runs one proxier per IP family; lb programs both families in one sync, so the
 //! sync series carry the same value under `IPv4` and `IPv6`. A change is an object that
 //! differs from the snapshot lb last applied (added, changed, removed), as kube-proxy's change
-//! trackers count them (from the daemon's one snapshot diff, `controller::changes`); network
+//! trackers count them (from the daemon's one snapshot diff, `kube::changes`); network
 //! programming latency is observed once per changed
 //! EndpointSlice with an `endpoints.kubernetes.io/last-change-trigger-time` later than lb's
 //! start, from that time to the map write, labelled with the slice's address family.
@@ -40,9 +40,9 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::controller::{
-    changes::{ChangeDetector, SnapshotDiff},
-    source::Snapshot,
+use crate::{
+    kube::changes::{ChangeDetector, SnapshotDiff},
+    kube::source::Snapshot,
     translate::NoLocalEndpoints,
 };
 

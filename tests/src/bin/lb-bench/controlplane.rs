@@ -26,15 +26,15 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
-    controller::changes::ChangeDetector,
-    controller::incremental::IncrementalTranslator,
-    controller::reconcile::{ApplyReport, Reconciler},
-    controller::source::Snapshot,
-    controller::translate::{NodeInfo, desired_state},
     daemon::{Observed, SyncKind, sync_node},
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
+    kube::changes::ChangeDetector,
+    kube::source::Snapshot,
     metrics::{Metrics, kubeproxy::Changes},
+    reconcile::{ApplyReport, Reconciler},
+    translate::incremental::IncrementalTranslator,
+    translate::{NodeInfo, desired_state},
 };
 use lb_common::{map_names, map_sizes};
 

@@ -33,10 +33,10 @@ use aya::{
     programs::{Program, SchedClassifier},
 };
 use lb::{
-    controller::reconcile::Reconciler,
-    controller::translate::{NodeInfo, desired_state},
     datapath::load::{Datapath, LoadOptions},
     datapath::maps::BpfMaps,
+    reconcile::Reconciler,
+    translate::{NodeInfo, desired_state},
 };
 use lb_common::{MetricValue, map_names, metrics, prog_names};
 

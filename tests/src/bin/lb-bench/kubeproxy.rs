@@ -139,7 +139,7 @@ pub fn service_ports<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             .metadata
             .labels
             .as_ref()
-            .and_then(|l| l.get(lb::controller::translate::LABEL_SERVICE_NAME))
+            .and_then(|l| l.get(lb::kube::LABEL_SERVICE_NAME))
         else {
             continue;
         };

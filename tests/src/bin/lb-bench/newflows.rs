@@ -26,10 +26,10 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use lb::{
-    controller::reconcile::Reconciler,
-    controller::translate::{NodeInfo, desired_state},
     datapath::load::{Datapath, LoadOptions, TcHook},
     datapath::maps::BpfMaps,
+    reconcile::Reconciler,
+    translate::{NodeInfo, desired_state},
 };
 use lb_tests::testbed::Testbed;
 

@@ -29,7 +29,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
-use lb::controller::translate::LABEL_SERVICE_NAME;
+use lb::kube::LABEL_SERVICE_NAME;
 
 pub const NAMESPACE: &str = "bench";
 /// kube-proxy's `--cluster-cidr` in the benchmark: the client is a "pod", so no masquerade.

@@ -32,8 +32,8 @@ use kube::{
 };
 
 use super::{
+    LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
     source::{Snapshot, SnapshotSender},
-    translate::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME},
 };
 
 /// kubectl's copy of the whole object it last applied, in an annotation.

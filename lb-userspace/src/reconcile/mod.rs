@@ -37,6 +37,8 @@
 //! `apply` has run, and after any write or delete failed other than for lack of room, it does a
 //! full `apply` instead. `refresh` re-reads the maps, so the next full `apply` repairs what
 //! someone else changed in them.
+pub mod resteer;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -47,7 +49,6 @@ use std::{
 use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
 use lb_common::{EchoValue, SvcValue, echo, lb_alg, map_names, svc_flags};
 
-use super::{incremental::Update, maglev};
 use crate::{
     datapath::maps::{
         AffMatch, Dump, LbMaps, MapOpError, NO_MAGLEV_TABLE, Table, aff_match_of, backends_of,
@@ -57,6 +58,7 @@ use crate::{
         Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm, Proto,
         Scope, ServiceEntry,
     },
+    translate::{incremental::Update, maglev},
 };
 
 /// What `apply_service` writes for a frontend (`plan_service`), decided before anything is.

@@ -30,14 +30,14 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
-use super::{
-    changes::{ChangeDetector, SnapshotDiff},
-    translate::{
-        self, LABEL_SERVICE_NAME, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped,
-        Translation,
+use crate::{
+    kube::{
+        LABEL_SERVICE_NAME,
+        changes::{ChangeDetector, SnapshotDiff},
     },
+    model::{DesiredState, Frontend, ServiceEntry},
+    translate::{self, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped, Translation},
 };
-use crate::model::{DesiredState, Frontend, ServiceEntry};
 
 /// What an update changed in the desired state.
 #[derive(Debug, PartialEq)]

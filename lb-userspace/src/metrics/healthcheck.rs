@@ -38,8 +38,9 @@ use tokio::{
 
 pub use crate::model::Family;
 use crate::{
-    controller::translate::{self, LABEL_SERVICE_NAME, NodeInfo},
+    kube::LABEL_SERVICE_NAME,
     metrics::Metrics,
+    translate::{self, NodeInfo},
 };
 
 /// One listener: a health check node port in one IP family.
@@ -773,7 +774,7 @@ mod tests {
             with(&|s| {
                 s.metadata.labels = Some(
                     [(
-                        translate::LABEL_SERVICE_PROXY_NAME.to_string(),
+                        crate::kube::LABEL_SERVICE_PROXY_NAME.to_string(),
                         "x".to_string(),
                     )]
                     .into(),

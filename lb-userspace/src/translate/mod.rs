@@ -16,6 +16,9 @@
 //!   short-circuit for pod and host traffic does.
 //!
 //! Bad objects are skipped, each with one reason, and never stop the rest from applying.
+pub mod incremental;
+pub mod maglev;
+
 use std::{
     borrow::Borrow,
     cmp::Ordering,
@@ -24,6 +27,7 @@ use std::{
     net::IpAddr,
 };
 
+use crate::kube::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, LABEL_ZONE};
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
@@ -38,15 +42,6 @@ use crate::model::{
 /// Annotation choosing a Service's load-balancing algorithm (`random` or `maglev`), overriding
 /// the node default (`--lb-algorithm`).
 pub const ANNOTATION_LB_ALGORITHM: &str = "lb.io/lb-algorithm";
-
-/// Label naming the service an EndpointSlice belongs to.
-pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
-/// Services with this label belong to another proxy (kube-proxy skips them too).
-pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
-/// EndpointSlices of headless services carry this label; proxies ignore them.
-pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
-/// The node label topology hints refer to.
-pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 
 /// What the translation needs to know about the node it runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

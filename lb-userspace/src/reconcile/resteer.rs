@@ -28,10 +28,11 @@ use std::{
 };
 
 use crate::{
-    controller::{incremental::Update, reconcile::ApplyReport},
     datapath::sockterm::{DestroyKey, Destroyer, GoneMap, netns_in_cgroup},
     model::{DesiredState, L4Addr, Proto},
     privileges,
+    reconcile::ApplyReport,
+    translate::incremental::Update,
 };
 
 /// What a sync changed for connected UDP sockets.
@@ -82,7 +83,7 @@ pub fn changes(old: &DesiredState, new: &DesiredState, report: &ApplyReport) -> 
 /// The UDP (frontend address, backend) pairs programmed, counted over the frontends of every
 /// scope, kept up to date from each sync's `Update`, so a sync that changed a few frontends
 /// compares only those (`changes` is the whole-state reference). It diffs no snapshot: the
-/// `Update` is the daemon's one snapshot diff (`controller::changes`) as the translator carried
+/// `Update` is the daemon's one snapshot diff (`kube::changes`) as the translator carried
 /// it to frontends; the pair counts are the state of its own that a diff cannot name.
 #[derive(Debug, Default)]
 pub struct PairTracker {
@@ -517,7 +518,7 @@ mod tests {
         let old = state(&[(fe, Scope::External, &[b1])]);
         let new = state(&[]);
         let report = ApplyReport {
-            errors: vec![crate::controller::reconcile::ServiceError {
+            errors: vec![crate::reconcile::ServiceError {
                 frontend: Frontend {
                     l4: fe,
                     scope: Scope::External,
