@@ -264,20 +264,80 @@ pub async fn watch(client: Client, node_name: String, tx: SnapshotSender) {
 /// dropped connections, a server gone) are retried by the watcher with backoff; a 410 relists.
 /// Nothing is published while the server is away, so the maps keep the last state.
 pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, opts: WatchOptions) {
-    let metrics = opts.metrics;
-    if let Some(m) = &metrics {
+    if let Some(m) = &opts.metrics {
         m.watch_api_server();
     }
     let timeout = u32::try_from(opts.timeout.as_secs().max(1)).unwrap_or(u32::MAX);
+    let (stores, mut events) = reflectors(client, &node_name, timeout);
+    let mut counter = WatchCounter {
+        metrics: opts.metrics,
+        lists: [0; 3],
+    };
+    let mut pending_since: Option<Instant> = None;
+    while let Some((kind, event)) = events.next().await {
+        if !counter.observe(kind, event) {
+            continue;
+        }
+        pending_since.get_or_insert_with(Instant::now);
+        // Drain whatever else already arrived, so a burst becomes one snapshot.
+        while let Some(Some((kind, e))) = events.next().now_or_never() {
+            counter.observe(kind, e);
+        }
+        if !stores.ready() {
+            continue;
+        }
+        if let Some(since) = pending_since.take()
+            && tx.send(Some(Arc::new(stores.snapshot(since)))).is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// The reflectors' stores: what a snapshot is taken from.
+struct Stores {
+    services: reflector::Store<Service>,
+    slices: reflector::Store<EndpointSlice>,
+    node: reflector::Store<Node>,
+}
+
+impl Stores {
+    /// Services and slices must have listed completely before the first sync (a partial list
+    /// would delete frontends). The Node only adds the zone: a Node list that fails (RBAC, a
+    /// missing object) must not keep every service from being programmed.
+    fn ready(&self) -> bool {
+        futures::future::join(
+            self.services.wait_until_ready(),
+            self.slices.wait_until_ready(),
+        )
+        .now_or_never()
+        .is_some_and(|(a, b)| a.is_ok() && b.is_ok())
+    }
+
+    fn snapshot(&self, changed_at: Instant) -> Snapshot {
+        Snapshot {
+            services: self.services.state(),
+            slices: self.slices.state(),
+            node: self.node.state().into_iter().next(),
+            problems: Vec::new(),
+            changed_at,
+        }
+    }
+}
+
+/// Each watcher's steps, tagged with what it watches, as one stream.
+type Events = stream::SelectAll<stream::BoxStream<'static, (Kind, Result<Step, watcher::Error>)>>;
+
+/// The three reflectors, with kube-proxy's informers' selectors: only services no other proxy
+/// claims, no headless slices, and only this node's Node.
+fn reflectors(client: Client, node_name: &str, timeout: u32) -> (Stores, Events) {
     let services: Api<WatchedService> = Api::all(client.clone());
     let slices: Api<EndpointSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
-
     let (svc_store, svc_writer) = reflector::store();
     let (slice_store, slice_writer) = reflector::store();
     let (node_store, node_writer) = reflector::store();
 
-    // kube-proxy's informers: only services no other proxy claims, no headless slices.
     let cfg = watcher::Config::default().timeout(timeout);
     let svc_cfg = cfg.clone().labels(&format!("!{LABEL_SERVICE_PROXY_NAME}"));
     let slice_cfg = cfg.clone().labels(&format!("!{LABEL_HEADLESS}"));
@@ -304,41 +364,35 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
     let node_events = reflector(node_writer, watcher(nodes, node_cfg).modify(trim_node))
         .default_backoff()
         .map(|e| (Kind::Node, e.map(|e| step(&e))));
-    let mut events = stream::select_all([
+    let stores = Stores {
+        services: svc_store,
+        slices: slice_store,
+        node: node_store,
+    };
+    let events = stream::select_all([
         svc_events.boxed(),
         slice_events.boxed(),
         node_events.boxed(),
     ]);
+    (stores, events)
+}
 
-    let mut pending_since: Option<Instant> = None;
-    let publish = |changed_at: Instant| {
-        let snapshot = Snapshot {
-            services: svc_store.state(),
-            slices: slice_store.state(),
-            node: node_store.state().into_iter().next(),
-            problems: Vec::new(),
-            changed_at,
-        };
-        tx.send(Some(Arc::new(snapshot))).is_ok()
-    };
-    // Services and slices must have listed completely before the first sync (a partial list
-    // would delete frontends). The Node only adds the zone: a Node list that fails (RBAC, a
-    // missing object) must not keep every service from being programmed.
-    let ready = || {
-        futures::future::join(svc_store.wait_until_ready(), slice_store.wait_until_ready())
-            .now_or_never()
-            .is_some_and(|(a, b)| a.is_ok() && b.is_ok())
-    };
+/// Counts and reports watcher steps: API-server contact, relists (every list after a kind's
+/// first), watch errors and an unreachable server.
+struct WatchCounter {
+    metrics: Option<Arc<dyn ApiObserver>>,
+    lists: [u64; 3],
+}
 
-    let mut lists = [0u64; 3];
-    // Counts and reports one watcher step; true for an event (the stores may have changed).
-    let mut observe = |kind: Kind, event: Result<Step, watcher::Error>| -> bool {
+impl WatchCounter {
+    /// True for an event (the stores may have changed), false for an error.
+    fn observe(&mut self, kind: Kind, event: Result<Step, watcher::Error>) -> bool {
         match event {
             Ok(step) => {
-                if let Some(m) = &metrics {
+                if let Some(m) = &self.metrics {
                     m.api_server_contact();
                     if matches!(step, Step::ListStarted) {
-                        let n = &mut lists[kind as usize];
+                        let n = &mut self.lists[kind as usize];
                         *n += 1;
                         if *n > 1 {
                             m.inc_watch_relists(kind.label());
@@ -349,7 +403,7 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
             }
             Err(e) => {
                 tracing::warn!(watch = kind.label(), error = %e, "watch error; retrying");
-                if let Some(m) = &metrics {
+                if let Some(m) = &self.metrics {
                     m.inc_watch_errors(kind.label());
                     if !server_answered(&e) {
                         m.api_server_unreachable(&e.to_string());
@@ -357,25 +411,6 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
                 }
                 false
             }
-        }
-    };
-
-    while let Some((kind, event)) = events.next().await {
-        if !observe(kind, event) {
-            continue;
-        }
-        pending_since.get_or_insert_with(Instant::now);
-        // Drain whatever else already arrived, so a burst becomes one snapshot.
-        while let Some(Some((kind, e))) = events.next().now_or_never() {
-            observe(kind, e);
-        }
-        if !ready() {
-            continue;
-        }
-        if let Some(since) = pending_since.take()
-            && !publish(since)
-        {
-            return;
         }
     }
 }

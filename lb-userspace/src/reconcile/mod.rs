@@ -483,30 +483,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         let mut changed: BTreeSet<Frontend> = changes.keys().copied().collect();
         changed.extend(std::mem::take(&mut self.retry));
-        // What the changed frontends had, for the clean-up passes.
-        let old: BTreeMap<Frontend, Installed> = changed
-            .iter()
-            .filter_map(|fe| Some((*fe, self.services.get(fe)?.clone())))
-            .collect();
-        let old_ids: BTreeSet<u32> = old
-            .values()
-            .flat_map(|i| i.slots.iter().copied())
-            .filter(|id| *id != 0)
-            .collect();
-        let old_tables: Vec<u32> = old
-            .values()
-            .filter_map(|i| maglev_table_of(&i.master))
-            .collect();
-        let old_revnat: BTreeSet<u32> = old.values().map(|i| i.master.rev_nat_id).collect();
-        // How many entries of the changed frontends name each backend address.
-        let mut changed_want: HashMap<L4Addr, u32> = HashMap::new();
-        for b in changed
-            .iter()
-            .filter_map(|fe| desired.services.get(fe))
-            .flat_map(|e| &e.backends)
-        {
-            *changed_want.entry(b.l4).or_default() += 1;
-        }
+        let touched = self.touched(&changed, desired);
 
         // 1. What goes away (as in `apply`).
         for fe in &changed {
@@ -515,38 +492,84 @@ impl<M: LbMaps> Reconciler<M> {
             }
         }
         self.delete_stray_slots(&mut report);
-        let cw = &changed_want;
-        self.collect_garbage_of(&old_ids, &old_revnat, &changed, cw, true, &mut report);
+        let (ids, revnat, cw) = (&touched.ids, &touched.revnat, &touched.want);
+        self.collect_garbage_of(ids, revnat, &changed, cw, true, &mut report);
 
         // 2. The changed frontends, in `apply`'s order, with the backend states (`wanted`) and
         // ClusterIP counts of the whole desired state.
-        let mut ips: BTreeMap<IpAddr, u32> = BTreeMap::new();
-        for fe in &changed {
-            let Some(entry) = desired.services.get(fe) else {
-                continue;
-            };
-            if entry.flags & svc_flags::CLUSTER_IP != 0 && !ips.contains_key(&fe.l4.addr) {
-                let n = at_addr(&desired.services, fe.l4.addr)
-                    .filter(|(_, e)| e.flags & svc_flags::CLUSTER_IP != 0)
-                    .count();
-                ips.insert(fe.l4.addr, n as u32);
-            }
-        }
         let mut room = self.room();
         for fe in &changed {
             if let Some(entry) = desired.services.get(fe) {
-                self.apply_counted(fe, entry, &ips, &mut room, &mut report);
+                let ips = &touched.cluster_ips;
+                self.apply_counted(fe, entry, ips, &mut room, &mut report);
             }
         }
-        self.refresh_backend_states(changes, &changed, desired, &changed_want, &mut report);
+        self.refresh_backend_states(changes, &changed, desired, &touched.want, &mut report);
 
-        // 3. Clean-up, as `apply`'s, of what the changed frontends touched: tables claimed by
-        // failed writes, then backends, rev-NAT entries, ClusterIPs, source ranges and
-        // affinity matches nothing refers to any more.
-        self.free_unnamed_tables(old_tables, &changed);
-        self.retry_maglev_fallbacks(desired, &ips, &mut room, &mut report);
-        self.delete_stray_slots(&mut report);
-        let mut ids = old_ids;
+        // 3. Clean-up, as `apply`'s, of what the changed frontends touched.
+        self.clean_up_touched(desired, &changed, touched, &mut room, &mut report);
+        self.finish(&report);
+        debug_assert_eq!(self.counts, self.recount(), "entry counts drifted");
+        report
+    }
+
+    /// What the changed frontends had installed and what they want, for the clean-up passes.
+    fn touched(&self, changed: &BTreeSet<Frontend>, desired: &DesiredState) -> Touched {
+        let old: BTreeMap<Frontend, Installed> = changed
+            .iter()
+            .filter_map(|fe| Some((*fe, self.services.get(fe)?.clone())))
+            .collect();
+        let ids = old
+            .values()
+            .flat_map(|i| i.slots.iter().copied())
+            .filter(|id| *id != 0)
+            .collect();
+        let tables = old
+            .values()
+            .filter_map(|i| maglev_table_of(&i.master))
+            .collect();
+        let revnat = old.values().map(|i| i.master.rev_nat_id).collect();
+        let mut want: HashMap<L4Addr, u32> = HashMap::new();
+        for b in changed
+            .iter()
+            .filter_map(|fe| desired.services.get(fe))
+            .flat_map(|e| &e.backends)
+        {
+            *want.entry(b.l4).or_default() += 1;
+        }
+        Touched {
+            old,
+            ids,
+            tables,
+            revnat,
+            want,
+            cluster_ips: changed_cluster_ips(changed, desired),
+        }
+    }
+
+    /// `apply`'s clean-up, limited to what the changed frontends touched: tables claimed by
+    /// failed writes, then backends, rev-NAT entries, ClusterIPs and echo entries, source
+    /// ranges and affinity matches nothing refers to any more. `room` is what is left, for
+    /// retried Maglev fallbacks.
+    fn clean_up_touched(
+        &mut self,
+        desired: &DesiredState,
+        changed: &BTreeSet<Frontend>,
+        touched: Touched,
+        room: &mut Room,
+        report: &mut ApplyReport,
+    ) {
+        let Touched {
+            old,
+            mut ids,
+            tables,
+            mut revnat,
+            want,
+            cluster_ips,
+        } = touched;
+        self.free_unnamed_tables(tables, changed);
+        self.retry_maglev_fallbacks(desired, &cluster_ips, room, report);
+        self.delete_stray_slots(report);
         ids.extend(
             changed
                 .iter()
@@ -554,23 +577,19 @@ impl<M: LbMaps> Reconciler<M> {
                 .flat_map(|e| e.backends.iter())
                 .filter_map(|b| self.backend_ids.get(&b.l4).copied()),
         );
-        let mut revnat = old_revnat;
         revnat.extend(
             changed
                 .iter()
                 .filter_map(|fe| self.services.get(fe))
                 .map(|i| i.master.rev_nat_id),
         );
-        self.collect_garbage_of(&ids, &revnat, &changed, cw, false, &mut report);
+        self.collect_garbage_of(&ids, &revnat, changed, &want, false, report);
         let addrs: BTreeSet<IpAddr> = changed.iter().map(|fe| fe.l4.addr).collect();
         for addr in addrs {
-            self.sync_address(addr, &mut report);
+            self.sync_address(addr, report);
         }
-        self.prune_src_ranges_of(&changed, desired, &revnat, &mut report);
-        self.prune_aff_matches_of(&changed, &old, &mut report);
-        self.finish(&report);
-        debug_assert_eq!(self.counts, self.recount(), "entry counts drifted");
-        report
+        self.prune_src_ranges_of(changed, desired, &revnat, report);
+        self.prune_aff_matches_of(changed, &old, report);
     }
 
     /// A backend's state is the most usable any frontend gives it: a change may move it for
@@ -741,7 +760,7 @@ impl<M: LbMaps> Reconciler<M> {
         &mut self,
         desired: &DesiredState,
         ips: &BTreeMap<IpAddr, u32>,
-        room: &mut BTreeMap<(Table, Family), i64>,
+        room: &mut Room,
         report: &mut ApplyReport,
     ) {
         let tables = self.maps.maglev_geometry().tables as usize;
@@ -812,7 +831,7 @@ impl<M: LbMaps> Reconciler<M> {
     }
 
     /// Free entries per map for the services still to be written.
-    fn room(&self) -> BTreeMap<(Table, Family), i64> {
+    fn room(&self) -> Room {
         let mut room = BTreeMap::new();
         for t in [
             Table::Services,
@@ -852,7 +871,7 @@ impl<M: LbMaps> Reconciler<M> {
         fe: &Frontend,
         entry: &ServiceEntry,
         ips: &BTreeMap<IpAddr, u32>,
-        room: &mut BTreeMap<(Table, Family), i64>,
+        room: &mut Room,
         report: &mut ApplyReport,
     ) {
         let before = entries_of(self.services.get(fe));
@@ -1137,25 +1156,12 @@ impl<M: LbMaps> Reconciler<M> {
         fe: &Frontend,
         entry: &ServiceEntry,
         cluster_ips: &BTreeMap<IpAddr, u32>,
-        room: &mut BTreeMap<(Table, Family), i64>,
+        room: &mut Room,
         report: &mut ApplyReport,
     ) -> Result<(), Failure> {
         let plan = self.plan_service(fe, entry)?;
         let family = plan.family;
-        for (table, needed) in plan.needed {
-            let free = room.get(&(table, family)).copied().unwrap_or(0);
-            if needed > free {
-                return Err(Failure {
-                    error: format!(
-                        "map {} is full: needs {needed} more entries, {} free of {}",
-                        table.map_name(family),
-                        free.max(0),
-                        self.maps.capacity(table, family)
-                    ),
-                    full_map: Some(table.map_name(family)),
-                });
-            }
-        }
+        self.check_room(&plan, room)?;
         let active = plan.active;
         let maglev = self.plan_maglev(fe, entry, &plan.backends[..active], &plan.ids[..active]);
         if maglev.fallback {
@@ -1186,19 +1192,7 @@ impl<M: LbMaps> Reconciler<M> {
                 state: self.wanted_state(&b.l4).unwrap_or(b.state),
             })
             .collect();
-        let unchanged = plan.ranges.is_empty()
-            && plan.matches.is_empty()
-            && maglev.writes.is_empty()
-            && plan
-                .existing
-                .as_ref()
-                .is_some_and(|i| i.master == master && i.slots == plan.ids)
-            && self.revnat.get(&plan.rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
-            && global
-                .iter()
-                .zip(&plan.ids)
-                .all(|(b, id)| self.backends.get(id) == Some(b));
-        if unchanged {
+        if maglev.writes.is_empty() && self.unchanged(fe, &plan, &master, &global) {
             if let Some(set) = maglev.built {
                 self.maglev_built.insert(*fe, set);
             }
@@ -1218,6 +1212,48 @@ impl<M: LbMaps> Reconciler<M> {
             cluster_ips,
             report,
         )
+    }
+
+    /// Whether the plan needs no room the maps do not have left.
+    fn check_room(&self, plan: &ServicePlan, room: &Room) -> Result<(), Failure> {
+        let family = plan.family;
+        for (table, needed) in plan.needed {
+            let free = room.get(&(table, family)).copied().unwrap_or(0);
+            if needed > free {
+                return Err(Failure {
+                    error: format!(
+                        "map {} is full: needs {needed} more entries, {} free of {}",
+                        table.map_name(family),
+                        free.max(0),
+                        self.maps.capacity(table, family)
+                    ),
+                    full_map: Some(table.map_name(family)),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the maps already hold what the plan would write (the Maglev table aside):
+    /// master, slots, rev-NAT entry and backends, with no source range or affinity match to add.
+    fn unchanged(
+        &self,
+        fe: &Frontend,
+        plan: &ServicePlan,
+        master: &SvcValue,
+        global: &[Backend],
+    ) -> bool {
+        plan.ranges.is_empty()
+            && plan.matches.is_empty()
+            && plan
+                .existing
+                .as_ref()
+                .is_some_and(|i| i.master == *master && i.slots == plan.ids)
+            && self.revnat.get(&plan.rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
+            && global
+                .iter()
+                .zip(&plan.ids)
+                .all(|(b, id)| self.backends.get(id) == Some(b))
     }
 
     /// Writes a frontend `apply_service` planned, in the order the module docs give, its
@@ -1321,20 +1357,7 @@ impl<M: LbMaps> Reconciler<M> {
             )
             .into());
         }
-        let mut new_backends = Vec::new();
-        let mut ids = Vec::with_capacity(total);
-        let mut seen_new: HashMap<L4Addr, u32> = HashMap::new();
-        for b in &backends {
-            let id = match self.backend_ids.get(&b.l4).copied() {
-                Some(id) => id,
-                None => *seen_new.entry(b.l4).or_insert_with(|| {
-                    let id = self.alloc_backend_id_excluding(&new_backends);
-                    new_backends.push((id, *b));
-                    id
-                }),
-            };
-            ids.push(id);
-        }
+        let (ids, new_backends) = self.plan_backend_ids(&backends);
         let existing = self.services.get(fe).cloned();
         let existing_entries = existing
             .as_ref()
@@ -1379,6 +1402,26 @@ impl<M: LbMaps> Reconciler<M> {
             affine,
             needed,
         })
+    }
+
+    /// The backend id of each of `backends` (slot order): its own where it has one, else a new
+    /// one (the same for repeats of an address), listed in the second vector to be written.
+    fn plan_backend_ids(&mut self, backends: &[Backend]) -> (Vec<u32>, Vec<(u32, Backend)>) {
+        let mut new_backends = Vec::new();
+        let mut ids = Vec::with_capacity(backends.len());
+        let mut seen_new: HashMap<L4Addr, u32> = HashMap::new();
+        for b in backends {
+            let id = match self.backend_ids.get(&b.l4).copied() {
+                Some(id) => id,
+                None => *seen_new.entry(b.l4).or_insert_with(|| {
+                    let id = self.alloc_backend_id_excluding(&new_backends);
+                    new_backends.push((id, *b));
+                    id
+                }),
+            };
+            ids.push(id);
+        }
+        (ids, new_backends)
     }
 
     /// Steps 1–2c of `apply_service`: everything a frontend's slots and master refer to,
@@ -1852,4 +1895,44 @@ fn cluster_ip_counts<'a>(
         }
     }
     out
+}
+
+/// Free entries per table and family, as a sync uses them up.
+type Room = BTreeMap<(Table, Family), i64>;
+
+/// What an incremental apply's changed frontends had before it, and what they want.
+struct Touched {
+    /// Their installed entries.
+    old: BTreeMap<Frontend, Installed>,
+    /// The backend ids their slots named.
+    ids: BTreeSet<u32>,
+    /// The Maglev tables their masters named.
+    tables: Vec<u32>,
+    /// Their rev-NAT ids.
+    revnat: BTreeSet<u32>,
+    /// How many entries of the changed frontends name each backend address.
+    want: HashMap<L4Addr, u32>,
+    /// How many ClusterIP frontends the desired state has at each changed ClusterIP.
+    cluster_ips: BTreeMap<IpAddr, u32>,
+}
+
+/// Per address of a changed ClusterIP frontend, how many ClusterIP frontends the whole
+/// desired state has there.
+fn changed_cluster_ips(
+    changed: &BTreeSet<Frontend>,
+    desired: &DesiredState,
+) -> BTreeMap<IpAddr, u32> {
+    let mut ips: BTreeMap<IpAddr, u32> = BTreeMap::new();
+    for fe in changed {
+        let Some(entry) = desired.services.get(fe) else {
+            continue;
+        };
+        if entry.flags & svc_flags::CLUSTER_IP != 0 && !ips.contains_key(&fe.l4.addr) {
+            let n = at_addr(&desired.services, fe.l4.addr)
+                .filter(|(_, e)| e.flags & svc_flags::CLUSTER_IP != 0)
+                .count();
+            ips.insert(fe.l4.addr, n as u32);
+        }
+    }
+    ips
 }

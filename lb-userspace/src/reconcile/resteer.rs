@@ -29,7 +29,7 @@ use std::{
 
 use crate::{
     datapath::sockterm::{DestroyKey, Destroyer, GoneMap, netns_in_cgroup},
-    model::{DesiredState, L4Addr, Proto},
+    model::{DesiredState, Frontend, L4Addr, Proto, ServiceEntry},
     privileges,
     reconcile::ApplyReport,
     translate::incremental::Update,
@@ -101,68 +101,10 @@ impl PairTracker {
         report: &ApplyReport,
     ) -> Changes {
         let failed: BTreeSet<L4Addr> = report.errors.iter().map(|e| e.frontend.l4).collect();
-        let udp_pairs = |fe: &crate::model::Frontend, e: &crate::model::ServiceEntry| {
-            let f = fe.l4;
-            e.backends
-                .iter()
-                .map(move |b| (f, b.l4))
-                .collect::<Vec<_>>()
+        let (before, touched) = match update {
+            Update::Full => self.recount(new, &failed),
+            Update::Changed(changed) => self.count_changed(changed, new, &failed),
         };
-        let before: BTreeSet<(L4Addr, L4Addr)>;
-        let mut touched: BTreeSet<(L4Addr, L4Addr)> = BTreeSet::new();
-        match update {
-            Update::Full => {
-                before = self.counts.keys().copied().collect();
-                let mut counts: BTreeMap<(L4Addr, L4Addr), u32> = self
-                    .counts
-                    .iter()
-                    .filter(|((f, _), _)| failed.contains(f))
-                    .map(|(k, n)| (*k, *n))
-                    .collect();
-                for (fe, e) in new
-                    .services
-                    .iter()
-                    .filter(|(fe, _)| fe.l4.proto == Proto::Udp && !failed.contains(&fe.l4))
-                {
-                    for p in udp_pairs(fe, e) {
-                        *counts.entry(p).or_default() += 1;
-                    }
-                }
-                touched.extend(before.iter().copied());
-                touched.extend(counts.keys().copied());
-                self.counts = counts;
-            }
-            Update::Changed(changed) => {
-                let mut was = BTreeSet::new();
-                for (fe, old) in changed
-                    .iter()
-                    .filter(|(fe, _)| fe.l4.proto == Proto::Udp && !failed.contains(&fe.l4))
-                {
-                    if let Some(o) = old {
-                        for p in udp_pairs(fe, o) {
-                            if touched.insert(p) && self.counts.contains_key(&p) {
-                                was.insert(p);
-                            }
-                            if let Some(n) = self.counts.get_mut(&p) {
-                                *n -= 1;
-                                if *n == 0 {
-                                    self.counts.remove(&p);
-                                }
-                            }
-                        }
-                    }
-                    if let Some(e) = new.services.get(fe) {
-                        for p in udp_pairs(fe, e) {
-                            if touched.insert(p) && self.counts.contains_key(&p) {
-                                was.insert(p);
-                            }
-                            *self.counts.entry(p).or_default() += 1;
-                        }
-                    }
-                }
-                before = was;
-            }
-        }
         let keys = |it: &mut dyn Iterator<Item = &(L4Addr, L4Addr)>| -> Vec<DestroyKey> {
             it.filter_map(|(f, b)| key(*f, *b)).collect()
         };
@@ -179,6 +121,79 @@ impl PairTracker {
             ),
         }
     }
+
+    /// Counts every pair of `new` anew (failed frontends keep their counts); returns the
+    /// pairs counted before and every pair before or after.
+    fn recount(&mut self, new: &DesiredState, failed: &BTreeSet<L4Addr>) -> (Pairs, Pairs) {
+        let before: Pairs = self.counts.keys().copied().collect();
+        let mut counts: BTreeMap<(L4Addr, L4Addr), u32> = self
+            .counts
+            .iter()
+            .filter(|((f, _), _)| failed.contains(f))
+            .map(|(k, n)| (*k, *n))
+            .collect();
+        for (fe, e) in new
+            .services
+            .iter()
+            .filter(|(fe, _)| fe.l4.proto == Proto::Udp && !failed.contains(&fe.l4))
+        {
+            for p in udp_pairs(fe, e) {
+                *counts.entry(p).or_default() += 1;
+            }
+        }
+        let mut touched = before.clone();
+        touched.extend(counts.keys().copied());
+        self.counts = counts;
+        (before, touched)
+    }
+
+    /// Moves the counts of the changed UDP frontends from their old entries to their new ones;
+    /// returns the pairs of those that were counted before and every pair they touched.
+    fn count_changed(
+        &mut self,
+        changed: &BTreeMap<Frontend, Option<ServiceEntry>>,
+        new: &DesiredState,
+        failed: &BTreeSet<L4Addr>,
+    ) -> (Pairs, Pairs) {
+        let mut was = BTreeSet::new();
+        let mut touched = BTreeSet::new();
+        for (fe, old) in changed
+            .iter()
+            .filter(|(fe, _)| fe.l4.proto == Proto::Udp && !failed.contains(&fe.l4))
+        {
+            if let Some(o) = old {
+                for p in udp_pairs(fe, o) {
+                    if touched.insert(p) && self.counts.contains_key(&p) {
+                        was.insert(p);
+                    }
+                    if let Some(n) = self.counts.get_mut(&p) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.counts.remove(&p);
+                        }
+                    }
+                }
+            }
+            if let Some(e) = new.services.get(fe) {
+                for p in udp_pairs(fe, e) {
+                    if touched.insert(p) && self.counts.contains_key(&p) {
+                        was.insert(p);
+                    }
+                    *self.counts.entry(p).or_default() += 1;
+                }
+            }
+        }
+        (was, touched)
+    }
+}
+
+/// (frontend address, backend) pairs.
+type Pairs = BTreeSet<(L4Addr, L4Addr)>;
+
+/// The (frontend address, backend) pairs of one frontend's entry.
+fn udp_pairs(fe: &Frontend, e: &ServiceEntry) -> impl Iterator<Item = (L4Addr, L4Addr)> {
+    let f = fe.l4;
+    e.backends.iter().map(move |b| (f, b.l4))
 }
 
 /// The pairs `changes` reports gone.
