@@ -13,8 +13,8 @@
 //! - Local endpoints are `LocalReadyEndpoints`: unique IPs of endpoints on this node whose
 //!   `ready` condition is true or unset (serving-but-terminating endpoints do not count),
 //!   over all of the service's slices and ports, read from the translation's EndpointSlice
-//!   index (`translate::index_slices`): the same slices, ports and copy of an endpoint listed
-//!   twice as the programmed backends.
+//!   index (`translate::slices::index_slices`): the same slices, ports and copy of an endpoint
+//!   listed twice as the programmed backends.
 //!
 //! [`desired`] is the pure part; [`HealthServers`] opens, updates and closes the listeners.
 use std::{
@@ -40,7 +40,7 @@ pub use crate::model::Family;
 use crate::{
     kube::LABEL_SERVICE_NAME,
     metrics::Metrics,
-    translate::{self, NodeInfo},
+    translate::{self, slices::index_slices},
 };
 
 /// One listener: a health check node port in one IP family.
@@ -167,11 +167,7 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         })
         .collect();
     // What the index refuses, translation reports.
-    let index = translate::index_slices(
-        &slices,
-        &NodeInfo::from_node(node_name, None),
-        &mut Vec::new(),
-    );
+    let index = index_slices(&slices, node_name, &mut Vec::new());
     let mut out = HealthChecks::default();
     for svc in services {
         let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
@@ -426,6 +422,7 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
+    use crate::translate::NodeInfo;
 
     fn service(v: serde_json::Value) -> Service {
         serde_json::from_value(v).expect("service")

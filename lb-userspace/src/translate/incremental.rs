@@ -36,7 +36,10 @@ use crate::{
         changes::{ChangeDetector, SnapshotDiff},
     },
     model::{DesiredState, Frontend, ServiceEntry},
-    translate::{self, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped, Translation},
+    translate::{
+        self, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped, Translation,
+        slices::{index_slices, slice_port_names},
+    },
 };
 
 /// What an update changed in the desired state.
@@ -494,8 +497,8 @@ impl IncrementalTranslator {
                 .collect();
             // Their skipped entries are the slices' own, kept per slice.
             let mut slice_skips = Vec::new();
-            let index = translate::index_slices(&group, node, &mut slice_skips);
-            let ports = translate::slice_port_names(&group);
+            let index = index_slices(&group, &node.name, &mut slice_skips);
+            let ports = slice_port_names(&group);
             let out = translate::translate_service(&s.obj, &index, &ports, node);
             let order = translate::service_order(&s.obj);
             let (nodeport, local) = address_deps(&s.obj);
@@ -550,7 +553,7 @@ impl IncrementalTranslator {
         let name = format!("{}/{}", s.key.0, s.key.1);
         let mut skipped = Vec::new();
         // A slice's skipped entries depend on it alone (not on the node, nor other slices).
-        translate::index_slices(std::slice::from_ref(&s.obj), node, &mut skipped);
+        index_slices(std::slice::from_ref(&s.obj), &node.name, &mut skipped);
         let (old, new) = (s.group.clone(), group_of(&s.obj));
         if skipped.is_empty() {
             self.slice_skips.remove(&name);
