@@ -9,8 +9,8 @@
 //! - `kube/`: where objects come from (a manifest directory or the Kubernetes API), as
 //!   snapshots, and `kube::changes`, the one diff of a snapshot against the one before;
 //! - `translate/`: the pure function from a snapshot to a `model::DesiredState` (kube-proxy's
-//!   rules, the one EndpointSlice index), kept up to date per service (`incremental`), and
-//!   Maglev tables (`maglev`);
+//!   rules, on the one EndpointSlice index, `slices`), kept up to date per service
+//!   (`incremental`), and Maglev tables (`maglev`);
 //! - `datapath/`: lb's eBPF object loaded and attached, its pinned maps typed (`maps`), the
 //!   conntrack maps sized and collected (`conntrack`), sockets destroyed (`sockterm`), kernel
 //!   features probed;

@@ -13,8 +13,8 @@
 //! - Local endpoints are `LocalReadyEndpoints`: unique IPs of endpoints on this node whose
 //!   `ready` condition is true or unset (serving-but-terminating endpoints do not count),
 //!   over all of the service's slices and ports, read from the translation's EndpointSlice
-//!   index (`translate::index_slices`): the same slices, ports and copy of an endpoint listed
-//!   twice as the programmed backends.
+//!   index (`translate::slices::index_slices`): the same slices, ports and copy of an endpoint
+//!   listed twice as the programmed backends.
 //!
 //! [`desired`] is the pure part; [`HealthServers`] opens, updates and closes the listeners.
 use std::{
@@ -40,7 +40,10 @@ pub use crate::model::Family;
 use crate::{
     kube::LABEL_SERVICE_NAME,
     metrics::Metrics,
-    translate::{self, NodeInfo},
+    translate::{
+        self,
+        slices::{SliceIndex, index_slices},
+    },
 };
 
 /// One listener: a health check node port in one IP family.
@@ -146,32 +149,9 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .filter(|s| health_check_port(s).is_some())
         .collect();
     services.sort_by_key(|s| object_name(&s.metadata));
-    let keys: HashSet<(&str, &str)> = services
-        .iter()
-        .filter_map(|s| {
-            let ns = s.metadata.namespace.as_deref().unwrap_or("default");
-            Some((ns, s.metadata.name.as_deref()?))
-        })
-        .collect();
-    let slices: Vec<&EndpointSlice> = slices
-        .iter()
-        .map(Borrow::borrow)
-        .filter(|slice| {
-            let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
-            let service = slice
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(LABEL_SERVICE_NAME));
-            service.is_some_and(|name| keys.contains(&(ns, name.as_str())))
-        })
-        .collect();
+    let slices = slices_of(&services, slices);
     // What the index refuses, translation reports.
-    let index = translate::index_slices(
-        &slices,
-        &NodeInfo::from_node(node_name, None),
-        &mut Vec::new(),
-    );
+    let index = index_slices(&slices, node_name, &mut Vec::new());
     let mut out = HealthChecks::default();
     for svc in services {
         let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
@@ -188,37 +168,75 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
-        let endpoints = index.get(&(namespace.clone(), name.clone()));
+        let key = (namespace, name);
         for family in cluster_ip_families(svc) {
-            let local_endpoints = endpoints.map_or(0, |by_family| {
-                by_family[family.index()]
-                    .values()
-                    .flat_map(|by_addr| by_addr.values())
-                    .filter(|e| e.local && e.ready)
-                    .map(|e| e.l4.addr)
-                    .collect::<BTreeSet<_>>()
-                    .len()
-            });
-            let listen = Listen { port, family };
-            if let Some(owner) = out.servers.get(&listen) {
-                out.conflicts.push(PortConflict {
-                    listen,
-                    service: format!("{namespace}/{name}"),
-                    owner: format!("{}/{}", owner.namespace, owner.name),
-                });
-                continue;
-            }
-            out.servers.insert(
-                listen,
-                ServiceHealth {
-                    namespace: namespace.clone(),
-                    name: name.clone(),
-                    local_endpoints,
-                },
-            );
+            let health = ServiceHealth {
+                namespace: key.0.clone(),
+                name: key.1.clone(),
+                local_endpoints: local_ready_endpoints(&index, &key, family),
+            };
+            out.listen(Listen { port, family }, health);
         }
     }
     out
+}
+
+/// The EndpointSlices of `services` (by their `kubernetes.io/service-name` label).
+fn slices_of<'s, E: Borrow<EndpointSlice>>(
+    services: &[&Service],
+    slices: &'s [E],
+) -> Vec<&'s EndpointSlice> {
+    let keys: HashSet<(&str, &str)> = services
+        .iter()
+        .filter_map(|s| {
+            let ns = s.metadata.namespace.as_deref().unwrap_or("default");
+            Some((ns, s.metadata.name.as_deref()?))
+        })
+        .collect();
+    slices
+        .iter()
+        .map(Borrow::borrow)
+        .filter(|slice| {
+            let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+            let service = slice
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_SERVICE_NAME));
+            service.is_some_and(|name| keys.contains(&(ns, name.as_str())))
+        })
+        .collect()
+}
+
+/// kube-proxy's `LocalReadyEndpoints` of the service `key` in `family`: the unique IPs of its
+/// endpoints on this node whose `ready` condition is true or unset, over all of its ports.
+fn local_ready_endpoints(index: &SliceIndex, key: &(String, String), family: Family) -> usize {
+    index.get(key).map_or(0, |by_family| {
+        by_family[family.index()]
+            .values()
+            .flat_map(|by_addr| by_addr.values())
+            .filter(|e| e.local && e.ready)
+            .map(|e| e.l4.addr)
+            .collect::<BTreeSet<_>>()
+            .len()
+    })
+}
+
+impl HealthChecks {
+    /// Gives `listen` to `health`'s service, unless a service earlier in namespace/name order
+    /// has it: then it is a conflict, as kube-proxy's second listen fails with "address in
+    /// use".
+    fn listen(&mut self, listen: Listen, health: ServiceHealth) {
+        if let Some(owner) = self.servers.get(&listen) {
+            self.conflicts.push(PortConflict {
+                listen,
+                service: format!("{}/{}", health.namespace, health.name),
+                owner: format!("{}/{}", owner.namespace, owner.name),
+            });
+            return;
+        }
+        self.servers.insert(listen, health);
+    }
 }
 
 /// The body kube-proxy's `hcHandler` writes (a dedented Go template: tab-indented, no trailing
@@ -426,6 +444,7 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
+    use crate::translate::NodeInfo;
 
     fn service(v: serde_json::Value) -> Service {
         serde_json::from_value(v).expect("service")

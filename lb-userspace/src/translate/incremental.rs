@@ -5,7 +5,7 @@
 //! - the services whose Service changed, or one of whose EndpointSlices (by the
 //!   `kubernetes.io/service-name` label, before and after the change) changed;
 //! - the services that claimed a frontend a recomputed service gave up or won: a contested
-//!   frontend belongs to the oldest claimant (`insert` in translate.rs), so when its owner lets
+//!   frontend belongs to the oldest claimant (`insert` in translate/mod.rs), so when its owner lets
 //!   it go every other claimant is recomputed and claims again;
 //! - everything when the node's name, zone or default algorithm changes; when only its NodePort
 //!   or local addresses change (a pod's veth gets an address), the services with a nodePort,
@@ -36,7 +36,11 @@ use crate::{
         changes::{ChangeDetector, SnapshotDiff},
     },
     model::{DesiredState, Frontend, ServiceEntry},
-    translate::{self, NoLocalEndpoints, NodeInfo, ServiceOrder, SkipReason, Skipped, Translation},
+    translate::{
+        self, NoLocalEndpoints, NodeInfo, ServiceOrder, ServiceOut, SkipReason, Skipped,
+        Translation,
+        slices::{index_slices, slice_port_names},
+    },
 };
 
 /// What an update changed in the desired state.
@@ -127,6 +131,10 @@ struct Slice {
     key: Key,
     group: Option<Key>,
 }
+
+/// The caches cannot follow the snapshot (an object they do not hold, two objects of one
+/// name): it is translated whole.
+struct Unfollowable;
 
 /// A claim on a frontend: (service id, index among the service's claims).
 type Claim = (u32, u32);
@@ -287,27 +295,17 @@ impl IncrementalTranslator {
         let full = self.whole_skipped.is_some()
             || !diff.follows(self.applied)
             || self.node.as_ref().is_none_or(|old| !same_node(old, node));
-        let mut dirty: HashSet<u32> = HashSet::new();
-        if full {
+        let mut dirty = if full {
             let own = self.own.take();
             *self = Self {
                 node: Some(node.clone()),
                 own,
                 ..Self::default()
             };
-        } else if let Some(old) = self.node.as_ref().filter(|old| *old != node) {
-            // Only addresses changed: the services that have frontends on them.
-            let nodeport = old.nodeport_ips != node.nodeport_ips;
-            let local = old.local_ips != node.local_ips;
-            for (id, s) in self.svcs.iter().enumerate() {
-                if let Some(s) = s
-                    && ((nodeport && s.uses_nodeport_ips) || (local && s.uses_local_ips))
-                {
-                    dirty.insert(id as u32);
-                }
-            }
-            self.node = Some(node.clone());
-        }
+            HashSet::new()
+        } else {
+            self.new_addresses(node)
+        };
         self.applied = Some(diff.id());
         if diff.services.repeats || diff.slices.repeats {
             return self.whole(services, slices, node);
@@ -323,70 +321,129 @@ impl IncrementalTranslator {
                 &diff.slices.removed[..],
             )
         };
+        let Ok(gone) = self.take_services(removed_svcs, changed_svcs, &mut dirty) else {
+            return self.whole(services, slices, node);
+        };
+        if self
+            .take_slices(removed_slices, changed_slices, node, &mut dirty)
+            .is_err()
+        {
+            return self.whole(services, slices, node);
+        }
+        let mut delta = self.release_claims(&mut dirty);
+        self.forget(&gone);
+        // Recompute, then claim: claims are ordered by the services' (new) order.
+        let outs = self.recompute(&dirty, &gone, node);
+        self.claim(outs, &mut delta);
+        if full {
+            return Update::Full;
+        }
+        delta.retain(|fe, old| old.as_ref() != self.state.services.get(fe));
+        Update::Changed(delta)
+    }
 
-        // Which services to recompute, and which are gone. A removed one lets its name go at
-        // once, so an object that takes it in the same update (its namespace now spelled out)
-        // is another service.
+    /// With only the node's addresses changed, the services that have frontends on them (to
+    /// recompute).
+    fn new_addresses(&mut self, node: &NodeInfo) -> HashSet<u32> {
+        let mut dirty = HashSet::new();
+        if let Some(old) = self.node.as_ref().filter(|old| *old != node) {
+            let nodeport = old.nodeport_ips != node.nodeport_ips;
+            let local = old.local_ips != node.local_ips;
+            for (id, s) in self.svcs.iter().enumerate() {
+                if let Some(s) = s
+                    && ((nodeport && s.uses_nodeport_ips) || (local && s.uses_local_ips))
+                {
+                    dirty.insert(id as u32);
+                }
+            }
+            self.node = Some(node.clone());
+        }
+        dirty
+    }
+
+    /// Takes in the diff's Services: the changed and new ones are recomputed (`dirty`); the
+    /// removed ones are returned, and are recomputed to take back their claims. A removed one
+    /// lets its name go at once, so an object that takes it in the same update (its namespace
+    /// now spelled out) is another service.
+    fn take_services(
+        &mut self,
+        removed: &[Arc<Service>],
+        changed: &[Arc<Service>],
+        dirty: &mut HashSet<u32>,
+    ) -> Result<HashSet<u32>, Unfollowable> {
         let mut gone: HashSet<u32> = HashSet::new();
-        for old in removed_svcs {
-            let Some(&id) = self.svc_by_key.get(&key_of(&old.metadata)) else {
-                return self.whole(services, slices, node);
-            };
+        for old in removed {
+            let &id = self
+                .svc_by_key
+                .get(&key_of(&old.metadata))
+                .ok_or(Unfollowable)?;
             if raw_key(&self.svc(id).obj.metadata) != raw_key(&old.metadata) {
-                return self.whole(services, slices, node);
+                return Err(Unfollowable);
             }
             self.svc_by_key.remove(&key_of(&old.metadata));
             gone.insert(id);
             dirty.insert(id);
         }
-        for arc in changed_svcs {
+        for arc in changed {
             let key = key_of(&arc.metadata);
             if let Some(&id) = self.svc_by_key.get(&key) {
                 let s = self.svc_mut(id);
                 if raw_key(&s.obj.metadata) != raw_key(&arc.metadata) {
                     // Two objects of one name (`default` spelled out and not).
-                    return self.whole(services, slices, node);
+                    return Err(Unfollowable);
                 }
                 s.obj = Arc::clone(arc);
                 dirty.insert(id);
                 continue;
             }
-            let svc = Svc {
-                obj: Arc::clone(arc),
-                key: key.clone(),
-                order: translate::service_order(arc),
-                frontends: Vec::new(),
-                skipped: Vec::new(),
-                no_local: NoLocalEndpoints::default(),
-                uses_nodeport_ips: false,
-                uses_local_ips: false,
-            };
-            let id = match self.free_svcs.pop() {
-                Some(id) => {
-                    self.svcs[id as usize] = Some(svc);
-                    id
-                }
-                None => {
-                    self.svcs.push(Some(svc));
-                    (self.svcs.len() - 1) as u32
-                }
-            };
-            self.svc_by_key.insert(key, id);
+            let id = self.add_service(arc, key);
             dirty.insert(id);
         }
+        Ok(gone)
+    }
 
-        // Slices: their own skipped entries, and the services they belong to.
+    /// A new service under `key`, with nothing translated yet; returns its id.
+    fn add_service(&mut self, arc: &Arc<Service>, key: Key) -> u32 {
+        let svc = Svc {
+            obj: Arc::clone(arc),
+            key: key.clone(),
+            order: translate::service_order(arc),
+            frontends: Vec::new(),
+            skipped: Vec::new(),
+            no_local: NoLocalEndpoints::default(),
+            uses_nodeport_ips: false,
+            uses_local_ips: false,
+        };
+        let id = match self.free_svcs.pop() {
+            Some(id) => {
+                self.svcs[id as usize] = Some(svc);
+                id
+            }
+            None => {
+                self.svcs.push(Some(svc));
+                (self.svcs.len() - 1) as u32
+            }
+        };
+        self.svc_by_key.insert(key, id);
+        id
+    }
+
+    /// Takes in the diff's EndpointSlices: their own skipped entries, and the services they
+    /// belong to (before and after the change) are recomputed (`dirty`).
+    fn take_slices(
+        &mut self,
+        removed: &[Arc<EndpointSlice>],
+        changed: &[Arc<EndpointSlice>],
+        node: &NodeInfo,
+        dirty: &mut HashSet<u32>,
+    ) -> Result<(), Unfollowable> {
         let mut dirty_groups: HashSet<Key> = HashSet::new();
-        for old in removed_slices {
+        for old in removed {
             let key = key_of(&old.metadata);
-            let Some(&id) = self.slice_by_key.get(&key) else {
-                return self.whole(services, slices, node);
-            };
-            let Some(s) = self.slices[id as usize]
+            let &id = self.slice_by_key.get(&key).ok_or(Unfollowable)?;
+            let s = self.slices[id as usize]
                 .take_if(|s| raw_key(&s.obj.metadata) == raw_key(&old.metadata))
-            else {
-                return self.whole(services, slices, node);
-            };
+                .ok_or(Unfollowable)?;
             self.slice_by_key.remove(&key);
             self.slice_skips.remove(&format!("{}/{}", s.key.0, s.key.1));
             if let Some(group) = s.group {
@@ -395,36 +452,18 @@ impl IncrementalTranslator {
             }
             self.free_slices.push(id);
         }
-        for arc in changed_slices {
+        for arc in changed {
             let key = key_of(&arc.metadata);
             let id = match self.slice_by_key.get(&key) {
                 Some(&id) => {
                     let s = self.slice_mut(id);
                     if raw_key(&s.obj.metadata) != raw_key(&arc.metadata) {
-                        return self.whole(services, slices, node);
+                        return Err(Unfollowable);
                     }
                     s.obj = Arc::clone(arc);
                     id
                 }
-                None => {
-                    let slice = Slice {
-                        obj: Arc::clone(arc),
-                        key: key.clone(),
-                        group: None,
-                    };
-                    let id = match self.free_slices.pop() {
-                        Some(id) => {
-                            self.slices[id as usize] = Some(slice);
-                            id
-                        }
-                        None => {
-                            self.slices.push(Some(slice));
-                            (self.slices.len() - 1) as u32
-                        }
-                    };
-                    self.slice_by_key.insert(key, id);
-                    id
-                }
+                None => self.add_slice(arc, key),
             };
             self.slice_changed(id, node, &mut dirty_groups);
         }
@@ -433,9 +472,37 @@ impl IncrementalTranslator {
                 dirty.insert(id);
             }
         }
+        Ok(())
+    }
 
-        // Take back the claims of what is recomputed; a frontend whose owner lets it go is
-        // claimed again by all its other claimants, so they are recomputed too.
+    /// A new slice under `key`, in no group yet; returns its id.
+    fn add_slice(&mut self, arc: &Arc<EndpointSlice>, key: Key) -> u32 {
+        let slice = Slice {
+            obj: Arc::clone(arc),
+            key: key.clone(),
+            group: None,
+        };
+        let id = match self.free_slices.pop() {
+            Some(id) => {
+                self.slices[id as usize] = Some(slice);
+                id
+            }
+            None => {
+                self.slices.push(Some(slice));
+                (self.slices.len() - 1) as u32
+            }
+        };
+        self.slice_by_key.insert(key, id);
+        id
+    }
+
+    /// Takes back the claims of the `dirty` services, returning each frontend whose owner let
+    /// it go with its entry before. A frontend whose owner lets it go is claimed again by all
+    /// its other claimants, so they join `dirty`.
+    fn release_claims(
+        &mut self,
+        dirty: &mut HashSet<u32>,
+    ) -> BTreeMap<Frontend, Option<ServiceEntry>> {
         let mut delta: BTreeMap<Frontend, Option<ServiceEntry>> = BTreeMap::new();
         let mut queue: Vec<u32> = dirty.iter().copied().collect();
         while let Some(id) = queue.pop() {
@@ -470,8 +537,12 @@ impl IncrementalTranslator {
                 }
             }
         }
+        delta
+    }
 
-        for id in &gone {
+    /// Drops the removed services (their claims are taken back already).
+    fn forget(&mut self, gone: &HashSet<u32>) {
+        for id in gone {
             let Some(s) = self.svcs[*id as usize].take() else {
                 continue;
             };
@@ -479,10 +550,18 @@ impl IncrementalTranslator {
             self.with_skips.remove(id);
             self.free_svcs.push(*id);
         }
+    }
 
-        // Recompute, then claim: claims are ordered by the services' (new) order.
+    /// Translates each `dirty` service that is not `gone` from its own slices, and notes its
+    /// new order and what of the node's addresses it depends on.
+    fn recompute(
+        &mut self,
+        dirty: &HashSet<u32>,
+        gone: &HashSet<u32>,
+        node: &NodeInfo,
+    ) -> Vec<(u32, ServiceOut)> {
         let mut outs = Vec::with_capacity(dirty.len());
-        for &id in dirty.difference(&gone) {
+        for &id in dirty.difference(gone) {
             let s = self.svc(id);
             let group: Vec<&EndpointSlice> = self
                 .groups
@@ -494,8 +573,8 @@ impl IncrementalTranslator {
                 .collect();
             // Their skipped entries are the slices' own, kept per slice.
             let mut slice_skips = Vec::new();
-            let index = translate::index_slices(&group, node, &mut slice_skips);
-            let ports = translate::slice_port_names(&group);
+            let index = index_slices(&group, &node.name, &mut slice_skips);
+            let ports = slice_port_names(&group);
             let out = translate::translate_service(&s.obj, &index, &ports, node);
             let order = translate::service_order(&s.obj);
             let (nodeport, local) = address_deps(&s.obj);
@@ -505,6 +584,17 @@ impl IncrementalTranslator {
             s.uses_nodeport_ips = nodeport;
             s.uses_local_ips = local;
         }
+        outs
+    }
+
+    /// Makes the recomputed services' claims, in claim order among a frontend's claimants (the
+    /// first owns it, its entry goes into the state), and keeps their skipped entries and
+    /// no-local counts; frontends whose entry changed are added to `delta`.
+    fn claim(
+        &mut self,
+        outs: Vec<(u32, ServiceOut)>,
+        delta: &mut BTreeMap<Frontend, Option<ServiceEntry>>,
+    ) {
         for (id, out) in outs {
             let mut frontends = Vec::with_capacity(out.frontends.len());
             for (seq, (fe, entry, before)) in out.frontends.into_iter().enumerate() {
@@ -537,11 +627,6 @@ impl IncrementalTranslator {
                 self.with_skips.remove(&id);
             }
         }
-        if full {
-            return Update::Full;
-        }
-        delta.retain(|fe, old| old.as_ref() != self.state.services.get(fe));
-        Update::Changed(delta)
     }
 
     /// A new or changed slice: its skipped entries and its group.
@@ -550,7 +635,7 @@ impl IncrementalTranslator {
         let name = format!("{}/{}", s.key.0, s.key.1);
         let mut skipped = Vec::new();
         // A slice's skipped entries depend on it alone (not on the node, nor other slices).
-        translate::index_slices(std::slice::from_ref(&s.obj), node, &mut skipped);
+        index_slices(std::slice::from_ref(&s.obj), &node.name, &mut skipped);
         let (old, new) = (s.group.clone(), group_of(&s.obj));
         if skipped.is_empty() {
             self.slice_skips.remove(&name);

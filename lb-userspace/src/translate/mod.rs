@@ -6,7 +6,7 @@
 //! - per service port and IP family, the endpoints from all of the service's slices, matched on
 //!   the slice port's name and protocol, first address only, deduplicated on `ip:port` with a
 //!   local copy preferred (`EndpointSliceCache`), then one that is not terminating: the one
-//!   index ([`index_slices`]) the health check node ports count local endpoints from too;
+//!   index ([`slices`]) the health check node ports count local endpoints from too;
 //! - `CategorizeEndpoints` (pkg/proxy/topology.go): Ready endpoints, else serving-and-terminating
 //!   ones, separately for Cluster and Local policy; topology hints (`forNodes`, then
 //!   `forZones`) when every ready endpoint has one and one matches this node;
@@ -18,18 +18,14 @@
 //! Bad objects are skipped, each with one reason, and never stop the rest from applying.
 pub mod incremental;
 pub mod maglev;
+mod objects;
+pub(crate) mod slices;
 
-use std::{
-    borrow::Borrow,
-    cmp::Ordering,
-    collections::{BTreeMap, BTreeSet},
-    fmt,
-    net::IpAddr,
-};
+use std::{borrow::Borrow, collections::BTreeSet, net::IpAddr};
 
-use crate::kube::{LABEL_HEADLESS, LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME, LABEL_ZONE};
+use crate::kube::{LABEL_SERVICE_PROXY_NAME, LABEL_ZONE};
 use k8s_openapi::api::{
-    core::v1::{Node, Service},
+    core::v1::{Node, Service, ServicePort, ServiceSpec},
     discovery::v1::EndpointSlice,
 };
 use lb_common::svc_flags;
@@ -38,6 +34,10 @@ use crate::model::{
     Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm, Proto, Scope,
     ServiceEntry, ServicePortName,
 };
+pub use objects::{SkipReason, Skipped};
+use objects::{Skips, has_label, object_name, parse_ip};
+pub use slices::MAX_SLICE_ENDPOINTS;
+use slices::{Endpoint, SliceIndex, SlicePortNames, index_slices, slice_port_names};
 
 /// Annotation choosing a Service's load-balancing algorithm (`random` or `maglev`), overriding
 /// the node default (`--lb-algorithm`).
@@ -91,93 +91,10 @@ pub fn node_eligible(node: Option<&Node>) -> bool {
             .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED))
 }
 
-/// Why an object, or a part of one, was not applied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum SkipReason {
-    MissingName,
-    InvalidIp,
-    InvalidPort,
-    UnknownProtocol,
-    AddressFamilyMismatch,
-    UnknownAddressType,
-    MissingServiceLabel,
-    /// Another service already has this frontend: the older one (`creationTimestamp`, then
-    /// namespace/name order) keeps it.
-    DuplicateFrontend,
-    /// A Service (not headless) without any port: nothing to program.
-    NoPorts,
-    /// A second Service port with the same name and protocol (kube-proxy's `ServicePortName`);
-    /// the first one is used.
-    DuplicatePortName,
-    /// An EndpointSlice with more endpoints than the API server allows in one
-    /// ([`MAX_SLICE_ENDPOINTS`]).
-    TooManyEndpoints,
-    /// A Service port whose name none of its EndpointSlices' ports carries, though they list
-    /// ports: it is programmed without endpoints (typically the slices were written with the
-    /// `targetPort`'s name instead of the service port's).
-    UnmatchedPort,
-    /// `sessionAffinityConfig.clientIP.timeoutSeconds` outside what the API server allows
-    /// (1..=86400): kube-proxy's default timeout is used instead.
-    InvalidSessionAffinity,
-    /// An annotation lb reads has a value it does not know; the node default is used instead
-    /// (the Service is programmed).
-    InvalidAnnotation,
-}
-
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10_800;
 /// The largest timeout the API server accepts (1 day).
 pub const MAX_AFFINITY_TIMEOUT: u32 = 86_400;
-
-/// The API server's cap on endpoints per EndpointSlice (`maxEndpoints` in its validation).
-/// A bigger slice cannot come from a cluster; from a manifest it is refused as a whole.
-pub const MAX_SLICE_ENDPOINTS: usize = 1000;
-
-impl SkipReason {
-    /// The label value used in the `skipped objects` metric.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SkipReason::MissingName => "missing_name",
-            SkipReason::InvalidIp => "invalid_ip",
-            SkipReason::InvalidPort => "invalid_port",
-            SkipReason::UnknownProtocol => "unknown_protocol",
-            SkipReason::AddressFamilyMismatch => "address_family_mismatch",
-            SkipReason::UnknownAddressType => "unknown_address_type",
-            SkipReason::MissingServiceLabel => "missing_service_label",
-            SkipReason::DuplicateFrontend => "duplicate_frontend",
-            SkipReason::InvalidSessionAffinity => "invalid_session_affinity",
-            SkipReason::NoPorts => "no_ports",
-            SkipReason::DuplicatePortName => "duplicate_port_name",
-            SkipReason::TooManyEndpoints => "too_many_endpoints",
-            SkipReason::UnmatchedPort => "unmatched_port",
-            SkipReason::InvalidAnnotation => "invalid_annotation",
-        }
-    }
-}
-
-/// One skipped object or part of one.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Skipped {
-    /// `Service` or `EndpointSlice`.
-    pub kind: &'static str,
-    /// `namespace/name`.
-    pub object: String,
-    pub reason: SkipReason,
-    pub detail: String,
-}
-
-impl fmt::Display for Skipped {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} {}: {} ({})",
-            self.kind,
-            self.object,
-            self.detail,
-            self.reason.as_str()
-        )
-    }
-}
 
 /// Objects that are intentionally not lb's (not errors).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -206,20 +123,6 @@ pub struct NoLocalEndpoints {
     pub external: [usize; 2],
 }
 
-pub(crate) fn object_name(
-    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-) -> String {
-    format!(
-        "{}/{}",
-        meta.namespace.as_deref().unwrap_or("default"),
-        meta.name.as_deref().unwrap_or("")
-    )
-}
-
-fn has_label(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, key: &str) -> bool {
-    meta.labels.as_ref().is_some_and(|l| l.contains_key(key))
-}
-
 /// Whether lb leaves this service alone, and why.
 pub fn ignored(svc: &Service) -> Option<Ignored> {
     if has_label(&svc.metadata, LABEL_SERVICE_PROXY_NAME) {
@@ -235,262 +138,6 @@ pub fn ignored(svc: &Service) -> Option<Ignored> {
         None | Some("") | Some("None") => Some(Ignored::Headless),
         _ => None,
     }
-}
-
-/// One endpoint of a service port, as kube-proxy's `BaseEndpointInfo` sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Endpoint {
-    pub(crate) l4: L4Addr,
-    /// `ready` true or unset.
-    pub(crate) ready: bool,
-    serving: bool,
-    terminating: bool,
-    /// On this node (`nodeName` is the node's name).
-    pub(crate) local: bool,
-    zone_hints: BTreeSet<String>,
-    node_hints: BTreeSet<String>,
-}
-
-impl Endpoint {
-    /// Whether this copy of an endpoint replaces `old`, a copy of the same `ip:port` from an
-    /// earlier slice (a pod listed twice, as during a slice rebalance): a local copy beats one
-    /// of another node (kube-proxy's `EndpointSliceCache`), then a copy that is not terminating
-    /// beats a terminating one; between equal copies a later local one replaces the earlier and
-    /// a later remote one does not (kube-proxy's rule again). Translation and health checks
-    /// both see the copy this keeps.
-    fn replaces(&self, old: &Endpoint) -> bool {
-        let rank = |e: &Endpoint| (e.local, !e.terminating);
-        match rank(self).cmp(&rank(old)) {
-            Ordering::Greater => true,
-            Ordering::Less => false,
-            Ordering::Equal => self.local,
-        }
-    }
-}
-
-/// Endpoints per (namespace, service) → family ([`Family::index`]) → (port name, protocol) →
-/// `ip:port`.
-pub(crate) type SliceIndex =
-    BTreeMap<(String, String), [BTreeMap<(String, Proto), BTreeMap<L4Addr, Endpoint>>; 2]>;
-
-/// The one EndpointSlice index: which service each slice belongs to (its
-/// `kubernetes.io/service-name` label; headless and FQDN slices are left out), the endpoints of
-/// each of its usable ports (named, numbered, a known protocol) whose first address is of the
-/// slice's family, and which copy of an endpoint listed twice is kept ([`Endpoint::replaces`]).
-/// Translation programs it; the health check node ports count its local ready endpoints.
-/// What it refuses is reported in `skipped`.
-pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
-    slices: &[E],
-    node: &NodeInfo,
-    skipped: &mut Vec<Skipped>,
-) -> SliceIndex {
-    let mut out = SliceIndex::new();
-    let mut slices: Vec<&EndpointSlice> = slices.iter().map(Borrow::borrow).collect();
-    // Deterministic precedence among duplicates: slice name order.
-    slices.sort_by_key(|s| object_name(&s.metadata));
-    for slice in slices {
-        if has_label(&slice.metadata, LABEL_HEADLESS) {
-            continue;
-        }
-        let object = object_name(&slice.metadata);
-        let skip = |reason, detail: String| Skipped {
-            kind: "EndpointSlice",
-            object: object.clone(),
-            reason,
-            detail,
-        };
-        let Some(service) = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(LABEL_SERVICE_NAME))
-            .filter(|s| !s.is_empty())
-        else {
-            skipped.push(skip(
-                SkipReason::MissingServiceLabel,
-                format!("no {LABEL_SERVICE_NAME} label"),
-            ));
-            continue;
-        };
-        let family = match slice.address_type.as_str() {
-            "IPv4" => Family::V4,
-            "IPv6" => Family::V6,
-            // FQDN slices are for DNS, not proxies.
-            "FQDN" => continue,
-            other => {
-                skipped.push(skip(
-                    SkipReason::UnknownAddressType,
-                    format!("addressType {other:?}"),
-                ));
-                continue;
-            }
-        };
-        let endpoints = slice.endpoints.as_deref().unwrap_or_default();
-        if endpoints.len() > MAX_SLICE_ENDPOINTS {
-            skipped.push(skip(
-                SkipReason::TooManyEndpoints,
-                format!(
-                    "{} endpoints, more than the {MAX_SLICE_ENDPOINTS} the API server allows in one slice",
-                    endpoints.len()
-                ),
-            ));
-            continue;
-        }
-        let mut ports = Vec::new();
-        for p in slice.ports.iter().flatten() {
-            // kube-proxy ignores ports without a name (the controller writes "" for unnamed
-            // service ports) and without a number.
-            let Some(name) = p.name.clone() else {
-                skipped.push(skip(
-                    SkipReason::InvalidPort,
-                    "a port without a name (use \"\" for unnamed service ports)".into(),
-                ));
-                continue;
-            };
-            let proto_name = p.protocol.as_deref().unwrap_or("TCP");
-            let Some(proto) = Proto::from_k8s(proto_name) else {
-                skipped.push(skip(
-                    SkipReason::UnknownProtocol,
-                    format!("port {name:?} protocol {proto_name:?}"),
-                ));
-                continue;
-            };
-            match p.port {
-                Some(n) if (1..=65535).contains(&n) => ports.push((name, proto, n as u16)),
-                Some(n) => skipped.push(skip(
-                    SkipReason::InvalidPort,
-                    format!("port {name:?} number {n}"),
-                )),
-                None => skipped.push(skip(
-                    SkipReason::InvalidPort,
-                    format!("port {name:?} without a number"),
-                )),
-            }
-        }
-        let namespace = slice
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
-        let by_port = &mut out.entry((namespace, service.clone())).or_default()[family.index()];
-        for ep in endpoints {
-            let Some(first) = ep.addresses.first() else {
-                continue;
-            };
-            let addr: IpAddr = match parse_ip(first) {
-                Ok(a) => a,
-                Err(why) => {
-                    skipped.push(skip(
-                        SkipReason::InvalidIp,
-                        format!("endpoint address {first:?}: {why}"),
-                    ));
-                    continue;
-                }
-            };
-            if Family::of(&addr) != family {
-                skipped.push(skip(
-                    SkipReason::AddressFamilyMismatch,
-                    format!("endpoint address {addr} in an {} slice", slice.address_type),
-                ));
-                continue;
-            }
-            let cond = ep.conditions.as_ref();
-            let ready = cond.and_then(|c| c.ready).unwrap_or(true);
-            let serving = cond.and_then(|c| c.serving).unwrap_or(true);
-            let terminating = cond.and_then(|c| c.terminating).unwrap_or(false);
-            let local =
-                !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str());
-            let hints = ep.hints.as_ref();
-            let zone_hints: BTreeSet<String> = hints
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|z| z.iter().map(|z| z.name.clone()).collect())
-                .unwrap_or_default();
-            let node_hints: BTreeSet<String> = hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .map(|n| n.iter().map(|n| n.name.clone()).collect())
-                .unwrap_or_default();
-            for (name, proto, port) in &ports {
-                let l4 = L4Addr {
-                    addr,
-                    port: *port,
-                    proto: *proto,
-                };
-                let entry = Endpoint {
-                    l4,
-                    ready,
-                    serving,
-                    terminating,
-                    local,
-                    zone_hints: zone_hints.clone(),
-                    node_hints: node_hints.clone(),
-                };
-                let set = by_port.entry((name.clone(), *proto)).or_default();
-                if set.get(&l4).is_none_or(|old| entry.replaces(old)) {
-                    set.insert(l4, entry);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// Parses an address as Go's `netip.ParseAddr` (kube-proxy's parser) does: a leading zero in an
-/// IPv4 octet (`010.1.1.1`, octal to some parsers), an IPv6 zone (`fe80::1%eth0`), a CIDR and
-/// surrounding spaces are refused. IPv4-mapped IPv6 addresses (`::ffff:198.18.0.1`) are refused
-/// too: their family is ambiguous, and lb never programs one address under two families.
-fn parse_ip(s: &str) -> Result<IpAddr, &'static str> {
-    let Ok(ip) = s.parse::<IpAddr>() else {
-        let octets: Vec<&str> = s.split('.').collect();
-        let leading_zero = octets.len() == 4
-            && octets
-                .iter()
-                .all(|o| !o.is_empty() && o.bytes().all(|b| b.is_ascii_digit()))
-            && octets.iter().any(|o| o.len() > 1 && o.starts_with('0'));
-        return Err(if s.contains('%') {
-            "an IPv6 zone is not allowed"
-        } else if s.contains('/') {
-            "a CIDR, not an address"
-        } else if leading_zero {
-            "an IPv4 octet with a leading zero"
-        } else {
-            "not an IP address"
-        });
-    };
-    if let IpAddr::V6(v6) = ip
-        && v6.to_ipv4_mapped().is_some()
-    {
-        return Err("an IPv4-mapped IPv6 address");
-    }
-    Ok(ip)
-}
-
-/// The port names each service's EndpointSlices list, for `unmatched_port`.
-pub(crate) type SlicePortNames = BTreeMap<(String, String), BTreeSet<String>>;
-
-pub(crate) fn slice_port_names<E: Borrow<EndpointSlice>>(slices: &[E]) -> SlicePortNames {
-    let mut out = SlicePortNames::new();
-    for slice in slices.iter().map(Borrow::borrow) {
-        let Some(service) = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(LABEL_SERVICE_NAME))
-        else {
-            continue;
-        };
-        if has_label(&slice.metadata, LABEL_HEADLESS) || slice.address_type == "FQDN" {
-            continue;
-        }
-        let namespace = slice
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
-        let names = out.entry((namespace, service.clone())).or_default();
-        // Names of ports `index_slices` refused count too: those are reported there already.
-        names.extend(slice.ports.iter().flatten().filter_map(|p| p.name.clone()));
-    }
-    out
 }
 
 /// The traffic policies of one service port, as kube-proxy's `ServicePort` sees them.
@@ -642,7 +289,7 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 ) -> Translation {
     let mut skipped = Vec::new();
     let mut no_local = NoLocalEndpoints::default();
-    let index = index_slices(slices, node, &mut skipped);
+    let index = index_slices(slices, &node.name, &mut skipped);
     let slice_ports = slice_port_names(slices);
     let mut state = DesiredState::default();
 
@@ -710,7 +357,9 @@ impl NoLocalEndpoints {
 }
 
 /// One Service's frontends, from its EndpointSlices' `index` and `slice_ports` (which may hold
-/// other services' too).
+/// other services' too): kube-proxy's `ShouldSkipService`, then per service port
+/// ([`ServiceFacts::port`]) and IP family the frontends and the endpoints each one gets
+/// ([`ServiceFacts::family_frontends`]).
 pub(crate) fn translate_service(
     svc: &Service,
     index: &SliceIndex,
@@ -718,74 +367,118 @@ pub(crate) fn translate_service(
     node: &NodeInfo,
 ) -> ServiceOut {
     let mut out = ServiceOut::default();
-    let skipped = &mut out.skipped;
-    let no_local = &mut out.no_local;
-    let frontends = &mut out.frontends;
-    {
-        let object = object_name(&svc.metadata);
-        let skip = |reason, detail: String| Skipped {
-            kind: "Service",
-            object: object.clone(),
-            reason,
-            detail,
+    let mut skips = Skips::new("Service", &svc.metadata, &mut out.skipped);
+    let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
+        skips.push(SkipReason::MissingName, "metadata.name is empty".into());
+        return out;
+    };
+    if ignored(svc).is_some() {
+        return out;
+    }
+    let Some(spec) = svc.spec.as_ref() else {
+        return out;
+    };
+    let facts = ServiceFacts::read(svc, spec, name, node, &mut skips);
+    let key = (facts.namespace.clone(), facts.name.clone());
+    let empty = Default::default();
+    let endpoints = index.get(&key).unwrap_or(&empty);
+    let ports = spec.ports.as_deref().unwrap_or_default();
+    if ports.is_empty() {
+        skips.push(
+            SkipReason::NoPorts,
+            "no ports (only headless services may have none)".into(),
+        );
+    }
+    let listed = slice_ports.get(&key);
+    let mut port_names = BTreeSet::new();
+    for port in ports {
+        let Some(port) = facts.port(port, &mut port_names, listed, &mut skips) else {
+            continue;
         };
-        let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
-            skipped.push(skip(
-                SkipReason::MissingName,
-                "metadata.name is empty".into(),
-            ));
-            return out;
-        };
-        if ignored(svc).is_some() {
-            return out;
+        for family in [Family::V4, Family::V6] {
+            let eps: Vec<&Endpoint> = endpoints[family.index()]
+                .get(&(port.name.port_name.clone(), port.proto))
+                .map(|m| m.values().collect())
+                .unwrap_or_default();
+            facts.family_frontends(&port, family, &eps, &mut out.frontends, &mut out.no_local);
         }
-        let Some(spec) = svc.spec.as_ref() else {
-            return out;
-        };
+    }
+    out
+}
+
+/// What every frontend of one Service on a node shares: its addresses, algorithm, session
+/// affinity, source ranges and traffic policies.
+struct ServiceFacts<'a> {
+    node: &'a NodeInfo,
+    namespace: String,
+    name: String,
+    algorithm: LbAlgorithm,
+    cluster_ips: Vec<IpAddr>,
+    external_ips: Vec<IpAddr>,
+    lb_ips: Vec<IpAddr>,
+    source_ranges: BTreeSet<Cidr>,
+    /// `svc_flags::AFFINITY` with `sessionAffinity: ClientIP`, else 0.
+    affinity_flag: u16,
+    affinity_timeout: u32,
+    /// `internalTrafficPolicy: Local`.
+    internal_local: bool,
+    /// `externalTrafficPolicy: Local` of a type that is reachable from outside.
+    external_local: bool,
+}
+
+/// One service port kube-proxy programs (its `ServicePort`).
+struct PortFacts {
+    name: ServicePortName,
+    proto: Proto,
+    port: u16,
+    /// Its valid nodePort, if any.
+    node_port: Option<u16>,
+    policies: Policies,
+    /// How many skipped entries the service reported before this port's frontends.
+    skipped_before: usize,
+}
+
+/// The endpoints `CategorizeEndpoints` chose for one service port in one family.
+struct Categorized {
+    cluster: Vec<Backend>,
+    local: Vec<Backend>,
+    /// kube-proxy's `hasAnyEndpoints`: a ready or serving terminating endpoint on any node,
+    /// whichever policies the service uses.
+    has_endpoints: bool,
+}
+
+impl Categorized {
+    /// Whether traffic of a Local policy is dropped here: the service has endpoints, but none
+    /// on this node takes new flows (kube-proxy DROPs; it REJECTs only without any endpoint).
+    fn drops_local(&self) -> bool {
+        self.has_endpoints && !any_active(&self.local)
+    }
+}
+
+impl<'a> ServiceFacts<'a> {
+    /// Reads the Service-wide facts, reporting the parts it refuses in order: the algorithm
+    /// annotation, ClusterIPs, externalIPs, LoadBalancer ingress IPs, source ranges, session
+    /// affinity.
+    fn read(
+        svc: &Service,
+        spec: &ServiceSpec,
+        name: String,
+        node: &'a NodeInfo,
+        skips: &mut Skips,
+    ) -> Self {
         let namespace = svc
             .metadata
             .namespace
             .clone()
             .unwrap_or_else(|| "default".into());
-        let algorithm = match svc
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(ANNOTATION_LB_ALGORITHM))
-        {
-            None => node.lb_algorithm,
-            Some(v) => LbAlgorithm::parse(v).unwrap_or_else(|| {
-                skipped.push(skip(
-                    SkipReason::InvalidAnnotation,
-                    format!(
-                        "annotation {ANNOTATION_LB_ALGORITHM} {v:?} is not random or maglev; \
-                         using the node default {}",
-                        node.lb_algorithm.as_str()
-                    ),
-                ));
-                node.lb_algorithm
-            }),
-        };
-
-        let parse_ips = |what: &str, list: Vec<&str>, skipped: &mut Vec<Skipped>| -> Vec<IpAddr> {
-            let mut ips = Vec::new();
-            for s in list {
-                match parse_ip(s) {
-                    Ok(ip) => ips.push(ip),
-                    Err(why) => {
-                        skipped.push(skip(SkipReason::InvalidIp, format!("{what} {s:?}: {why}")))
-                    }
-                }
-            }
-            ips
-        };
+        let algorithm = lb_algorithm(svc, node, skips);
         let cluster_ips = parse_ips(
             "clusterIP",
             match &spec.cluster_ips {
                 Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
                 _ => spec.cluster_ip.as_deref().into_iter().collect(),
             },
-            skipped,
+            skips,
         );
         let external_ips = parse_ips(
             "externalIP",
@@ -794,281 +487,403 @@ pub(crate) fn translate_service(
                 .flatten()
                 .map(String::as_str)
                 .collect(),
-            skipped,
+            skips,
         );
         let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
-        // LoadBalancer ingress IPs in "Proxy" mode are reached through the load balancer's
-        // own proxy, not as VIPs on the node.
         let lb_ips = if type_ == "LoadBalancer" {
-            parse_ips(
-                "loadBalancer ingress IP",
-                svc.status
-                    .as_ref()
-                    .and_then(|s| s.load_balancer.as_ref())
-                    .and_then(|lb| lb.ingress.as_ref())
-                    .into_iter()
-                    .flatten()
-                    .filter(|i| i.ip_mode.as_deref().is_none_or(|m| m == "VIP"))
-                    .filter_map(|i| i.ip.as_deref())
-                    .collect(),
-                skipped,
-            )
+            load_balancer_ips(svc, skips)
         } else {
             Vec::new()
         };
-        // kube-proxy applies loadBalancerSourceRanges to the LoadBalancer IPs only, and lets
-        // the LB IP itself through too (load balancers that hairpin through their own IP).
-        let mut source_ranges = BTreeSet::new();
-        if !lb_ips.is_empty() {
-            for r in spec.load_balancer_source_ranges.iter().flatten() {
-                match r.trim().parse::<Cidr>() {
-                    Ok(c) => {
-                        source_ranges.insert(c);
-                    }
-                    Err(e) => skipped.push(skip(
-                        SkipReason::InvalidIp,
-                        format!("loadBalancerSourceRange {r:?}: {e} (range ignored)"),
-                    )),
-                }
-            }
-            if !source_ranges.is_empty() {
-                for ip in &lb_ips {
-                    source_ranges.insert(Cidr::host(*ip));
-                }
-            }
-        }
-        // `sessionAffinity: ClientIP`: flag and timeout on every frontend of the service.
-        let (aff_flag, affinity_timeout) = if spec.session_affinity.as_deref() == Some("ClientIP") {
-            let t = spec
-                .session_affinity_config
-                .as_ref()
-                .and_then(|c| c.client_ip.as_ref())
-                .and_then(|c| c.timeout_seconds);
-            let timeout = match t {
-                None => DEFAULT_AFFINITY_TIMEOUT,
-                Some(t) if (1..=MAX_AFFINITY_TIMEOUT as i32).contains(&t) => t as u32,
-                Some(t) => {
-                    skipped.push(skip(
-                        SkipReason::InvalidSessionAffinity,
-                        format!(
-                            "sessionAffinityConfig.clientIP.timeoutSeconds {t} outside 1..={MAX_AFFINITY_TIMEOUT} (the default {DEFAULT_AFFINITY_TIMEOUT} is used)"
-                        ),
-                    ));
-                    DEFAULT_AFFINITY_TIMEOUT
-                }
-            };
-            (svc_flags::AFFINITY, timeout)
-        } else {
-            (0, 0)
-        };
-        let internal_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+        let source_ranges = source_ranges(spec, &lb_ips, skips);
+        let (affinity_flag, affinity_timeout) = session_affinity(spec, skips);
         let externally_accessible_type = matches!(type_, "NodePort" | "LoadBalancer")
             || (type_ == "ClusterIP" && !external_ips.is_empty());
-        let external_local =
-            externally_accessible_type && spec.external_traffic_policy.as_deref() == Some("Local");
+        Self {
+            node,
+            namespace,
+            name,
+            algorithm,
+            cluster_ips,
+            external_ips,
+            lb_ips,
+            source_ranges,
+            affinity_flag,
+            affinity_timeout,
+            internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+            external_local: externally_accessible_type
+                && spec.external_traffic_policy.as_deref() == Some("Local"),
+        }
+    }
 
-        let empty = Default::default();
-        let slices = index
-            .get(&(namespace.clone(), name.clone()))
-            .unwrap_or(&empty);
-        let ports = spec.ports.as_deref().unwrap_or_default();
-        if ports.is_empty() {
-            skipped.push(skip(
-                SkipReason::NoPorts,
-                "no ports (only headless services may have none)".into(),
+    /// A service port kube-proxy programs, or `None` for one it skips: an unknown protocol,
+    /// a (name, protocol) an earlier port has (kube-proxy keys service ports by it; a second
+    /// one would share the first's endpoints under another number), a number out of range.
+    /// A name no slice port carries and a bad nodePort are reported, and the port stays.
+    fn port(
+        &self,
+        port: &ServicePort,
+        seen: &mut BTreeSet<(String, Proto)>,
+        listed: Option<&BTreeSet<String>>,
+        skips: &mut Skips,
+    ) -> Option<PortFacts> {
+        let port_name = port.name.clone().unwrap_or_default();
+        let proto_name = port.protocol.as_deref().unwrap_or("TCP");
+        let Some(proto) = Proto::from_k8s(proto_name) else {
+            skips.push(
+                SkipReason::UnknownProtocol,
+                format!("port {port_name:?} protocol {proto_name:?}"),
+            );
+            return None;
+        };
+        if !seen.insert((port_name.clone(), proto)) {
+            skips.push(
+                SkipReason::DuplicatePortName,
+                format!(
+                    "port {port_name:?}/{proto} number {} (the first port of that name is used)",
+                    port.port
+                ),
+            );
+            return None;
+        }
+        if !(1..=65535).contains(&port.port) {
+            skips.push(
+                SkipReason::InvalidPort,
+                format!("port {port_name:?} number {}", port.port),
+            );
+            return None;
+        }
+        check_slice_port_name(&port_name, listed, skips);
+        let node_port = node_port(&port_name, port.node_port, skips);
+        Some(PortFacts {
+            name: ServicePortName {
+                namespace: self.namespace.clone(),
+                name: self.name.clone(),
+                port_name,
+            },
+            proto,
+            port: port.port as u16,
+            node_port,
+            policies: Policies {
+                internal_local: self.internal_local,
+                external_local: self.external_local,
+                externally_accessible: node_port.is_some()
+                    || !self.lb_ips.is_empty()
+                    || !self.external_ips.is_empty(),
+            },
+            skipped_before: skips.count(),
+        })
+    }
+
+    /// One port's frontends in `family`, with the endpoints `CategorizeEndpoints` chooses from
+    /// `eps` (the port's endpoints of that family); counts the port in `no_local` when a Local
+    /// policy's traffic is dropped here.
+    fn family_frontends(
+        &self,
+        port: &PortFacts,
+        family: Family,
+        eps: &[&Endpoint],
+        frontends: &mut Vec<(Frontend, ServiceEntry, usize)>,
+        no_local: &mut NoLocalEndpoints,
+    ) {
+        let (cluster, local) = categorize(eps, port.proto, port.policies, self.node);
+        let chosen = Categorized {
+            cluster,
+            local,
+            has_endpoints: eps.iter().any(|e| e.ready || (e.serving && e.terminating)),
+        };
+        self.cluster_ip_frontends(port, family, &chosen, frontends);
+        if chosen.drops_local() {
+            no_local.internal[family.index()] += usize::from(self.internal_local);
+            no_local.external[family.index()] +=
+                usize::from(self.external_local && port.policies.externally_accessible);
+        }
+        self.external_frontends(port, family, &chosen, frontends);
+    }
+
+    /// The ClusterIP frontends of a port in `family`, with the internal traffic policy's
+    /// endpoints.
+    fn cluster_ip_frontends(
+        &self,
+        port: &PortFacts,
+        family: Family,
+        chosen: &Categorized,
+        frontends: &mut Vec<(Frontend, ServiceEntry, usize)>,
+    ) {
+        let (internal, mut flags) = if self.internal_local {
+            (&chosen.local, svc_flags::INT_LOCAL)
+        } else {
+            (&chosen.cluster, 0)
+        };
+        // kube-proxy DROPs in-cluster traffic of an iTP=Local service whose endpoints are all
+        // on other nodes; REJECT is for a service with none at all.
+        if self.internal_local && chosen.drops_local() {
+            flags |= svc_flags::EMPTY_DROP;
+        }
+        for ip in self
+            .cluster_ips
+            .iter()
+            .filter(|ip| Family::of(ip) == family)
+        {
+            frontends.push((
+                Frontend::new(*ip, port.port, port.proto),
+                ServiceEntry {
+                    name: port.name.clone(),
+                    flags: flags | svc_flags::CLUSTER_IP | self.affinity_flag,
+                    backends: internal.clone(),
+                    affinity_timeout: self.affinity_timeout,
+                    algorithm: self.algorithm,
+                    ..ServiceEntry::default()
+                },
+                port.skipped_before,
             ));
         }
-        let listed = slice_ports.get(&(namespace.clone(), name.clone()));
-        let mut port_names = BTreeSet::new();
-        for port in ports {
-            let port_name = port.name.clone().unwrap_or_default();
-            let proto_name = port.protocol.as_deref().unwrap_or("TCP");
-            let Some(proto) = Proto::from_k8s(proto_name) else {
-                skipped.push(skip(
-                    SkipReason::UnknownProtocol,
-                    format!("port {port_name:?} protocol {proto_name:?}"),
-                ));
-                continue;
-            };
-            // kube-proxy keys service ports by (name, protocol); a second one would share the
-            // first's endpoints under another number.
-            if !port_names.insert((port_name.clone(), proto)) {
-                skipped.push(skip(
-                    SkipReason::DuplicatePortName,
-                    format!("port {port_name:?}/{proto} number {} (the first port of that name is used)", port.port),
-                ));
-                continue;
-            }
-            if !(1..=65535).contains(&port.port) {
-                skipped.push(skip(
-                    SkipReason::InvalidPort,
-                    format!("port {port_name:?} number {}", port.port),
-                ));
-                continue;
-            }
-            // Slices that name none of their ports like this one: the port gets no endpoints
-            // (and rejects), typically because the slice was written with the targetPort's name.
-            if let Some(listed) = listed
-                && !listed.is_empty()
-                && !listed.contains(&port_name)
-            {
-                let names: Vec<&str> = listed.iter().map(String::as_str).collect();
-                skipped.push(skip(
-                    SkipReason::UnmatchedPort,
-                    format!(
-                        "port {port_name:?} is named by none of its EndpointSlices' ports ({}): no endpoints; slice ports carry the service port's name",
-                        names.join(", ")
-                    ),
-                ));
-            }
-            // A nodePort outside 1..=65535 gets no NodePort frontend (never one truncated to
-            // 16 bits); the port's other frontends stay.
-            let node_port_number = match port.node_port {
-                Some(n @ 1..=65535) => Some(n as u16),
-                None | Some(0) => None,
-                Some(n) => {
-                    skipped.push(skip(
-                        SkipReason::InvalidPort,
-                        format!("port {port_name:?} nodePort {n} (no NodePort frontend)"),
-                    ));
-                    None
-                }
-            };
-            let node_port = node_port_number.is_some();
-            let policies = Policies {
-                internal_local,
-                external_local,
-                externally_accessible: node_port || !lb_ips.is_empty() || !external_ips.is_empty(),
-            };
-            let svc_name = ServicePortName {
-                namespace: namespace.clone(),
-                name: name.clone(),
-                port_name: port_name.clone(),
-            };
-            for family in [0usize, 1] {
-                let eps: Vec<&Endpoint> = slices[family]
-                    .get(&(port_name.clone(), proto))
-                    .map(|m| m.values().collect())
-                    .unwrap_or_default();
-                let (cluster, local) = categorize(&eps, proto, policies, node);
-                let of_family = |ip: &&IpAddr| usize::from(ip.is_ipv6()) == family;
+    }
 
-                // kube-proxy's `hasAnyEndpoints`: a ready or serving terminating endpoint on
-                // any node, whichever policies the service uses.
-                let has_endpoints = eps.iter().any(|e| e.ready || (e.serving && e.terminating));
-                let (internal, mut flags) = if internal_local {
-                    (&local, svc_flags::INT_LOCAL)
-                } else {
-                    (&cluster, 0)
-                };
-                // kube-proxy DROPs in-cluster traffic of an iTP=Local service whose endpoints
-                // are all on other nodes; REJECT is for a service with none at all.
-                if internal_local && !any_active(&local) && has_endpoints {
-                    flags |= svc_flags::EMPTY_DROP;
-                }
-                for ip in cluster_ips.iter().filter(of_family) {
-                    frontends.push((
-                        Frontend::new(*ip, port.port as u16, proto),
-                        ServiceEntry {
-                            name: svc_name.clone(),
-                            flags: flags | svc_flags::CLUSTER_IP | aff_flag,
-                            backends: internal.clone(),
-                            affinity_timeout,
-                            algorithm,
-                            ..ServiceEntry::default()
-                        },
-                        skipped.len(),
-                    ));
-                }
-
-                // External frontends: external IPs, LoadBalancer IPs and NodePorts on this
-                // node's NodePort addresses, all with the external policy's endpoints.
-                let external = if external_local { &local } else { &cluster };
-                let mut flags = aff_flag;
-                if external_local {
-                    flags |= svc_flags::EXT_LOCAL;
-                }
-                // kube-proxy DROPs external traffic of a service whose endpoints are all
-                // elsewhere (eTP=Local), and REJECTs only when it has none at all.
-                if external_local && !any_active(&local) && has_endpoints {
-                    flags |= svc_flags::EMPTY_DROP;
-                }
-                if has_endpoints && !any_active(&local) {
-                    no_local.internal[family] += usize::from(internal_local);
-                    no_local.external[family] +=
-                        usize::from(external_local && policies.externally_accessible);
-                }
-                let node_port = node_port_number;
-                // A family's NodePorts belong to services of that family (kube-proxy runs one
-                // proxier per family, and each sees only the services with its ClusterIP).
-                let nodeport_ips: Vec<IpAddr> =
-                    if node_port.is_some() && cluster_ips.iter().any(|ip| of_family(&ip)) {
-                        node.nodeport_ips.clone()
-                    } else {
-                        Vec::new()
-                    };
-                for (ips, kind, fe_port) in [
-                    (&external_ips, svc_flags::EXTERNAL_IP, port.port as u16),
-                    (&lb_ips, svc_flags::LOAD_BALANCER, port.port as u16),
-                    (&nodeport_ips, svc_flags::NODE_PORT, node_port.unwrap_or(0)),
-                ] {
-                    for ip in ips.iter().filter(of_family) {
-                        let fe = Frontend::new(*ip, fe_port, proto);
-                        let two_scopes = external_local && cluster != local;
-                        let mut fe_flags = flags | kind;
-                        if two_scopes {
-                            fe_flags |= svc_flags::TWO_SCOPES;
-                        }
-                        if kind == svc_flags::NODE_PORT || node.local_ips.contains(ip) {
-                            fe_flags |= svc_flags::LOCAL_ADDR;
-                        }
-                        let ranges = if kind == svc_flags::LOAD_BALANCER {
-                            source_ranges
-                                .iter()
-                                .filter(|c| c.addr.is_ipv6() == ip.is_ipv6())
-                                .copied()
-                                .collect()
-                        } else {
-                            BTreeSet::new()
-                        };
-                        if !ranges.is_empty() {
-                            fe_flags |= svc_flags::SOURCE_RANGES;
-                        }
-                        frontends.push((
-                            fe,
-                            ServiceEntry {
-                                name: svc_name.clone(),
-                                flags: fe_flags,
-                                backends: external.clone(),
-                                source_ranges: ranges.clone(),
-                                affinity_timeout,
-                                algorithm,
-                            },
-                            skipped.len(),
-                        ));
-                        if two_scopes {
-                            // Pod and host traffic to an eTP=Local external frontend is not
-                            // restricted to local endpoints (kube-proxy's short-circuit).
-                            frontends.push((
-                                Frontend {
-                                    scope: Scope::Internal,
-                                    ..fe
-                                },
-                                ServiceEntry {
-                                    name: svc_name.clone(),
-                                    flags: fe_flags & !svc_flags::EMPTY_DROP,
-                                    backends: cluster.clone(),
-                                    source_ranges: ranges,
-                                    affinity_timeout,
-                                    algorithm,
-                                },
-                                skipped.len(),
-                            ));
-                        }
-                    }
+    /// The external frontends of a port in `family`: external IPs, LoadBalancer IPs and
+    /// NodePorts on this node's NodePort addresses, all with the external policy's endpoints.
+    fn external_frontends(
+        &self,
+        port: &PortFacts,
+        family: Family,
+        chosen: &Categorized,
+        frontends: &mut Vec<(Frontend, ServiceEntry, usize)>,
+    ) {
+        let mut flags = self.affinity_flag;
+        if self.external_local {
+            flags |= svc_flags::EXT_LOCAL;
+        }
+        // kube-proxy DROPs external traffic of a service whose endpoints are all elsewhere
+        // (eTP=Local), and REJECTs only when it has none at all.
+        if self.external_local && chosen.drops_local() {
+            flags |= svc_flags::EMPTY_DROP;
+        }
+        // A family's NodePorts belong to services of that family (kube-proxy runs one proxier
+        // per family, and each sees only the services with its ClusterIP).
+        let nodeport_ips: Vec<IpAddr> = if port.node_port.is_some()
+            && self.cluster_ips.iter().any(|ip| Family::of(ip) == family)
+        {
+            self.node.nodeport_ips.clone()
+        } else {
+            Vec::new()
+        };
+        for (ips, kind, fe_port) in [
+            (&self.external_ips, svc_flags::EXTERNAL_IP, port.port),
+            (&self.lb_ips, svc_flags::LOAD_BALANCER, port.port),
+            (
+                &nodeport_ips,
+                svc_flags::NODE_PORT,
+                port.node_port.unwrap_or(0),
+            ),
+        ] {
+            for ip in ips.iter().filter(|ip| Family::of(ip) == family) {
+                let fe = Frontend::new(*ip, fe_port, port.proto);
+                for (fe, entry) in self.external_entries(port, fe, kind, flags, chosen) {
+                    frontends.push((fe, entry, port.skipped_before));
                 }
             }
         }
     }
-    out
+
+    /// The entries of one external frontend of `kind` (`svc_flags::EXTERNAL_IP`, ...): the
+    /// external policy's endpoints; with `externalTrafficPolicy: Local` and cluster endpoints
+    /// that differ from the local ones, a second, internal scope with the cluster's.
+    fn external_entries(
+        &self,
+        port: &PortFacts,
+        fe: Frontend,
+        kind: u16,
+        flags: u16,
+        chosen: &Categorized,
+    ) -> Vec<(Frontend, ServiceEntry)> {
+        let ip = fe.l4.addr;
+        let two_scopes = self.external_local && chosen.cluster != chosen.local;
+        let mut fe_flags = flags | kind;
+        if two_scopes {
+            fe_flags |= svc_flags::TWO_SCOPES;
+        }
+        if kind == svc_flags::NODE_PORT || self.node.local_ips.contains(&ip) {
+            fe_flags |= svc_flags::LOCAL_ADDR;
+        }
+        let ranges: BTreeSet<Cidr> = if kind == svc_flags::LOAD_BALANCER {
+            self.source_ranges
+                .iter()
+                .filter(|c| c.addr.is_ipv6() == ip.is_ipv6())
+                .copied()
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
+        if !ranges.is_empty() {
+            fe_flags |= svc_flags::SOURCE_RANGES;
+        }
+        let external = if self.external_local {
+            &chosen.local
+        } else {
+            &chosen.cluster
+        };
+        let entry = |flags, backends: &Vec<Backend>, source_ranges| ServiceEntry {
+            name: port.name.clone(),
+            flags,
+            backends: backends.clone(),
+            source_ranges,
+            affinity_timeout: self.affinity_timeout,
+            algorithm: self.algorithm,
+        };
+        let mut out = vec![(fe, entry(fe_flags, external, ranges.clone()))];
+        if two_scopes {
+            // Pod and host traffic to an eTP=Local external frontend is not restricted to
+            // local endpoints (kube-proxy's short-circuit).
+            let internal = Frontend {
+                scope: Scope::Internal,
+                ..fe
+            };
+            let flags = fe_flags & !svc_flags::EMPTY_DROP;
+            out.push((internal, entry(flags, &chosen.cluster, ranges)));
+        }
+        out
+    }
+}
+
+/// The Service's algorithm: its `lb.io/lb-algorithm` annotation, else (or when the annotation
+/// is not one lb knows) the node default.
+fn lb_algorithm(svc: &Service, node: &NodeInfo, skips: &mut Skips) -> LbAlgorithm {
+    let annotation = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_LB_ALGORITHM));
+    match annotation {
+        None => node.lb_algorithm,
+        Some(v) => LbAlgorithm::parse(v).unwrap_or_else(|| {
+            skips.push(
+                SkipReason::InvalidAnnotation,
+                format!(
+                    "annotation {ANNOTATION_LB_ALGORITHM} {v:?} is not random or maglev; \
+                     using the node default {}",
+                    node.lb_algorithm.as_str()
+                ),
+            );
+            node.lb_algorithm
+        }),
+    }
+}
+
+/// The addresses of `list` (`what` names the field) that parse as kube-proxy parses them.
+fn parse_ips(what: &str, list: Vec<&str>, skips: &mut Skips) -> Vec<IpAddr> {
+    let mut ips = Vec::new();
+    for s in list {
+        match parse_ip(s) {
+            Ok(ip) => ips.push(ip),
+            Err(why) => skips.push(SkipReason::InvalidIp, format!("{what} {s:?}: {why}")),
+        }
+    }
+    ips
+}
+
+/// A LoadBalancer Service's ingress IPs that are VIPs on the node: in "Proxy" mode they are
+/// reached through the load balancer's own proxy instead.
+fn load_balancer_ips(svc: &Service, skips: &mut Skips) -> Vec<IpAddr> {
+    parse_ips(
+        "loadBalancer ingress IP",
+        svc.status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|lb| lb.ingress.as_ref())
+            .into_iter()
+            .flatten()
+            .filter(|i| i.ip_mode.as_deref().is_none_or(|m| m == "VIP"))
+            .filter_map(|i| i.ip.as_deref())
+            .collect(),
+        skips,
+    )
+}
+
+/// `loadBalancerSourceRanges`, which kube-proxy applies to the LoadBalancer IPs only, plus
+/// the LB IPs themselves (load balancers that hairpin through their own IP); empty without
+/// LB IPs or valid ranges.
+fn source_ranges(spec: &ServiceSpec, lb_ips: &[IpAddr], skips: &mut Skips) -> BTreeSet<Cidr> {
+    let mut source_ranges = BTreeSet::new();
+    if lb_ips.is_empty() {
+        return source_ranges;
+    }
+    for r in spec.load_balancer_source_ranges.iter().flatten() {
+        match r.trim().parse::<Cidr>() {
+            Ok(c) => {
+                source_ranges.insert(c);
+            }
+            Err(e) => skips.push(
+                SkipReason::InvalidIp,
+                format!("loadBalancerSourceRange {r:?}: {e} (range ignored)"),
+            ),
+        }
+    }
+    if !source_ranges.is_empty() {
+        for ip in lb_ips {
+            source_ranges.insert(Cidr::host(*ip));
+        }
+    }
+    source_ranges
+}
+
+/// `sessionAffinity: ClientIP`: the flag and timeout every frontend of the service carries,
+/// `(0, 0)` without; an out-of-range timeout gets kube-proxy's default.
+fn session_affinity(spec: &ServiceSpec, skips: &mut Skips) -> (u16, u32) {
+    if spec.session_affinity.as_deref() != Some("ClientIP") {
+        return (0, 0);
+    }
+    let t = spec
+        .session_affinity_config
+        .as_ref()
+        .and_then(|c| c.client_ip.as_ref())
+        .and_then(|c| c.timeout_seconds);
+    let timeout = match t {
+        None => DEFAULT_AFFINITY_TIMEOUT,
+        Some(t) if (1..=MAX_AFFINITY_TIMEOUT as i32).contains(&t) => t as u32,
+        Some(t) => {
+            skips.push(
+                SkipReason::InvalidSessionAffinity,
+                format!(
+                    "sessionAffinityConfig.clientIP.timeoutSeconds {t} outside 1..={MAX_AFFINITY_TIMEOUT} (the default {DEFAULT_AFFINITY_TIMEOUT} is used)"
+                ),
+            );
+            DEFAULT_AFFINITY_TIMEOUT
+        }
+    };
+    (svc_flags::AFFINITY, timeout)
+}
+
+/// Reports a service port none of its slices' ports is named like, though they name some:
+/// the port gets no endpoints (and rejects), typically because the slices were written with
+/// the targetPort's name.
+fn check_slice_port_name(port_name: &str, listed: Option<&BTreeSet<String>>, skips: &mut Skips) {
+    if let Some(listed) = listed
+        && !listed.is_empty()
+        && !listed.contains(port_name)
+    {
+        let names: Vec<&str> = listed.iter().map(String::as_str).collect();
+        skips.push(
+            SkipReason::UnmatchedPort,
+            format!(
+                "port {port_name:?} is named by none of its EndpointSlices' ports ({}): no endpoints; slice ports carry the service port's name",
+                names.join(", ")
+            ),
+        );
+    }
+}
+
+/// A port's nodePort: one outside 1..=65535 gets no NodePort frontend (never one truncated to
+/// 16 bits); the port's other frontends stay.
+fn node_port(port_name: &str, node_port: Option<i32>, skips: &mut Skips) -> Option<u16> {
+    match node_port {
+        Some(n @ 1..=65535) => Some(n as u16),
+        None | Some(0) => None,
+        Some(n) => {
+            skips.push(
+                SkipReason::InvalidPort,
+                format!("port {port_name:?} nodePort {n} (no NodePort frontend)"),
+            );
+            None
+        }
+    }
 }
