@@ -5,7 +5,7 @@
 //! socket rev-NAT and counters are private scratch copies, so a trace never changes live state
 //! (an existing live conntrack entry for the exact flow is copied in, so established flows
 //! trace as established). Manifest mode loads a private copy of everything, programs it from
-//! manifests with the same translation and reconciler as `lb run`, traces and unloads.
+//! manifests through `lb run`'s own sync (`daemon::sync_node`), traces and unloads.
 use std::{
     collections::HashMap as StdHashMap,
     fmt,
@@ -27,6 +27,7 @@ use serde::Serialize;
 
 use crate::{
     config::AlgorithmArgs,
+    daemon::{self, Observed, SyncKind},
     datapath::conntrack::CtTimeouts,
     datapath::load::XdpMode,
     datapath::{
@@ -34,12 +35,13 @@ use crate::{
         maps::BpfMaps,
         pinned::open_hash,
     },
-    kube::manifests,
+    kube::source::Snapshot,
+    metrics::Metrics,
     model::{Family, Frontend, Proto, Scope},
     node::{NodeFacts, NodeFactsArgs, host_ips},
     reconcile::Reconciler,
     state_dir,
-    translate::{self, NodeInfo},
+    translate::{NodeInfo, incremental::IncrementalTranslator},
 };
 
 const TC_ACT_SHOT: u32 = 2;
@@ -386,6 +388,40 @@ fn live_names(state_dir: &Path) -> anyhow::Result<StdHashMap<(String, Scope), St
         .collect())
 }
 
+/// Programs the private maps of `reconciler` from `snapshot` through `lb run`'s first sync (a
+/// fresh translator translates everything), on private metrics: what it skips and the Maglev
+/// fallbacks are warned of as the daemon warns, a service it cannot program is an error.
+/// Returns the names of the frontends.
+fn program(
+    reconciler: &mut Reconciler<BpfMaps>,
+    snapshot: &Snapshot,
+    node: &NodeInfo,
+) -> anyhow::Result<StdHashMap<(String, Scope), String>> {
+    let mut translator = IncrementalTranslator::new();
+    let first = SyncKind {
+        generation: 1,
+        full: false,
+    };
+    let synced = daemon::sync_node(
+        reconciler,
+        &mut translator,
+        snapshot,
+        node,
+        first,
+        &Metrics::new(),
+        &Observed::default(),
+    );
+    if let Some(e) = synced.report.errors.first() {
+        bail!("programming {} failed: {}", e.frontend, e.error);
+    }
+    Ok(translator
+        .state()
+        .services
+        .iter()
+        .map(|(fe, e)| ((fe.l4.to_string(), fe.scope), e.name.to_string()))
+        .collect())
+}
+
 pub struct Tracer {
     datapath: Datapath,
     reconciler: Reconciler<BpfMaps>,
@@ -487,15 +523,8 @@ impl Tracer {
             ..LoadOptions::default()
         })?;
         let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
-        let (objects, problems) = manifests::load_dir(dir)?;
-        for p in &problems {
-            tracing::warn!(problem = %p, "skipping manifest document");
-        }
-        let node = objects
-            .nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(node_name));
-        let resolved = NodeFacts::resolve(facts, node, host_ips);
+        let snapshot = Snapshot::from_manifests(dir, node_name)?;
+        let resolved = NodeFacts::resolve(facts, snapshot.node.as_deref(), host_ips);
         datapath.write_node_facts(&resolved)?;
         // The private copy's service CIDR tries (a live trace uses the running lb's).
         let cidrs: Vec<(IpAddr, u8)> = resolved
@@ -507,30 +536,8 @@ impl Tracer {
         // The simulated node's own addresses: its node IPs and NodePort addresses.
         let mut local_ips = resolved.node_ips.clone();
         local_ips.extend(resolved.nodeport_addresses.iter().copied());
-        let node = NodeInfo {
-            nodeport_ips: resolved.nodeport_addresses.clone(),
-            local_ips,
-            lb_algorithm: algorithm.lb_algorithm,
-            ..NodeInfo::from_node(node_name, node)
-        };
-        let t = translate::desired_state(&objects.services, &objects.slices, &node);
-        for s in &t.skipped {
-            tracing::warn!(skipped = %s, "skipping object");
-        }
-        let report = reconciler.apply(&t.state);
-        if let Some(e) = report.errors.first() {
-            bail!("programming {} failed: {}", e.frontend, e.error);
-        }
-        for e in &report.fallbacks {
-            tracing::warn!(frontend = %e.frontend, service = %e.service, error = %e.error,
-                "Maglev service falls back to random selection");
-        }
-        let names = t
-            .state
-            .services
-            .iter()
-            .map(|(fe, e)| ((fe.l4.to_string(), fe.scope), e.name.to_string()))
-            .collect();
+        let node = daemon::node_info(node_name, Some(&resolved), algorithm, local_ips);
+        let names = program(&mut reconciler, &snapshot, &node)?;
         Ok((
             Self {
                 datapath,
