@@ -11,7 +11,7 @@ use crate::{
     datapath::{
         linkwatch::{self, Link, LinkEvent},
         load::{Datapath, LoadOptions, TcHook, XdpMode},
-        maps::LbMaps,
+        maps::{BpfMaps, LbMaps},
     },
     kube::changes::{ChangeDetector, SnapshotDiff},
     kube::k8s,
@@ -89,7 +89,52 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         let (m, h, _task) = metrics::serve(metrics.clone(), m, h).await?;
         tracing::info!(metrics = %m, healthz = %h, "serving metrics and health");
     }
+    let mut datapath = load_datapath(&opts)?;
+    datapath.spawn_kernel_logger();
+    let maps = datapath.take_lb_maps()?;
+    metrics.set_datapath_counters(datapath.take_counters()?);
+    // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
+    let ct_gc = {
+        let metrics = metrics.clone();
+        crate::datapath::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, move |r| {
+            metrics.observe_ct_gc(r)
+        })?
+    };
+    let reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
+    let resteer = start_resteer(&opts, &datapath, &metrics);
+    tracing::info!(
+        pin_dir = %opts.pin_dir.display(),
+        services = reconciler.service_count(),
+        backends = reconciler.backend_count(),
+        "loaded datapath; pinned state reused"
+    );
+    let (tx, rx) = source::channel();
+    let reload = Arc::new(Notify::new());
+    start_source(&opts, &metrics, tx, reload.clone()).await?;
+    let daemon = Daemon {
+        health_checks: HealthServers::new(metrics.clone()),
+        opts,
+        metrics,
+        datapath,
+        reconciler,
+        translator: IncrementalTranslator::new(),
+        detector: ChangeDetector::new(),
+        ct_gc,
+        resteer,
+        udp_pairs: PairTracker::default(),
+        facts: None,
+        generation: 0,
+        started: std::time::SystemTime::now(),
+        last_full: Instant::now(),
+        link_tx: None,
+        pods: None,
+    };
+    daemon.serve(rx, reload).await
+}
 
+/// Loads the datapath (reusing the pins in `--pin-dir`) and writes the service CIDRs, before
+/// anything attaches: the pinned tries may hold an earlier run's ranges.
+fn load_datapath(opts: &RunOptions) -> anyhow::Result<Datapath> {
     let maglev_tables = match opts.algorithm.bpf_maglev_tables {
         Some(n) => n,
         None => crate::datapath::load::pinned_maglev_tables(
@@ -110,7 +155,6 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         maglev_table_size: opts.algorithm.maglev_table_size,
         maglev_tables,
     })?;
-    // Before anything attaches: the pinned tries may hold an earlier run's ranges.
     let service_cidrs: Vec<(std::net::IpAddr, u8)> = opts
         .node_facts
         .service_cidr
@@ -129,19 +173,17 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
         },
         "datapath reject settings"
     );
-    datapath.spawn_kernel_logger();
-    let maps = datapath.take_lb_maps()?;
-    metrics.set_datapath_counters(datapath.take_counters()?);
-    // Beside the reconciler, with handles of its own: a pass over big maps never delays a sync.
-    let ct_gc = {
-        let metrics = metrics.clone();
-        crate::datapath::conntrack::spawn(&opts.pin_dir, opts.ct_gc_interval, move |r| {
-            metrics.observe_ct_gc(r)
-        })?
-    };
-    let mut reconciler = Reconciler::new(maps).context("reading the pinned maps")?;
-    // Connected UDP re-steering (reconcile/resteer.rs): the pairs each sync removes.
-    let resteer = match (&opts.cgroup, datapath.udp_gone_map()) {
+    Ok(datapath)
+}
+
+/// Connected UDP re-steering (reconcile/resteer.rs), fed the pairs each sync removes; only
+/// with socket LB, and without it (a warning) where the datapath has no map for it.
+fn start_resteer(
+    opts: &RunOptions,
+    datapath: &Datapath,
+    metrics: &Arc<Metrics>,
+) -> Option<Resteer> {
+    match (&opts.cgroup, datapath.udp_gone_map()) {
         (Some(cg), Ok(gone)) => {
             let m = metrics.clone();
             Resteer::start(
@@ -156,17 +198,17 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
             None
         }
         (None, _) => None,
-    };
-    let mut udp_pairs = PairTracker::default();
-    tracing::info!(
-        pin_dir = %opts.pin_dir.display(),
-        services = reconciler.service_count(),
-        backends = reconciler.backend_count(),
-        "loaded datapath; pinned state reused"
-    );
+    }
+}
 
-    let (tx, mut rx) = source::channel();
-    let reload = Arc::new(Notify::new());
+/// Starts the source `opts` names, publishing its snapshots on `tx`; a manifest directory is
+/// re-read when `reload` is notified (SIGHUP).
+async fn start_source(
+    opts: &RunOptions,
+    metrics: &Arc<Metrics>,
+    tx: source::SnapshotSender,
+    reload: Arc<Notify>,
+) -> anyhow::Result<()> {
     match &opts.source {
         SourceConfig::Manifests(dir) => {
             tracing::info!(dir = %dir.display(), "source: manifest directory");
@@ -174,7 +216,7 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
                 dir.clone(),
                 opts.node_name.clone(),
                 tx,
-                reload.clone(),
+                reload,
             ));
         }
         SourceConfig::Kubernetes { kubeconfig } => {
@@ -193,122 +235,179 @@ pub async fn run(opts: RunOptions) -> anyhow::Result<()> {
             tokio::spawn(k8s::watch_with(client, opts.node_name.clone(), tx, watch));
         }
     }
-
-    let mut hup = signal(SignalKind::hangup())?;
-    let mut term = signal(SignalKind::terminate())?;
-    let mut generation = 0u64;
-    let mut facts: Option<NodeFacts> = None;
-    let mut health_checks = HealthServers::new(metrics.clone());
-    // The one change detector (kube/changes.rs): each update's snapshot diff, computed
-    // once, feeds the translator, kube-proxy's change metrics and, through the translator's
-    // `Update`, the UDP re-steering.
-    let mut detector = ChangeDetector::new();
-    let started = std::time::SystemTime::now();
-    let mut translator = IncrementalTranslator::new();
-    let mut last_full = Instant::now();
-    let mut full_timer = tokio::time::interval(if opts.full_sync_interval.is_zero() {
-        std::time::Duration::from_secs(u64::from(u32::MAX))
-    } else {
-        opts.full_sync_interval
-    });
-    full_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    full_timer.reset();
-    // `--pod-devices auto`: link events from the watch thread, once the first attach started it.
-    let (link_tx, mut link_rx) = tokio::sync::mpsc::unbounded_channel::<LinkEvent>();
-    let mut link_tx = Some(link_tx);
-    let mut pods: Option<PodWatch> = None;
-    loop {
-        tokio::select! {
-            changed = rx.changed() => {
-                if changed.is_err() {
-                    anyhow::bail!("the source stopped");
-                }
-                // Due at the next sync anyway (also without changes: see the timer arm).
-                let full = !opts.full_sync_interval.is_zero()
-                    && last_full.elapsed() >= opts.full_sync_interval;
-                let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
-                metrics.mark_change_pending(snapshot.changed_at);
-                let diff = detector.observe(&snapshot);
-                let changes = Changes::of(&diff, started);
-                metrics.kube_proxy().queued(&changes);
-                generation += 1;
-                // Before the first attach, like the maps: the first packet sees this node's facts.
-                let now = NodeFacts::resolve(&opts.node_facts, snapshot.node.as_deref(), host_ips);
-                if facts.as_ref() != Some(&now) {
-                    datapath.write_node_facts(&now).context("writing the node facts")?;
-                    log_node_facts(&now);
-                    facts = Some(now);
-                }
-                let base = node_base(&opts, facts.as_ref());
-                let synced = sync_node(
-                    &mut reconciler,
-                    &mut translator,
-                    &snapshot,
-                    &base,
-                    SyncKind { generation, full },
-                    &metrics,
-                    &Observed { diff: Some(diff), changes },
-                );
-                if full {
-                    last_full = Instant::now();
-                }
-                after_sync(&synced, translator.state(), &ct_gc, resteer.as_ref(), &mut udp_pairs);
-                if synced.names_changed
-                    && let Err(e) = state_dir::write_names(&opts.state_dir, translator.state())
-                {
-                    tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
-                }
-                if generation == 1 {
-                    // Attach only once the maps hold the full state, so no packet sees less.
-                    pods = attach(&mut datapath, &opts, facts.as_ref(), link_tx.take())?;
-                    tracing::info!(attached = ?datapath.attachments(), "ready");
-                }
-                // After the attach: load balancers send traffic once a port answers 200.
-                let want = healthcheck::desired(&snapshot.services, &snapshot.slices, &opts.node_name);
-                health_checks.update(&want).await;
-            }
-            // A full sync without a change: the newest snapshot again.
-            _ = full_timer.tick(), if generation > 0 && !opts.full_sync_interval.is_zero() => {
-                if last_full.elapsed() < opts.full_sync_interval {
-                    continue;
-                }
-                let Some(snapshot) = rx.borrow().clone() else { continue };
-                generation += 1;
-                // Diffed too, so the translator follows the detector's every snapshot (nothing,
-                // unless a change arrived that the arm above has not taken yet: its objects are
-                // counted here then).
-                let diff = detector.observe(&snapshot);
-                let changes = Changes::of(&diff, started);
-                let base = node_base(&opts, facts.as_ref());
-                let synced = sync_node(
-                    &mut reconciler,
-                    &mut translator,
-                    &snapshot,
-                    &base,
-                    SyncKind { generation, full: true },
-                    &metrics,
-                    &Observed { diff: Some(diff), changes },
-                );
-                last_full = Instant::now();
-                // A repair may have deleted backends too.
-                after_sync(&synced, translator.state(), &ct_gc, resteer.as_ref(), &mut udp_pairs);
-            }
-            Some(event) = link_rx.recv(), if pods.is_some() => {
-                if let Some(p) = pods.as_mut() {
-                    p.on_event(&mut datapath, event);
-                }
-            }
-            _ = hup.recv() => reload.notify_one(),
-            _ = term.recv() => break,
-            r = tokio::signal::ctrl_c() => { r?; break }
-        }
-    }
-    tracing::info!(
-        "shutting down; programs stay attached through pinned links and maps (`lb detach` \
-         removes them)"
-    );
-    drop(datapath);
     Ok(())
+}
+
+/// The running daemon: what one sync hands on to the next.
+struct Daemon {
+    opts: RunOptions,
+    metrics: Arc<Metrics>,
+    datapath: Datapath,
+    reconciler: Reconciler<BpfMaps>,
+    translator: IncrementalTranslator,
+    /// The one change detector (kube/changes.rs): each update's snapshot diff, computed once,
+    /// feeds the translator, kube-proxy's change metrics and, through the translator's
+    /// `Update`, the UDP re-steering.
+    detector: ChangeDetector,
+    /// Starts a conntrack GC pass at once.
+    ct_gc: Arc<Notify>,
+    resteer: Option<Resteer>,
+    udp_pairs: PairTracker,
+    /// The node facts written to the datapath last.
+    facts: Option<NodeFacts>,
+    health_checks: HealthServers,
+    generation: u64,
+    /// When the daemon started: kube-proxy's change metrics leave out older objects.
+    started: std::time::SystemTime,
+    last_full: Instant,
+    /// `--pod-devices auto`: where the link watch sends its events, until the first attach
+    /// starts it.
+    link_tx: Option<tokio::sync::mpsc::UnboundedSender<LinkEvent>>,
+    pods: Option<PodWatch>,
+}
+
+impl Daemon {
+    /// Syncs each snapshot `rx` brings, and the newest one again at each full sync, until
+    /// SIGINT or SIGTERM; SIGHUP notifies `reload`.
+    async fn serve(
+        mut self,
+        mut rx: source::SnapshotReceiver,
+        reload: Arc<Notify>,
+    ) -> anyhow::Result<()> {
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut term = signal(SignalKind::terminate())?;
+        let interval = self.opts.full_sync_interval;
+        let mut full_timer = tokio::time::interval(if interval.is_zero() {
+            std::time::Duration::from_secs(u64::from(u32::MAX))
+        } else {
+            interval
+        });
+        full_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        full_timer.reset();
+        // Link events from the watch thread, once the first attach started it.
+        let (link_tx, mut link_rx) = tokio::sync::mpsc::unbounded_channel::<LinkEvent>();
+        self.link_tx = Some(link_tx);
+        loop {
+            tokio::select! {
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        anyhow::bail!("the source stopped");
+                    }
+                    let Some(snapshot) = rx.borrow_and_update().clone() else { continue };
+                    self.on_snapshot(&snapshot).await?;
+                }
+                // A full sync without a change: the newest snapshot again.
+                _ = full_timer.tick(), if self.generation > 0 && !interval.is_zero() => {
+                    if self.last_full.elapsed() < interval {
+                        continue;
+                    }
+                    let Some(snapshot) = rx.borrow().clone() else { continue };
+                    self.on_full_sync(&snapshot);
+                }
+                Some(event) = link_rx.recv(), if self.pods.is_some() => {
+                    if let Some(p) = self.pods.as_mut() {
+                        p.on_event(&mut self.datapath, event);
+                    }
+                }
+                _ = hup.recv() => reload.notify_one(),
+                _ = term.recv() => break,
+                r = tokio::signal::ctrl_c() => { r?; break }
+            }
+        }
+        tracing::info!(
+            "shutting down; programs stay attached through pinned links and maps (`lb detach` \
+             removes them)"
+        );
+        drop(self.datapath);
+        Ok(())
+    }
+
+    /// A new snapshot from the source: sync it (a full sync when one is due), attach after the
+    /// first, and serve the health check ports it asks for.
+    async fn on_snapshot(&mut self, snapshot: &Snapshot) -> anyhow::Result<()> {
+        // Due at the next sync anyway (also without changes: see the timer arm).
+        let interval = self.opts.full_sync_interval;
+        let full = !interval.is_zero() && self.last_full.elapsed() >= interval;
+        self.metrics.mark_change_pending(snapshot.changed_at);
+        let diff = self.detector.observe(snapshot);
+        let changes = Changes::of(&diff, self.started);
+        self.metrics.kube_proxy().queued(&changes);
+        self.generation += 1;
+        // Before the first attach, like the maps: the first packet sees this node's facts.
+        let now = NodeFacts::resolve(&self.opts.node_facts, snapshot.node.as_deref(), host_ips);
+        if self.facts.as_ref() != Some(&now) {
+            self.datapath
+                .write_node_facts(&now)
+                .context("writing the node facts")?;
+            log_node_facts(&now);
+            self.facts = Some(now);
+        }
+        let observed = Observed {
+            diff: Some(diff),
+            changes,
+        };
+        let synced = self.sync(snapshot, full, &observed);
+        if synced.names_changed
+            && let Err(e) = state_dir::write_names(&self.opts.state_dir, self.translator.state())
+        {
+            tracing::warn!(error = format!("{e:#}"), "cannot write frontend names");
+        }
+        if self.generation == 1 {
+            // Attach only once the maps hold the full state, so no packet sees less.
+            let events = self.link_tx.take();
+            self.pods = attach(&mut self.datapath, &self.opts, self.facts.as_ref(), events)?;
+            tracing::info!(attached = ?self.datapath.attachments(), "ready");
+        }
+        // After the attach: load balancers send traffic once a port answers 200.
+        let want = healthcheck::desired(&snapshot.services, &snapshot.slices, &self.opts.node_name);
+        self.health_checks.update(&want).await;
+        Ok(())
+    }
+
+    /// The periodic full sync of the newest snapshot, without a change.
+    fn on_full_sync(&mut self, snapshot: &Snapshot) {
+        self.generation += 1;
+        // Diffed too, so the translator follows the detector's every snapshot (nothing,
+        // unless a change arrived that the change arm has not taken yet: its objects are
+        // counted here then).
+        let diff = self.detector.observe(snapshot);
+        let changes = Changes::of(&diff, self.started);
+        let observed = Observed {
+            diff: Some(diff),
+            changes,
+        };
+        // A repair may have deleted backends too: `sync` hands them on.
+        self.sync(snapshot, true, &observed);
+    }
+
+    /// Syncs `snapshot` as this generation and hands on what it removed.
+    fn sync(&mut self, snapshot: &Snapshot, full: bool, observed: &Observed) -> Synced {
+        let base = node_base(&self.opts, self.facts.as_ref());
+        let kind = SyncKind {
+            generation: self.generation,
+            full,
+        };
+        let synced = sync_node(
+            &mut self.reconciler,
+            &mut self.translator,
+            snapshot,
+            &base,
+            kind,
+            &self.metrics,
+            observed,
+        );
+        if full {
+            self.last_full = Instant::now();
+        }
+        after_sync(
+            &synced,
+            self.translator.state(),
+            &self.ct_gc,
+            self.resteer.as_ref(),
+            &mut self.udp_pairs,
+        );
+        synced
+    }
 }
 
 /// What follows a sync's map writes: the conntrack GC at once when backends were deleted
@@ -332,12 +431,26 @@ fn after_sync(
 /// This node's name and addresses for the translation: the NodePort addresses
 /// (`--nodeport-addresses` over the node IPs and the host's addresses) and every local address.
 fn node_base(opts: &RunOptions, facts: Option<&NodeFacts>) -> NodeInfo {
+    let local_ips = node::host_addrs().into_iter().map(|(_, ip)| ip).collect();
+    node_info(&opts.node_name, facts, &opts.algorithm, local_ips)
+}
+
+/// The node `name` as the translation sees it, its zone left to each sync (the snapshot's Node
+/// object): NodePorts answer on the NodePort addresses of `facts` (none without facts), and an
+/// external or LoadBalancer IP among `local_ips` is a local frontend. `lb trace --manifests`
+/// builds its simulated node with it too.
+pub fn node_info(
+    name: &str,
+    facts: Option<&NodeFacts>,
+    algorithm: &crate::config::AlgorithmArgs,
+    local_ips: Vec<std::net::IpAddr>,
+) -> NodeInfo {
     NodeInfo {
-        name: opts.node_name.clone(),
+        name: name.to_string(),
         zone: None,
-        lb_algorithm: opts.algorithm.lb_algorithm,
+        lb_algorithm: algorithm.lb_algorithm,
         nodeport_ips: facts.map_or_else(Vec::new, |f| f.nodeport_addresses.clone()),
-        local_ips: node::host_addrs().into_iter().map(|(_, ip)| ip).collect(),
+        local_ips,
     }
 }
 
@@ -582,7 +695,9 @@ fn log_node_facts(f: &NodeFacts) {
 
 /// Translates a snapshot and applies it, logging and counting what it skipped or failed, for
 /// a node without NodePort addresses (see `sync_node`). `translator` carries the translation
-/// from one sync to the next.
+/// from one sync to the next. Only the tests' harnesses sync so (the daemon and `lb trace`
+/// know their node's addresses), hence not in the product build.
+#[cfg(feature = "testing")]
 pub fn sync<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     translator: &mut IncrementalTranslator,
@@ -610,10 +725,11 @@ pub fn sync<M: LbMaps>(
     )
 }
 
-/// `sync` for the node `base` describes (its zone comes from the snapshot's Node object);
-/// `observed` is what the snapshot changed: the translator recomputes what its diff names, and
-/// its counts are kube-proxy's SLIs. Only what changed since the last sync is translated and
-/// written, unless `kind.full`.
+/// Translates a snapshot and applies it for the node `base` describes (its zone comes from the
+/// snapshot's Node object), logging and counting what it skipped or failed; `translator`
+/// carries the translation from one sync to the next. `observed` is what the snapshot changed:
+/// the translator recomputes what its diff names, and its counts are kube-proxy's SLIs. Only
+/// what changed since the last sync is translated and written, unless `kind.full`.
 pub fn sync_node<M: LbMaps>(
     reconciler: &mut Reconciler<M>,
     translator: &mut IncrementalTranslator,
@@ -623,7 +739,6 @@ pub fn sync_node<M: LbMaps>(
     metrics: &Metrics,
     observed: &Observed,
 ) -> Synced {
-    let generation = kind.generation;
     let start = Instant::now();
     for p in &snapshot.problems {
         let (kind, reason) = p.kind.labels();
@@ -631,11 +746,69 @@ pub fn sync_node<M: LbMaps>(
         metrics.inc_skipped(kind, reason);
     }
     metrics.set_node_eligible(translate::node_eligible(snapshot.node.as_deref()));
+    let (update, skipped) = translate_snapshot(translator, snapshot, base, kind.full, observed);
+    for s in &skipped {
+        tracing::warn!(skipped = %s, "skipping object");
+        metrics.inc_skipped(s.kind, s.reason.as_str());
+    }
+    let report = if kind.full {
+        full_apply(reconciler, translator.state(), metrics)
+    } else {
+        reconciler.apply_update(translator.state(), &update)
+    };
+    let written = Instant::now();
+    log_unprogrammed(&report, metrics);
+    metrics.observe_sync(written - start, report.errors.is_empty());
+    let event_to_write = written.saturating_duration_since(snapshot.changed_at);
+    metrics.observe_event_to_write(event_to_write);
+    observe_maps(reconciler, metrics);
+    let no_local = translator.no_local_endpoints();
+    // Before the log line: whoever sees "synced" finds the sync counted.
+    metrics
+        .kube_proxy()
+        .programmed(&observed.changes, std::time::SystemTime::now(), &no_local);
+    metrics.mark_synced();
+    tracing::debug!(
+        generation = kind.generation,
+        event_to_write_us = event_to_write.as_micros() as u64,
+        "event to map write"
+    );
+    tracing::info!(
+        generation = kind.generation,
+        full = kind.full,
+        changed_frontends = update.changed(),
+        services = translator.state().services.len(),
+        backends = reconciler.backend_count(),
+        writes = report.writes,
+        deletes = report.deletes,
+        errors = report.errors.len(),
+        skipped = skipped.len() + snapshot.problems.len(),
+        elapsed_us = (written - start).as_micros() as u64,
+        "synced"
+    );
+    Synced {
+        no_local_endpoints: no_local,
+        report,
+        changed: update.changed(),
+        names_changed: names_changed(&update, translator.state()),
+        update,
+    }
+}
+
+/// Translates what `observed` says the snapshot changed (all of it when `full`) for the node
+/// `base` describes; returns what changed and what the translation skipped.
+fn translate_snapshot(
+    translator: &mut IncrementalTranslator,
+    snapshot: &Snapshot,
+    base: &NodeInfo,
+    full: bool,
+    observed: &Observed,
+) -> (Update, Vec<translate::Skipped>) {
     let node = NodeInfo {
         zone: NodeInfo::from_node(&base.name, snapshot.node.as_deref()).zone,
         ..base.clone()
     };
-    if kind.full {
+    if full {
         // Anew, as if lb had just started: nothing carried over can hide a difference.
         translator.reset();
     }
@@ -643,34 +816,39 @@ pub fn sync_node<M: LbMaps>(
         Some(diff) => translator.apply(diff, &snapshot.services, &snapshot.slices, &node),
         None => translator.update(&snapshot.services, &snapshot.slices, &node),
     };
-    let skipped = translator.skipped();
-    for s in &skipped {
-        tracing::warn!(skipped = %s, "skipping object");
-        metrics.inc_skipped(s.kind, s.reason.as_str());
+    (update, translator.skipped())
+}
+
+/// A full sync's write: the maps re-read and compared with the whole desired state, what
+/// differed repaired and counted.
+fn full_apply<M: LbMaps>(
+    reconciler: &mut Reconciler<M>,
+    state: &crate::model::DesiredState,
+    metrics: &Metrics,
+) -> ApplyReport {
+    let refreshed = reconciler.refresh();
+    if let Err(e) = &refreshed {
+        tracing::error!(
+            error = format!("{e:#}"),
+            "full sync: cannot re-read the maps"
+        );
     }
-    let report = if kind.full {
-        let refreshed = reconciler.refresh();
-        if let Err(e) = &refreshed {
-            tracing::error!(
-                error = format!("{e:#}"),
-                "full sync: cannot re-read the maps"
-            );
-        }
-        let report = reconciler.apply(translator.state());
-        let repaired = report.writes + report.deletes;
-        metrics.observe_full_sync(refreshed.is_ok() && report.errors.is_empty(), repaired);
-        if repaired > 0 {
-            tracing::warn!(
-                writes = report.writes,
-                deletes = report.deletes,
-                "full sync repaired map entries the incremental syncs had not seen"
-            );
-        }
-        report
-    } else {
-        reconciler.apply_update(translator.state(), &update)
-    };
-    let written = Instant::now();
+    let report = reconciler.apply(state);
+    let repaired = report.writes + report.deletes;
+    metrics.observe_full_sync(refreshed.is_ok() && report.errors.is_empty(), repaired);
+    if repaired > 0 {
+        tracing::warn!(
+            writes = report.writes,
+            deletes = report.deletes,
+            "full sync repaired map entries the incremental syncs had not seen"
+        );
+    }
+    report
+}
+
+/// Logs and counts the services a sync could not program and the Maglev services it left on
+/// random selection (a full map among the reasons).
+fn log_unprogrammed(report: &ApplyReport, metrics: &Metrics) {
     for e in &report.errors {
         tracing::error!(
             frontend = %e.frontend,
@@ -694,12 +872,11 @@ pub fn sync_node<M: LbMaps>(
         }
     }
     metrics.set_unprogrammed(report.errors.len() as u64);
-    let ok = report.errors.is_empty();
-    let state = translator.state();
-    let applied_services = state.services.len();
-    let event_to_write = written.saturating_duration_since(snapshot.changed_at);
-    metrics.observe_sync(written - start, ok);
-    metrics.observe_event_to_write(event_to_write);
+}
+
+/// The programmed services and backends and each map's fill level, as the reconciler counts
+/// them.
+fn observe_maps<M: LbMaps>(reconciler: &Reconciler<M>, metrics: &Metrics) {
     metrics.set_services(reconciler.service_count() as u64);
     metrics.set_backends(reconciler.backend_count() as u64);
     for (map, used, capacity) in reconciler.usage() {
@@ -711,42 +888,16 @@ pub fn sync_node<M: LbMaps>(
         tables as u64,
         u64::from(capacity),
     );
-    let no_local = translator.no_local_endpoints();
-    // Before the log line: whoever sees "synced" finds the sync counted.
-    metrics
-        .kube_proxy()
-        .programmed(&observed.changes, std::time::SystemTime::now(), &no_local);
-    metrics.mark_synced();
-    let names_changed = match &update {
+}
+
+/// Whether `update` brought, removed or renamed a frontend or changed its kind (what
+/// `frontends.json` holds).
+fn names_changed(update: &Update, state: &crate::model::DesiredState) -> bool {
+    match update {
         Update::Full => true,
         Update::Changed(c) => c.iter().any(|(fe, old)| {
             let new = state.services.get(fe);
             old.as_ref().map(|o| (&o.name, o.kind())) != new.map(|n| (&n.name, n.kind()))
         }),
-    };
-    tracing::debug!(
-        generation,
-        event_to_write_us = event_to_write.as_micros() as u64,
-        "event to map write"
-    );
-    tracing::info!(
-        generation,
-        full = kind.full,
-        changed_frontends = update.changed(),
-        services = applied_services,
-        backends = reconciler.backend_count(),
-        writes = report.writes,
-        deletes = report.deletes,
-        errors = report.errors.len(),
-        skipped = skipped.len() + snapshot.problems.len(),
-        elapsed_us = (written - start).as_micros() as u64,
-        "synced"
-    );
-    Synced {
-        no_local_endpoints: no_local,
-        report,
-        changed: update.changed(),
-        names_changed,
-        update,
     }
 }

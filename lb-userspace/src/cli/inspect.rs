@@ -448,6 +448,22 @@ fn or_dash<T: ToString>(v: Option<T>) -> String {
 
 /// The `lb status` text.
 pub fn render_status(s: &Status) -> String {
+    let mut out = status_header(s);
+    out.push_str(&status_programs(s));
+    out.push_str("Maps:\n");
+    out.push_str(&status_maps(&s.maps));
+    out.push_str("Datapath counters (summed over CPUs):\n");
+    let rows: Vec<Vec<String>> = s
+        .counters
+        .iter()
+        .map(|c| vec![c.name.clone(), c.packets.to_string(), c.bytes.to_string()])
+        .collect();
+    out.push_str(&table(&["EVENT", "PACKETS", "BYTES"], &rows, "  "));
+    out
+}
+
+/// The kernel, its features and the pin directory's lines of `lb status`.
+fn status_header(s: &Status) -> String {
     let mut out = String::new();
     out.push_str(&format!("Kernel:    {}\n", s.kernel.release));
     out.push_str(&format!(
@@ -479,46 +495,56 @@ pub fn render_status(s: &Status) -> String {
             _ => String::new(),
         }
     ));
+    out
+}
+
+/// The `Programs:` section of `lb status`: one line per attachment; a program's other
+/// attachments go on continuation lines.
+fn status_programs(s: &Status) -> String {
     if s.programs.is_empty() {
-        out.push_str("Programs:  none loaded that use these maps (is `lb run` running?)\n");
-    } else {
-        out.push_str("Programs:\n");
-        // One line per attachment; a program's other attachments go on continuation lines.
-        let mut rows: Vec<Vec<String>> = Vec::new();
-        for p in &s.programs {
-            let attached: Vec<String> = p
-                .attachments
-                .iter()
-                .map(|a| {
-                    let target = match (&a.target, a.ifindex, a.cgroup_id) {
-                        (Some(t), Some(i), _) => format!("{t} (ifindex {i})"),
-                        (Some(t), None, _) => t.clone(),
-                        (None, Some(i), _) if s.pins.same_netns == Some(false) => {
-                            format!("ifindex {i} in lb's netns")
-                        }
-                        (None, Some(i), _) => format!("ifindex {i}"),
-                        (None, None, Some(c)) => format!("cgroup id {c}"),
-                        (None, None, None) => "?".to_string(),
-                    };
-                    format!("{} link {}: {target}", a.link_type, a.link_id)
-                })
-                .collect();
-            let first = attached.first().cloned().unwrap_or_else(|| "-".into());
-            rows.push(vec![
-                p.id.to_string(),
-                p.name.clone(),
-                p.prog_type.clone(),
-                first,
-            ]);
-            for more in attached.into_iter().skip(1) {
-                rows.push(vec![String::new(), String::new(), String::new(), more]);
-            }
-        }
-        out.push_str(&table(&["ID", "NAME", "TYPE", "ATTACHED"], &rows, "  "));
+        return "Programs:  none loaded that use these maps (is `lb run` running?)\n".to_string();
     }
-    out.push_str("Maps:\n");
-    let rows: Vec<Vec<String>> = s
-        .maps
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for p in &s.programs {
+        let attached: Vec<String> = p
+            .attachments
+            .iter()
+            .map(|a| attachment_text(a, s.pins.same_netns))
+            .collect();
+        let first = attached.first().cloned().unwrap_or_else(|| "-".into());
+        rows.push(vec![
+            p.id.to_string(),
+            p.name.clone(),
+            p.prog_type.clone(),
+            first,
+        ]);
+        for more in attached.into_iter().skip(1) {
+            rows.push(vec![String::new(), String::new(), String::new(), more]);
+        }
+    }
+    let mut out = "Programs:\n".to_string();
+    out.push_str(&table(&["ID", "NAME", "TYPE", "ATTACHED"], &rows, "  "));
+    out
+}
+
+/// One attachment of a program: its link and what it is attached to (`same_netns`: whether
+/// lb runs in the namespace `lb status` does, so that an ifindex names a device here).
+fn attachment_text(a: &Attachment, same_netns: Option<bool>) -> String {
+    let target = match (&a.target, a.ifindex, a.cgroup_id) {
+        (Some(t), Some(i), _) => format!("{t} (ifindex {i})"),
+        (Some(t), None, _) => t.clone(),
+        (None, Some(i), _) if same_netns == Some(false) => format!("ifindex {i} in lb's netns"),
+        (None, Some(i), _) => format!("ifindex {i}"),
+        (None, None, Some(c)) => format!("cgroup id {c}"),
+        (None, None, None) => "?".to_string(),
+    };
+    format!("{} link {}: {target}", a.link_type, a.link_id)
+}
+
+/// The `Maps:` table of `lb status`: entries and how full each map is (no fill for arrays,
+/// whose entries all exist).
+fn status_maps(maps: &[MapStatus]) -> String {
+    let rows: Vec<Vec<String>> = maps
         .iter()
         .map(|m| {
             let array = m.map_type.as_deref().is_some_and(|t| t.ends_with("Array"));
@@ -538,19 +564,11 @@ pub fn render_status(s: &Status) -> String {
             ]
         })
         .collect();
-    out.push_str(&table(
+    table(
         &["NAME", "ID", "TYPE", "ENTRIES", "MAX", "FILL"],
         &rows,
         "  ",
-    ));
-    out.push_str("Datapath counters (summed over CPUs):\n");
-    let rows: Vec<Vec<String>> = s
-        .counters
-        .iter()
-        .map(|c| vec![c.name.clone(), c.packets.to_string(), c.bytes.to_string()])
-        .collect();
-    out.push_str(&table(&["EVENT", "PACKETS", "BYTES"], &rows, "  "));
-    out
+    )
 }
 
 fn map_status(dir: &Path, name: &str) -> anyhow::Result<MapStatus> {

@@ -246,115 +246,125 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let name = args.hostname_override.clone();
             trace::run(&args, || node_name(name))
         }
-        Command::Run(args) => {
-            let cgroup = if args.socket_lb {
-                Some(match args.cgroup_path {
-                    Some(p) => p,
-                    None => cgroup2_root()?,
-                })
-            } else {
-                None
-            };
-            let source = match (args.manifests, args.kubeconfig) {
-                (Some(dir), _) => SourceConfig::Manifests(dir),
-                (None, Some(kc)) => SourceConfig::Kubernetes {
-                    kubeconfig: Some(kc),
-                },
-                (None, None) if k8s::cluster_configured() => {
-                    SourceConfig::Kubernetes { kubeconfig: None }
-                }
-                (None, None) => SourceConfig::Manifests(DEFAULT_MANIFESTS.into()),
-            };
-            // One server task serves both; "off" for either turns both off.
-            let (metrics_addr, healthz_addr) = match (
-                parse_addr(&args.metrics_bind_address)?,
-                parse_addr(&args.healthz_bind_address)?,
-            ) {
-                (Some(m), Some(h)) => (Some(m), Some(h)),
-                _ => (None, None),
-            };
-            let (tc_pod, pod_devices_auto) = pod_devices(
-                args.pod_devices,
-                &args.tc_ingress,
-                args.tc_pod,
-                &args.tc_egress,
-            );
-            daemon::run(RunOptions {
-                source,
-                node_name: node_name(args.hostname_override)?,
-                pin_dir: args.pin_dir,
-                cgroup,
-                tc_ingress: args.tc_ingress,
-                tc_pod,
-                pod_devices_auto,
-                tc_egress: args.tc_egress,
-                devices: args.devices.devices,
-                xdp: args.devices.xdp,
-                metrics_addr,
-                healthz_addr,
-                state_dir: args.state_dir,
-                // The conntrack sizes, unless --bpf-map-max names the map itself.
-                map_max: args
-                    .ct
-                    .map_sizes()
-                    .into_iter()
-                    .map(|(n, v)| (n.to_string(), v))
-                    .chain(args.bpf_map_max)
-                    .collect(),
-                ct_timeouts: args.ct.timeouts(),
-                ct_gc_interval: std::time::Duration::from_secs(args.ct_gc_interval),
-                node_facts: args.node_facts,
-                algorithm: args.algorithm,
-                watch_timeout: std::time::Duration::from_secs(args.watch_timeout),
-                full_sync_interval: args.full_sync_interval,
-            })
-            .await
-        }
+        Command::Run(args) => daemon::run(run_options(args)?).await,
         Command::Services(args) => inspect::services_cmd(&args),
         Command::Backends(args) => inspect::backends_cmd(&args),
         Command::Status(args) => inspect::status_cmd(&args),
-        Command::Detach(args) => {
-            use aya::programs::TcAttachType;
-            use lb_common::prog_names;
-            let removed = crate::datapath::links::detach_all(
-                &args.pin_dir,
-                &[
-                    (prog_names::TC_INGRESS, TcAttachType::Ingress),
-                    (prog_names::TC_POD, TcAttachType::Ingress),
-                    (prog_names::TC_EGRESS, TcAttachType::Egress),
-                ],
-            )?;
-            if args.json {
-                println!("{}", serde_json::to_string(&removed)?);
-            } else if removed.is_empty() {
-                println!("nothing attached under {}", args.pin_dir.display());
-            } else {
-                for r in &removed {
-                    println!("detached {r}");
-                }
-            }
-            Ok(())
-        }
-        Command::MountBpffs(args) => {
-            let mounted = crate::datapath::load::mount_bpffs(&args.path)?;
-            let path = args.path.display();
-            if mounted {
-                println!("mounted bpffs at {path}");
-            } else {
-                println!("bpffs already mounted at {path}");
-            }
-            Ok(())
-        }
-        Command::Features(args) => {
-            let f = crate::datapath::features::probe(&args.devices.devices, args.devices.xdp);
-            if args.json {
-                println!("{}", serde_json::to_string_pretty(&f)?);
-            } else {
-                print!("Kernel {}\n{}", f.release, f.render());
-            }
-            Ok(())
+        Command::Detach(args) => detach_cmd(&args),
+        Command::MountBpffs(args) => mount_bpffs_cmd(&args),
+        Command::Features(args) => features_cmd(&args),
+    }
+}
+
+/// The daemon's options from `lb run`'s flags: the source, the cgroup, the pod devices and
+/// the listen addresses resolved.
+fn run_options(args: RunArgs) -> anyhow::Result<RunOptions> {
+    let cgroup = if args.socket_lb {
+        Some(match args.cgroup_path {
+            Some(p) => p,
+            None => cgroup2_root()?,
+        })
+    } else {
+        None
+    };
+    let source = match (args.manifests, args.kubeconfig) {
+        (Some(dir), _) => SourceConfig::Manifests(dir),
+        (None, Some(kc)) => SourceConfig::Kubernetes {
+            kubeconfig: Some(kc),
+        },
+        (None, None) if k8s::cluster_configured() => SourceConfig::Kubernetes { kubeconfig: None },
+        (None, None) => SourceConfig::Manifests(DEFAULT_MANIFESTS.into()),
+    };
+    // One server task serves both; "off" for either turns both off.
+    let (metrics_addr, healthz_addr) = match (
+        parse_addr(&args.metrics_bind_address)?,
+        parse_addr(&args.healthz_bind_address)?,
+    ) {
+        (Some(m), Some(h)) => (Some(m), Some(h)),
+        _ => (None, None),
+    };
+    let (tc_pod, pod_devices_auto) = pod_devices(
+        args.pod_devices,
+        &args.tc_ingress,
+        args.tc_pod,
+        &args.tc_egress,
+    );
+    Ok(RunOptions {
+        source,
+        node_name: node_name(args.hostname_override)?,
+        pin_dir: args.pin_dir,
+        cgroup,
+        tc_ingress: args.tc_ingress,
+        tc_pod,
+        pod_devices_auto,
+        tc_egress: args.tc_egress,
+        devices: args.devices.devices,
+        xdp: args.devices.xdp,
+        metrics_addr,
+        healthz_addr,
+        state_dir: args.state_dir,
+        // The conntrack sizes, unless --bpf-map-max names the map itself.
+        map_max: args
+            .ct
+            .map_sizes()
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), v))
+            .chain(args.bpf_map_max)
+            .collect(),
+        ct_timeouts: args.ct.timeouts(),
+        ct_gc_interval: std::time::Duration::from_secs(args.ct_gc_interval),
+        node_facts: args.node_facts,
+        algorithm: args.algorithm,
+        watch_timeout: std::time::Duration::from_secs(args.watch_timeout),
+        full_sync_interval: args.full_sync_interval,
+    })
+}
+
+/// `lb detach`: removes the pinned tc links of lb's programs and says which.
+fn detach_cmd(args: &inspect::PinDirArgs) -> anyhow::Result<()> {
+    use aya::programs::TcAttachType;
+    use lb_common::prog_names;
+    let removed = crate::datapath::links::detach_all(
+        &args.pin_dir,
+        &[
+            (prog_names::TC_INGRESS, TcAttachType::Ingress),
+            (prog_names::TC_POD, TcAttachType::Ingress),
+            (prog_names::TC_EGRESS, TcAttachType::Egress),
+        ],
+    )?;
+    if args.json {
+        println!("{}", serde_json::to_string(&removed)?);
+    } else if removed.is_empty() {
+        println!("nothing attached under {}", args.pin_dir.display());
+    } else {
+        for r in &removed {
+            println!("detached {r}");
         }
     }
+    Ok(())
+}
+
+/// `lb mount-bpffs`.
+fn mount_bpffs_cmd(args: &MountBpffsArgs) -> anyhow::Result<()> {
+    let mounted = crate::datapath::load::mount_bpffs(&args.path)?;
+    let path = args.path.display();
+    if mounted {
+        println!("mounted bpffs at {path}");
+    } else {
+        println!("bpffs already mounted at {path}");
+    }
+    Ok(())
+}
+
+/// `lb features`.
+fn features_cmd(args: &FeaturesArgs) -> anyhow::Result<()> {
+    let f = crate::datapath::features::probe(&args.devices.devices, args.devices.xdp);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&f)?);
+    } else {
+        print!("Kernel {}\n{}", f.release, f.render());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

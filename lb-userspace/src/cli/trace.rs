@@ -5,7 +5,7 @@
 //! socket rev-NAT and counters are private scratch copies, so a trace never changes live state
 //! (an existing live conntrack entry for the exact flow is copied in, so established flows
 //! trace as established). Manifest mode loads a private copy of everything, programs it from
-//! manifests with the same translation and reconciler as `lb run`, traces and unloads.
+//! manifests through `lb run`'s own sync (`daemon::sync_node`), traces and unloads.
 use std::{
     collections::HashMap as StdHashMap,
     fmt,
@@ -27,6 +27,7 @@ use serde::Serialize;
 
 use crate::{
     config::AlgorithmArgs,
+    daemon::{self, Observed, SyncKind},
     datapath::conntrack::CtTimeouts,
     datapath::load::XdpMode,
     datapath::{
@@ -34,12 +35,13 @@ use crate::{
         maps::BpfMaps,
         pinned::open_hash,
     },
-    kube::manifests,
+    kube::source::Snapshot,
+    metrics::Metrics,
     model::{Family, Frontend, Proto, Scope},
     node::{NodeFacts, NodeFactsArgs, host_ips},
     reconcile::Reconciler,
     state_dir,
-    translate::{self, NodeInfo},
+    translate::{NodeInfo, incremental::IncrementalTranslator},
 };
 
 const TC_ACT_SHOT: u32 = 2;
@@ -347,6 +349,79 @@ fn private_ct_sizes() -> std::collections::BTreeMap<String, u32> {
     .collect()
 }
 
+/// The running lb's Maglev geometry, (M, tables), to read its pinned tables with; (0, 0) when
+/// it has none (pins of an lb without Maglev: its frontends are all random).
+fn live_maglev(pin_dir: &Path) -> anyhow::Result<(u32, u32)> {
+    let meta = crate::datapath::meta::check(pin_dir)?;
+    let maglev_path = pin_dir.join(map_names::MAGLEV);
+    if let Some(m) = meta.map(|m| m.maglev_table_size).filter(|m| *m != 0)
+        && maglev_path.exists()
+    {
+        let info = aya::maps::MapInfo::from_pin(&maglev_path)
+            .map_err(|e| crate::datapath::pinned::pin_error(&maglev_path, e))?;
+        return Ok((m, info.max_entries() / m));
+    }
+    Ok((0, 0))
+}
+
+/// The running lb's frontend names from `state_dir`: (frontend, scope) → `ns/name:port`.
+fn live_names(state_dir: &Path) -> anyhow::Result<StdHashMap<(String, Scope), String>> {
+    let names = match state_dir::read_names(state_dir) {
+        Ok(names) => names,
+        // No names when the file cannot be read; a file that cannot be parsed is an error.
+        Err(state_dir::ReadError::Read { .. }) => state_dir::Names::new(),
+        Err(e @ state_dir::ReadError::Parse { .. }) => {
+            return Err(e).context("parsing frontends.json");
+        }
+    };
+    Ok(names
+        .into_values()
+        .map(|n| {
+            // As before: anything but `internal` is the external scope.
+            let s = if n.scope == Scope::Internal.as_str() {
+                Scope::Internal
+            } else {
+                Scope::External
+            };
+            ((n.frontend.clone(), s), n.service().to_string())
+        })
+        .collect())
+}
+
+/// Programs the private maps of `reconciler` from `snapshot` through `lb run`'s first sync (a
+/// fresh translator translates everything), on private metrics: what it skips and the Maglev
+/// fallbacks are warned of as the daemon warns, a service it cannot program is an error.
+/// Returns the names of the frontends.
+fn program(
+    reconciler: &mut Reconciler<BpfMaps>,
+    snapshot: &Snapshot,
+    node: &NodeInfo,
+) -> anyhow::Result<StdHashMap<(String, Scope), String>> {
+    let mut translator = IncrementalTranslator::new();
+    let first = SyncKind {
+        generation: 1,
+        full: false,
+    };
+    let synced = daemon::sync_node(
+        reconciler,
+        &mut translator,
+        snapshot,
+        node,
+        first,
+        &Metrics::new(),
+        &Observed::default(),
+    );
+    if let Some(e) = synced.report.errors.first() {
+        bail!("programming {} failed: {}", e.frontend, e.error);
+    }
+    Ok(translator
+        .state()
+        .services
+        .iter()
+        .map(|(fe, e)| ((fe.l4.to_string(), fe.scope), e.name.to_string()))
+        .collect())
+}
+
 pub struct Tracer {
     datapath: Datapath,
     reconciler: Reconciler<BpfMaps>,
@@ -377,17 +452,8 @@ impl Tracer {
         ct_timeouts: CtTimeouts,
     ) -> anyhow::Result<Self> {
         let mut shared = SERVICE_MAPS.to_vec();
-        // The running lb's Maglev tables, read with its M (pins of an lb without Maglev have
-        // none: its frontends are all random).
-        let meta = crate::datapath::meta::check(pin_dir)?;
-        let maglev_path = pin_dir.join(map_names::MAGLEV);
-        let mut maglev = (0, 0);
-        if let Some(m) = meta.map(|m| m.maglev_table_size).filter(|m| *m != 0)
-            && maglev_path.exists()
-        {
-            let info = aya::maps::MapInfo::from_pin(&maglev_path)
-                .map_err(|e| crate::datapath::pinned::pin_error(&maglev_path, e))?;
-            maglev = (m, info.max_entries() / m);
+        let maglev = live_maglev(pin_dir)?;
+        if maglev.0 != 0 {
             shared.push(map_names::MAGLEV);
         }
         if facts.is_none() {
@@ -411,26 +477,7 @@ impl Tracer {
             datapath.write_node_facts(f)?;
         }
         let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
-        let names = match state_dir::read_names(state_dir) {
-            Ok(names) => names,
-            // No names when the file cannot be read; a file that cannot be parsed is an error.
-            Err(state_dir::ReadError::Read { .. }) => state_dir::Names::new(),
-            Err(e @ state_dir::ReadError::Parse { .. }) => {
-                return Err(e).context("parsing frontends.json");
-            }
-        };
-        let names = names
-            .into_values()
-            .map(|n| {
-                // As before: anything but `internal` is the external scope.
-                let s = if n.scope == Scope::Internal.as_str() {
-                    Scope::Internal
-                } else {
-                    Scope::External
-                };
-                ((n.frontend.clone(), s), n.service().to_string())
-            })
-            .collect();
+        let names = live_names(state_dir)?;
         let live_ct = Some((
             [
                 open_hash(pin_dir, map_names::CT_TCP4)?,
@@ -476,15 +523,8 @@ impl Tracer {
             ..LoadOptions::default()
         })?;
         let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
-        let (objects, problems) = manifests::load_dir(dir)?;
-        for p in &problems {
-            tracing::warn!(problem = %p, "skipping manifest document");
-        }
-        let node = objects
-            .nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(node_name));
-        let resolved = NodeFacts::resolve(facts, node, host_ips);
+        let snapshot = Snapshot::from_manifests(dir, node_name)?;
+        let resolved = NodeFacts::resolve(facts, snapshot.node.as_deref(), host_ips);
         datapath.write_node_facts(&resolved)?;
         // The private copy's service CIDR tries (a live trace uses the running lb's).
         let cidrs: Vec<(IpAddr, u8)> = resolved
@@ -496,30 +536,8 @@ impl Tracer {
         // The simulated node's own addresses: its node IPs and NodePort addresses.
         let mut local_ips = resolved.node_ips.clone();
         local_ips.extend(resolved.nodeport_addresses.iter().copied());
-        let node = NodeInfo {
-            nodeport_ips: resolved.nodeport_addresses.clone(),
-            local_ips,
-            lb_algorithm: algorithm.lb_algorithm,
-            ..NodeInfo::from_node(node_name, node)
-        };
-        let t = translate::desired_state(&objects.services, &objects.slices, &node);
-        for s in &t.skipped {
-            tracing::warn!(skipped = %s, "skipping object");
-        }
-        let report = reconciler.apply(&t.state);
-        if let Some(e) = report.errors.first() {
-            bail!("programming {} failed: {}", e.frontend, e.error);
-        }
-        for e in &report.fallbacks {
-            tracing::warn!(frontend = %e.frontend, service = %e.service, error = %e.error,
-                "Maglev service falls back to random selection");
-        }
-        let names = t
-            .state
-            .services
-            .iter()
-            .map(|(fe, e)| ((fe.l4.to_string(), fe.scope), e.name.to_string()))
-            .collect();
+        let node = daemon::node_info(node_name, Some(&resolved), algorithm, local_ips);
+        let names = program(&mut reconciler, &snapshot, &node)?;
         Ok((
             Self {
                 datapath,
@@ -538,6 +556,49 @@ impl Tracer {
 
     /// Runs `probe` through the program its origin meets first.
     pub fn trace(&mut self, probe: &Probe) -> anyhow::Result<TraceResult> {
+        self.copy_live_flow(probe)?;
+        self.copy_live_affinity(probe.src)?;
+        self.set_record(TraceRecord::default())?;
+        let run = self.run_probe(probe)?;
+        let verdict = verdict_name(run.record.verdict).with_context(|| {
+            format!(
+                "the datapath left no decision for the packet (trace verdict {})",
+                run.record.verdict
+            )
+        })?;
+        if !return_matches(verdict, run.ret, run.xdp) {
+            bail!(
+                "the datapath's record says {verdict} but the program returned {}",
+                run.ret
+            );
+        }
+        self.last_out.clone_from(&run.out);
+        let reply = if matches!(verdict, "reject" | "echo-reply") {
+            Some(Reply::parse(&run.out).context("a reject left no RST or ICMP reply")?)
+        } else {
+            None
+        };
+        let src_after = source_after(probe, reply.is_some(), &run.out, &run.record)?;
+        // The record and the packet must agree: masqueraded means the source left as the NAT
+        // port, not masqueraded means a forwarded packet kept its source.
+        let masqueraded = run.record.masquerade != 0;
+        if masqueraded && src_after.port() != run.record.nat_port
+            || !masqueraded
+                && run.record.verdict == trace_verdict::FORWARD
+                && src_after != SocketAddr::new(probe.src, probe.sport)
+        {
+            bail!(
+                "the datapath's record says masquerade={masqueraded} (port {}) but the packet \
+                 left from {src_after}",
+                run.record.nat_port
+            );
+        }
+        self.result(probe, verdict, &run, src_after, reply)
+    }
+
+    /// Runs the probe's packet through the program its origin meets first, and on through
+    /// tc ingress when `lb_xdp` hands it there.
+    fn run_probe(&mut self, probe: &Probe) -> anyhow::Result<ProbeRun> {
         let (prog, hook) = match probe.origin {
             Origin::Pod => (prog_names::TC_POD, "tc ingress, pod veth (lb_tc_pod)"),
             Origin::Node => (
@@ -546,100 +607,36 @@ impl Tracer {
             ),
             Origin::External => (prog_names::TC_INGRESS, "tc ingress (lb_tc_ingress)"),
         };
-        self.copy_live_flow(probe)?;
-        self.copy_live_affinity(probe.src)?;
-        self.set_record(TraceRecord::default())?;
-
         let pkt = build_packet(probe);
-        let (mut hook, mut xdp_ran) = (hook.to_string(), false);
-        let (mut ret, mut out) = if probe.origin == Origin::External && self.xdp {
-            xdp_ran = true;
-            self.test_run(prog_names::XDP, &pkt, true)?
-        } else {
-            self.test_run(prog, &pkt, false)?
-        };
-        let mut record = self.record()?;
-        if xdp_ran {
-            hook = "XDP (lb_xdp)".to_string();
-            if usize::from(record.reason) == metrics::XDP_PASS_TO_TC as usize {
-                // XDP handed the packet, untouched, to tc ingress on the same device.
-                hook = "XDP (lb_xdp), handed to tc ingress (lb_tc_ingress)".to_string();
-                self.set_record(TraceRecord::default())?;
-                (ret, out) = self.test_run(prog, &out, false)?;
-                record = self.record()?;
-                xdp_ran = false;
-            }
+        if !(probe.origin == Origin::External && self.xdp) {
+            let (ret, out) = self.test_run(prog, &pkt, false)?;
+            let record = self.record()?;
+            return Ok(ProbeRun::new(ret, out, record, hook, false));
         }
+        let (ret, out) = self.test_run(prog_names::XDP, &pkt, true)?;
+        let record = self.record()?;
+        if usize::from(record.reason) != metrics::XDP_PASS_TO_TC as usize {
+            return Ok(ProbeRun::new(ret, out, record, "XDP (lb_xdp)", true));
+        }
+        // XDP handed the packet, untouched, to tc ingress on the same device.
+        self.set_record(TraceRecord::default())?;
+        let (ret, out) = self.test_run(prog, &out, false)?;
+        let record = self.record()?;
+        let hook = "XDP (lb_xdp), handed to tc ingress (lb_tc_ingress)";
+        Ok(ProbeRun::new(ret, out, record, hook, false))
+    }
 
-        let verdict = verdict_name(record.verdict).with_context(|| {
-            format!(
-                "the datapath left no decision for the packet (trace verdict {})",
-                record.verdict
-            )
-        })?;
-        // A forward of a masqueraded flow is a redirect too (`fwd`), so only drop and reject
-        // have one verdict each.
-        let consistent = if xdp_ran {
-            match verdict {
-                "drop" => ret == XDP_DROP,
-                "pass" => ret == XDP_PASS,
-                "echo-reply" => ret == XDP_TX,
-                "forward" => matches!(ret, XDP_PASS | XDP_TX | XDP_REDIRECT),
-                _ => false,
-            }
-        } else {
-            match verdict {
-                "drop" => ret == TC_ACT_SHOT,
-                "reject" | "echo-reply" => ret == TC_ACT_REDIRECT,
-                _ => ret != TC_ACT_SHOT,
-            }
-        };
-        if !consistent {
-            bail!("the datapath's record says {verdict} but the program returned {ret}");
-        }
-        self.last_out.clone_from(&out);
-        let src_before = SocketAddr::new(probe.src, probe.sport);
-        let reply = if matches!(verdict, "reject" | "echo-reply") {
-            Some(Reply::parse(&out).context("a reject left no RST or ICMP reply")?)
-        } else {
-            None
-        };
-        // A rejected (or answered) packet goes nowhere: its source is as it was, as is an
-        // echo request's, which has no ports. A later fragment has no
-        // ports: its datagram's are the first fragment's (the NAT port when masqueraded).
-        let src_after = match reply {
-            _ if probe.echo => src_before,
-            Some(_) => src_before,
-            None if probe.fragment == FragProbe::Later => {
-                let ip = endpoints(&out)
-                    .context("program returned a short packet")?
-                    .0
-                    .ip();
-                let port = if record.masquerade != 0 {
-                    record.nat_port
-                } else {
-                    probe.sport
-                };
-                SocketAddr::new(ip, port)
-            }
-            None => {
-                endpoints(&out)
-                    .context("program returned a short packet")?
-                    .0
-            }
-        };
-        // The record and the packet must agree: masqueraded means the source left as the NAT
-        // port, not masqueraded means a forwarded packet kept its source.
-        let masqueraded = record.masquerade != 0;
-        if masqueraded && src_after.port() != record.nat_port
-            || !masqueraded && record.verdict == trace_verdict::FORWARD && src_after != src_before
-        {
-            bail!(
-                "the datapath's record says masquerade={masqueraded} (port {}) but the packet \
-                 left from {src_after}",
-                record.nat_port
-            );
-        }
+    /// The result of a run whose verdict, reply and source were checked: the datapath's
+    /// record, named with the maps it used.
+    fn result(
+        &self,
+        probe: &Probe,
+        verdict: &'static str,
+        run: &ProbeRun,
+        src_after: SocketAddr,
+        reply: Option<Reply>,
+    ) -> anyhow::Result<TraceResult> {
+        let record = &run.record;
         let family = Family::of(&probe.src);
         let scope = Scope::try_from(record.scope)?;
         let maps = self.reconciler.maps();
@@ -651,7 +648,6 @@ impl Tracer {
                 scope,
                 ..Frontend::new(addr, port, probe.proto)
             });
-        let service = frontend.map(|fe| self.name_of(&fe));
         let candidates = match frontend {
             Some(fe) if record.verdict != trace_verdict::REVERSE_NAT => maps
                 .active_backends(&fe)
@@ -674,27 +670,11 @@ impl Tracer {
         Ok(TraceResult {
             verdict,
             reason: reason_name(record.reason),
-            conntrack: match record.ct_state {
-                trace_ct::NEW => Some("new"),
-                trace_ct::NEW_MIDSTREAM => Some("new_midstream"),
-                trace_ct::ESTABLISHED => Some("established"),
-                trace_ct::REPLY => Some("reply"),
-                trace_ct::BACKEND_GONE => Some("backend_gone"),
-                trace_ct::RELATED => Some("related"),
-                _ => None,
-            },
+            conntrack: ct_state_name(record.ct_state),
             conntrack_flags: ct_flag_names(record.ct_flags),
             slot: (record.slot != 0).then_some(record.slot),
-            affinity: match record.affinity {
-                trace_affinity::HIT => Some("hit"),
-                trace_affinity::NEW => Some("new"),
-                _ => None,
-            },
-            lb_algorithm: chosen.then_some(match record.lb_alg {
-                lb_alg::RANDOM => "random",
-                lb_alg::MAGLEV => "maglev",
-                _ => "unknown",
-            }),
+            affinity: affinity_name(record.affinity),
+            lb_algorithm: chosen.then_some(lb_alg_name(record.lb_alg)),
             maglev_cell: maglev.then_some(record.maglev_cell),
             maglev_table_size: maglev.then_some(self.maglev_table_size),
             // An echo's scope: the client's, which picked the address's verdict.
@@ -704,16 +684,12 @@ impl Tracer {
             masquerade: record.masquerade != 0,
             local_backend: record.local_backend != 0,
             source_after: src_after.to_string(),
-            service,
+            service: frontend.map(|fe| self.name_of(&fe)),
             candidates,
-            hook: hook.to_string(),
+            hook: run.hook.to_string(),
             node: self.facts.clone(),
             reply,
-            fragment: match record.frag {
-                trace_frag::FIRST => Some("first"),
-                trace_frag::LATER => Some("later"),
-                _ => None,
-            },
+            fragment: frag_name(record.frag),
             ipv6_extension_headers: record.ext_headers,
             icmp_error: None,
         })
@@ -911,6 +887,116 @@ impl Tracer {
     }
 }
 
+/// What the programs a probe met did with it.
+struct ProbeRun {
+    /// The last program's return value and the packet it left.
+    ret: u32,
+    out: Vec<u8>,
+    /// The decision the last program recorded.
+    record: TraceRecord,
+    /// The programs that ran, as the result names them.
+    hook: &'static str,
+    /// Whether the last program was `lb_xdp` (its return values are XDP actions).
+    xdp: bool,
+}
+
+impl ProbeRun {
+    fn new(ret: u32, out: Vec<u8>, record: TraceRecord, hook: &'static str, xdp: bool) -> Self {
+        Self {
+            ret,
+            out,
+            record,
+            hook,
+            xdp,
+        }
+    }
+}
+
+/// Whether a program's return value `ret` fits the verdict it recorded. A forward of a
+/// masqueraded flow is a redirect too (`fwd`), so only drop and reject have one value each.
+fn return_matches(verdict: &str, ret: u32, xdp: bool) -> bool {
+    if xdp {
+        match verdict {
+            "drop" => ret == XDP_DROP,
+            "pass" => ret == XDP_PASS,
+            "echo-reply" => ret == XDP_TX,
+            "forward" => matches!(ret, XDP_PASS | XDP_TX | XDP_REDIRECT),
+            _ => false,
+        }
+    } else {
+        match verdict {
+            "drop" => ret == TC_ACT_SHOT,
+            "reject" | "echo-reply" => ret == TC_ACT_REDIRECT,
+            _ => ret != TC_ACT_SHOT,
+        }
+    }
+}
+
+/// The packet's source as the program sent it out (`out`). A rejected (or answered) packet
+/// goes nowhere: its source is as it was, as is an echo request's, which has no ports. A later
+/// fragment has no ports: its datagram's are the first fragment's (the NAT port when
+/// masqueraded).
+fn source_after(
+    probe: &Probe,
+    replied: bool,
+    out: &[u8],
+    record: &TraceRecord,
+) -> anyhow::Result<SocketAddr> {
+    if probe.echo || replied {
+        return Ok(SocketAddr::new(probe.src, probe.sport));
+    }
+    let sent = endpoints(out).context("program returned a short packet")?.0;
+    if probe.fragment != FragProbe::Later {
+        return Ok(sent);
+    }
+    let port = if record.masquerade != 0 {
+        record.nat_port
+    } else {
+        probe.sport
+    };
+    Ok(SocketAddr::new(sent.ip(), port))
+}
+
+/// The `affinity` of a result, from a trace record's `affinity`.
+fn affinity_name(affinity: u8) -> Option<&'static str> {
+    match affinity {
+        trace_affinity::HIT => Some("hit"),
+        trace_affinity::NEW => Some("new"),
+        _ => None,
+    }
+}
+
+/// The `lb_algorithm` of a result, from a trace record's `lb_alg`.
+fn lb_alg_name(alg: u8) -> &'static str {
+    match alg {
+        lb_alg::RANDOM => "random",
+        lb_alg::MAGLEV => "maglev",
+        _ => "unknown",
+    }
+}
+
+/// The `fragment` of a result, from a trace record's `frag`.
+fn frag_name(frag: u8) -> Option<&'static str> {
+    match frag {
+        trace_frag::FIRST => Some("first"),
+        trace_frag::LATER => Some("later"),
+        _ => None,
+    }
+}
+
+/// The `conntrack` of a result, from a trace record's `ct_state`.
+fn ct_state_name(state: u8) -> Option<&'static str> {
+    match state {
+        trace_ct::NEW => Some("new"),
+        trace_ct::NEW_MIDSTREAM => Some("new_midstream"),
+        trace_ct::ESTABLISHED => Some("established"),
+        trace_ct::REPLY => Some("reply"),
+        trace_ct::BACKEND_GONE => Some("backend_gone"),
+        trace_ct::RELATED => Some("related"),
+        _ => None,
+    }
+}
+
 /// Copies `key`'s entry, if `live` has one, into the map `name` of the private object.
 fn copy_entry<K: aya::Pod, V: aya::Pod>(
     live: &HashMap<MapData, K, V>,
@@ -944,7 +1030,18 @@ fn ones_sum(data: &[u8]) -> u32 {
 /// An Ethernet frame carrying a TCP SYN, a UDP datagram or an SCTP INIT, with valid checksums
 /// (SCTP's CRC32c included).
 fn build_packet(p: &Probe) -> Vec<u8> {
-    let (proto, l4): (u8, Vec<u8>) = match p.proto {
+    let (proto, mut l4) = l4_segment(p);
+    let mut frame = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1];
+    let pseudo = push_ip_header(&mut frame, p, proto, l4.len());
+    set_l4_checksum(&mut l4, proto, pseudo);
+    frame.extend_from_slice(&l4);
+    shape(frame, p)
+}
+
+/// The probe's L4 protocol number and header (with payload); every checksum but SCTP's left
+/// zero for `set_l4_checksum`.
+fn l4_segment(p: &Probe) -> (u8, Vec<u8>) {
+    match p.proto {
         // An echo request, its identifier the source port.
         _ if p.echo => {
             let mut h = vec![0u8; 12];
@@ -991,14 +1088,17 @@ fn build_packet(p: &Probe) -> Vec<u8> {
             h[8..12].copy_from_slice(&crc.to_le_bytes());
             (132, h)
         }
-    };
-    let mut l4 = l4;
-    let mut frame = vec![0x02, 0, 0, 0, 0, 2, 0x02, 0, 0, 0, 0, 1];
-    let pseudo = match (p.src, p.dst) {
+    }
+}
+
+/// Appends the probe's IPv4 (with its checksum) or IPv6 header for an L4 segment of `l4_len`
+/// bytes; returns the ones' complement sum of the addresses (the L4 pseudo-header's).
+fn push_ip_header(frame: &mut Vec<u8>, p: &Probe, proto: u8, l4_len: usize) -> u32 {
+    match (p.src, p.dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             frame.extend_from_slice(&0x0800u16.to_be_bytes());
             let mut ip = vec![0x45, 0];
-            ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+            ip.extend_from_slice(&((20 + l4_len) as u16).to_be_bytes());
             ip.extend_from_slice(&[0, 0, 0x40, 0, 64, proto, 0, 0]);
             ip.extend_from_slice(&s.octets());
             ip.extend_from_slice(&d.octets());
@@ -1010,7 +1110,7 @@ fn build_packet(p: &Probe) -> Vec<u8> {
         (IpAddr::V6(s), IpAddr::V6(d)) => {
             frame.extend_from_slice(&0x86ddu16.to_be_bytes());
             let mut ip = vec![0x60, 0, 0, 0];
-            ip.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+            ip.extend_from_slice(&(l4_len as u16).to_be_bytes());
             ip.extend_from_slice(&[proto, 64]);
             ip.extend_from_slice(&s.octets());
             ip.extend_from_slice(&d.octets());
@@ -1018,7 +1118,11 @@ fn build_packet(p: &Probe) -> Vec<u8> {
             ones_sum(&s.octets()) + ones_sum(&d.octets())
         }
         _ => unreachable!("families checked by the caller"),
-    };
+    }
+}
+
+/// Fills in the TCP, UDP or ICMP(v6) checksum of `l4`, `pseudo` the sum of the addresses.
+fn set_l4_checksum(l4: &mut [u8], proto: u8, pseudo: u32) {
     let csum_off = match proto {
         6 => Some(16),
         17 => Some(6),
@@ -1031,15 +1135,13 @@ fn build_packet(p: &Probe) -> Vec<u8> {
             1 => 0,
             _ => pseudo + u32::from(proto) + l4.len() as u32,
         };
-        let sum = pseudo + ones_sum(&l4);
+        let sum = pseudo + ones_sum(l4);
         let c = match !fold(sum) {
             0 if proto == 17 => 0xffff,
             c => c,
         };
         l4[off..off + 2].copy_from_slice(&c.to_be_bytes());
     }
-    frame.extend_from_slice(&l4);
-    shape(frame, p)
 }
 
 /// The fragment id of traced datagrams (both fragments of one `--fragments` trace share it).
@@ -1245,34 +1347,8 @@ impl fmt::Display for TraceResult {
             self.service.as_deref().unwrap_or("(none)")
         )?;
         writeln!(f, "verdict:     {} ({})", self.verdict, self.reason)?;
-        match self.conntrack {
-            Some("new_midstream") => writeln!(
-                f,
-                "conntrack:   new (mid-stream packet without a conntrack entry: re-balanced)"
-            )?,
-            Some("backend_gone") => writeln!(
-                f,
-                "conntrack:   backend gone (the entry's backend was removed: RST, entry deleted)"
-            )?,
-            Some(ct) => writeln!(f, "conntrack:   {ct}")?,
-            None => {}
-        }
-        if !self.conntrack_flags.is_empty() {
-            writeln!(f, "ct flags:    {}", self.conntrack_flags.join(", "))?;
-        }
-        if let Some(scope) = self.scope {
-            let slot = self.slot.map(|s| format!(", slot {s}")).unwrap_or_default();
-            let affinity = match self.affinity {
-                Some("hit") => ", session affinity hit (the client's entry chose the backend)",
-                Some(_) => ", session affinity: new entry for the client",
-                None => "",
-            };
-            let cell = match (self.maglev_cell, self.maglev_table_size) {
-                (Some(c), Some(m)) => format!(", maglev cell {c} of {m}"),
-                _ => String::new(),
-            };
-            writeln!(f, "selection:   {scope} scope{slot}{cell}{affinity}")?;
-        }
+        self.fmt_conntrack(f)?;
+        self.fmt_selection(f)?;
         writeln!(f, "backend:     {}", self.backend.as_deref().unwrap_or("-"))?;
         writeln!(
             f,
@@ -1288,31 +1364,58 @@ impl fmt::Display for TraceResult {
             }
         )?;
         if let Some(n) = &self.node {
-            let list = |v: Vec<String>| {
-                if v.is_empty() {
-                    "-".into()
-                } else {
-                    v.join(",")
-                }
-            };
-            writeln!(
-                f,
-                "node:        ips {} ({:?}), cluster-cidr {}, service-cidr {}, masquerade-all {}, \
-                 echo-reply {}, nodeports on {}",
-                list(n.node_ips.iter().map(ToString::to_string).collect()),
-                n.node_ip_source,
-                list(n.cluster_cidrs.iter().map(ToString::to_string).collect()),
-                list(n.service_cidrs.iter().map(ToString::to_string).collect()),
-                n.masquerade_all,
-                n.echo_reply,
-                list(
-                    n.nodeport_addresses
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect()
-                ),
-            )?;
+            fmt_node(f, n)?;
         }
+        self.fmt_packet(f)?;
+        write!(f, "candidates:  {}", self.candidates.join(" "))?;
+        if let Some(reply) = &self.reply {
+            write!(f, "\nreply:       {reply}")?;
+        }
+        Ok(())
+    }
+}
+
+impl TraceResult {
+    /// The `conntrack:` and `ct flags:` lines.
+    fn fmt_conntrack(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.conntrack {
+            Some("new_midstream") => writeln!(
+                f,
+                "conntrack:   new (mid-stream packet without a conntrack entry: re-balanced)"
+            )?,
+            Some("backend_gone") => writeln!(
+                f,
+                "conntrack:   backend gone (the entry's backend was removed: RST, entry deleted)"
+            )?,
+            Some(ct) => writeln!(f, "conntrack:   {ct}")?,
+            None => {}
+        }
+        if !self.conntrack_flags.is_empty() {
+            writeln!(f, "ct flags:    {}", self.conntrack_flags.join(", "))?;
+        }
+        Ok(())
+    }
+
+    /// The `selection:` line: how a service packet's backend was chosen.
+    fn fmt_selection(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(scope) = self.scope else {
+            return Ok(());
+        };
+        let slot = self.slot.map(|s| format!(", slot {s}")).unwrap_or_default();
+        let affinity = match self.affinity {
+            Some("hit") => ", session affinity hit (the client's entry chose the backend)",
+            Some(_) => ", session affinity: new entry for the client",
+            None => "",
+        };
+        let cell = match (self.maglev_cell, self.maglev_table_size) {
+            (Some(c), Some(m)) => format!(", maglev cell {c} of {m}"),
+            _ => String::new(),
+        };
+        writeln!(f, "selection:   {scope} scope{slot}{cell}{affinity}")
+    }
+
+    /// The lines about the packet's shape: fragment, IPv6 extension headers, ICMP error.
+    fn fmt_packet(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.fragment {
             Some("first") => writeln!(
                 f,
@@ -1338,12 +1441,34 @@ impl fmt::Display for TraceResult {
                 e.kind, e.src, e.dst, e.quote_src, e.quote_dst
             )?;
         }
-        write!(f, "candidates:  {}", self.candidates.join(" "))?;
-        if let Some(reply) = &self.reply {
-            write!(f, "\nreply:       {reply}")?;
-        }
         Ok(())
     }
+}
+
+/// The `node:` line of a trace with node facts of its own.
+fn fmt_node(f: &mut fmt::Formatter<'_>, n: &NodeFacts) -> fmt::Result {
+    fn list<T: ToString>(v: &[T]) -> String {
+        if v.is_empty() {
+            "-".into()
+        } else {
+            v.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        }
+    }
+    writeln!(
+        f,
+        "node:        ips {} ({:?}), cluster-cidr {}, service-cidr {}, masquerade-all {}, \
+         echo-reply {}, nodeports on {}",
+        list(&n.node_ips),
+        n.node_ip_source,
+        list(&n.cluster_cidrs),
+        list(&n.service_cidrs),
+        n.masquerade_all,
+        n.echo_reply,
+        list(&n.nodeport_addresses),
+    )
 }
 
 /// `lb trace` arguments.
@@ -1448,52 +1573,9 @@ pub fn run(
     node_name: impl FnOnce() -> anyhow::Result<String>,
 ) -> anyhow::Result<()> {
     let (src, sport) = parse_src(&args.src)?;
-    if src.is_ipv4() != args.dst.is_ipv4() {
-        bail!("--src and --dst must be of the same address family");
-    }
-    if args.flows == 0 {
-        bail!("--flows must be at least 1");
-    }
-    if args.ipv6_ext_headers != 0 && src.is_ipv4() {
-        bail!("--ipv6-ext-headers needs IPv6 addresses");
-    }
-    if args.fragments && args.proto == TraceProto::Sctp {
-        bail!("--fragments: SCTP fragments are not translated (see the known limits)");
-    }
-    let mut tracer = match &args.manifests {
-        Some(dir) => {
-            Tracer::from_manifests(
-                dir,
-                &node_name()?,
-                &args.node_facts,
-                &args.algorithm,
-                args.ct.timeouts(),
-            )?
-            .0
-        }
-        None => {
-            let facts = args
-                .node_facts
-                .any()
-                .then(|| NodeFacts::resolve(&args.node_facts, None, host_ips));
-            Tracer::live(
-                &args.pin_dir,
-                &args.state_dir,
-                facts.as_ref(),
-                args.ct.timeouts(),
-            )?
-        }
-    };
-    let xdp = match args.devices.xdp {
-        XdpMode::Native | XdpMode::Generic => true,
-        XdpMode::Off => false,
-        XdpMode::Auto => args
-            .devices
-            .devices
-            .iter()
-            .any(|d| XdpMode::Auto.resolve(d) == XdpMode::Native),
-    };
-    tracer.set_xdp(xdp);
+    check_args(args, src)?;
+    let mut tracer = open_tracer(args, node_name)?;
+    tracer.set_xdp(xdp_first(&args.devices));
     let classifier = Classifier {
         cluster_cidrs: args.node_facts.cluster_cidr.clone(),
         node_ips: tracer
@@ -1529,38 +1611,112 @@ pub fn run(
             },
             echo: args.ping,
         };
-        let mut results = vec![tracer.trace(&probe)?];
-        if args.fragments {
-            let later = Probe {
-                fragment: FragProbe::Later,
-                ..probe
-            };
-            results.push(tracer.trace(&later)?);
-        }
-        if let Some(kind) = args.icmp_error {
-            if results.last().is_none_or(|r| r.verdict != "forward") {
-                bail!("--icmp-error: the packet was not forwarded, so there is nothing to quote");
-            }
-            results.push(tracer.trace_icmp_error(kind, args.icmp_from, proto)?);
-        }
-        for result in results {
-            if args.json {
-                println!("{}", serde_json::to_string(&result)?);
-            } else {
-                if args.flows > 1 {
-                    println!(
-                        "flow {} ({} -> {}, from {origin})",
-                        i + 1,
-                        SocketAddr::new(src, sport),
-                        args.dst
-                    );
-                } else {
-                    println!("from:        {origin} ({})", SocketAddr::new(src, sport));
-                }
-                println!("{result}\n");
-            }
+        for result in trace_flow(&mut tracer, args, &probe)? {
+            print_result(args, &probe, i, &result)?;
         }
     }
+    Ok(())
+}
+
+/// Refuses argument combinations no packet can be built for (`src` the parsed `--src`).
+fn check_args(args: &TraceArgs, src: IpAddr) -> anyhow::Result<()> {
+    if src.is_ipv4() != args.dst.is_ipv4() {
+        bail!("--src and --dst must be of the same address family");
+    }
+    if args.flows == 0 {
+        bail!("--flows must be at least 1");
+    }
+    if args.ipv6_ext_headers != 0 && src.is_ipv4() {
+        bail!("--ipv6-ext-headers needs IPv6 addresses");
+    }
+    if args.fragments && args.proto == TraceProto::Sctp {
+        bail!("--fragments: SCTP fragments are not translated (see the known limits)");
+    }
+    Ok(())
+}
+
+/// The tracer `args` ask for: a private copy programmed from `--manifests`, else the running
+/// lb's maps (with private node facts when any node-fact flag is given).
+fn open_tracer(
+    args: &TraceArgs,
+    node_name: impl FnOnce() -> anyhow::Result<String>,
+) -> anyhow::Result<Tracer> {
+    if let Some(dir) = &args.manifests {
+        let (tracer, _) = Tracer::from_manifests(
+            dir,
+            &node_name()?,
+            &args.node_facts,
+            &args.algorithm,
+            args.ct.timeouts(),
+        )?;
+        return Ok(tracer);
+    }
+    let facts = args
+        .node_facts
+        .any()
+        .then(|| NodeFacts::resolve(&args.node_facts, None, host_ips));
+    Tracer::live(
+        &args.pin_dir,
+        &args.state_dir,
+        facts.as_ref(),
+        args.ct.timeouts(),
+    )
+}
+
+/// Whether external packets meet `lb_xdp` first, as `lb run` with these flags would attach it.
+fn xdp_first(devices: &crate::config::DeviceArgs) -> bool {
+    match devices.xdp {
+        XdpMode::Native | XdpMode::Generic => true,
+        XdpMode::Off => false,
+        XdpMode::Auto => devices
+            .devices
+            .iter()
+            .any(|d| XdpMode::Auto.resolve(d) == XdpMode::Native),
+    }
+}
+
+/// Traces one flow's packets: `probe`, its later fragment (`--fragments`) and the ICMP error
+/// about it (`--icmp-error`).
+fn trace_flow(
+    tracer: &mut Tracer,
+    args: &TraceArgs,
+    probe: &Probe,
+) -> anyhow::Result<Vec<TraceResult>> {
+    let mut results = vec![tracer.trace(probe)?];
+    if args.fragments {
+        let later = Probe {
+            fragment: FragProbe::Later,
+            ..*probe
+        };
+        results.push(tracer.trace(&later)?);
+    }
+    if let Some(kind) = args.icmp_error {
+        if results.last().is_none_or(|r| r.verdict != "forward") {
+            bail!("--icmp-error: the packet was not forwarded, so there is nothing to quote");
+        }
+        results.push(tracer.trace_icmp_error(kind, args.icmp_from, probe.proto)?);
+    }
+    Ok(results)
+}
+
+/// Prints one result of flow `i`: a JSON line, or the text with a heading naming the packet.
+fn print_result(
+    args: &TraceArgs,
+    probe: &Probe,
+    i: u16,
+    result: &TraceResult,
+) -> anyhow::Result<()> {
+    if args.json {
+        println!("{}", serde_json::to_string(result)?);
+        return Ok(());
+    }
+    let (origin, src) = (probe.origin, SocketAddr::new(probe.src, probe.sport));
+    if args.flows > 1 {
+        println!("flow {} ({src} -> {}, from {origin})", i + 1, args.dst);
+    } else {
+        println!("from:        {origin} ({src})");
+    }
+    println!("{result}\n");
     Ok(())
 }
 

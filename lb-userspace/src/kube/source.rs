@@ -33,6 +33,26 @@ pub struct Snapshot {
     pub changed_at: Instant,
 }
 
+impl Snapshot {
+    /// The manifests in `dir` as a snapshot for the node `node_name` (its Node object, if the
+    /// directory has one); `lb run --manifests` and `lb trace --manifests` read them so.
+    pub fn from_manifests(dir: &Path, node_name: &str) -> anyhow::Result<Self> {
+        let changed_at = Instant::now();
+        let (objects, problems) = manifests::load_dir(dir)?;
+        let node = objects
+            .nodes
+            .into_iter()
+            .find(|n| n.metadata.name.as_deref() == Some(node_name));
+        Ok(Self {
+            services: objects.services.into_iter().map(Arc::new).collect(),
+            slices: objects.slices.into_iter().map(Arc::new).collect(),
+            node: node.map(Arc::new),
+            problems,
+            changed_at,
+        })
+    }
+}
+
 pub type SnapshotSender = watch::Sender<Option<Arc<Snapshot>>>;
 pub type SnapshotReceiver = watch::Receiver<Option<Arc<Snapshot>>>;
 
@@ -76,20 +96,8 @@ pub async fn watch_manifests(
     loop {
         let current = fingerprint(&dir);
         if forced || current != last {
-            let changed_at = Instant::now();
-            match manifests::load_dir(&dir) {
-                Ok((objects, problems)) => {
-                    let node = objects
-                        .nodes
-                        .into_iter()
-                        .find(|n| n.metadata.name.as_deref() == Some(node_name.as_str()));
-                    let snapshot = Snapshot {
-                        services: objects.services.into_iter().map(Arc::new).collect(),
-                        slices: objects.slices.into_iter().map(Arc::new).collect(),
-                        node: node.map(Arc::new),
-                        problems,
-                        changed_at,
-                    };
+            match Snapshot::from_manifests(&dir, &node_name) {
+                Ok(snapshot) => {
                     if tx.send(Some(Arc::new(snapshot))).is_err() {
                         return;
                     }
