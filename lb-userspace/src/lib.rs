@@ -14,8 +14,10 @@
 //! - `datapath/`: lb's eBPF object loaded and attached, its pinned maps typed (`maps`), the
 //!   conntrack maps sized and collected (`conntrack`), sockets destroyed (`sockterm`), kernel
 //!   features probed;
-//! - `reconcile/`: the ordered diff that makes the maps hold a desired state, and
-//!   re-steering of connected UDP sockets after a sync (`resteer`);
+//! - `reconcile/`: the ordered diff that makes the maps hold a desired state (one frontend
+//!   in `service`, Maglev tables, the per-address ClusterIP and echo entries, garbage, the
+//!   incremental `apply_update`), and re-steering of connected UDP sockets after a sync
+//!   (`resteer`);
 //! - `metrics/`: what lb serves over HTTP: Prometheus metrics (kube-proxy's among them),
 //!   health, and the health check node ports of `externalTrafficPolicy: Local` services
 //!   (`metrics::healthcheck`, as kube-proxy's `pkg/proxy/healthcheck` serves both);
