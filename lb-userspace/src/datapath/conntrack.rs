@@ -334,6 +334,7 @@ fn snapshot_by_key<K: aya::Pod + Eq + Hash, V: aya::Pod>(
 /// A reply entry's client side (address, port), protocol and backend id.
 type ReplyOf<F> = (<F as Family>::Addr, u16, u8, u32);
 
+/// One map's pass: read it and its family's backends, judge every entry, delete the doomed.
 fn sweep<F: Family>(
     name: &str,
     map: &mut HashMap<MapData, F::Key, F::Value>,
@@ -361,72 +362,99 @@ fn sweep<F: Family>(
             return;
         }
     };
-    // Where each flow's reply entry says its backend is: (client side as the reply entry is
-    // keyed, proto, backend id) → backend address. A service entry's backend id names the
-    // backend it was made for only if that address is still the id's.
-    let mut replies: StdHashMap<ReplyOf<F>, (F::Addr, u16)> = StdHashMap::new();
+    let replies = replies::<F>(&entries);
+    let mut doomed: Vec<(F::Key, Reason)> = Vec::new();
     for (k, v) in &entries {
+        match judge::<F>(k, v, now, &backends, &replies) {
+            Some(r) => doomed.push((*k, r)),
+            None => count_live::<F>(report, k, v),
+        }
+    }
+    delete::<F>(name, map, doomed, now, report);
+}
+
+/// Where each flow's reply entry says its backend is: (client side as the reply entry is
+/// keyed, proto, backend id) → backend address. A service entry's backend id names the
+/// backend it was made for only if that address is still the id's.
+fn replies<F: Family>(
+    entries: &StdHashMap<F::Key, F::Value>,
+) -> StdHashMap<ReplyOf<F>, (F::Addr, u16)> {
+    let mut replies = StdHashMap::new();
+    for (k, v) in entries {
         let (saddr, sport, daddr, dport, proto, dir) = F::key(k);
         if dir == ct_dir::REPLY {
             let (id, ..) = F::value(v);
             replies.insert((daddr, dport, proto, id), (saddr, sport));
         }
     }
-    let mut doomed: Vec<(F::Key, Reason)> = Vec::new();
-    for (k, v) in &entries {
-        let (saddr, sport, _, _, proto, dir) = F::key(k);
-        let (id, expires, flags, nat_addr, nat_port) = F::value(v);
-        let reason = if expires <= now {
-            Some(
-                if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
-                    Reason::Closed
-                } else {
-                    Reason::Expired
-                },
-            )
-        } else {
-            match backends.get(&id) {
-                None => Some(Reason::BackendGone),
-                Some(addr) => {
-                    // The address the entry was made for: the reply entry's own source, or
-                    // what the flow's reply entry says.
-                    let made_for = if dir == ct_dir::REPLY {
-                        Some((saddr, sport))
-                    } else {
-                        let client = if flags & ct_flags::SNAT != 0 {
-                            (nat_addr, nat_port)
-                        } else {
-                            (saddr, sport)
-                        };
-                        replies.get(&(client.0, client.1, proto, id)).copied()
-                    };
-                    match made_for {
-                        Some(a) if a != *addr => Some(Reason::BackendGone),
-                        _ => None,
-                    }
-                }
-            }
-        };
-        match reason {
-            Some(r) => doomed.push((*k, r)),
-            None => {
-                *report
-                    .entries
-                    .entry((F::NAME, protocol_name(proto), state_name(flags)))
-                    .or_default() += 1;
-            }
-        }
+    replies
+}
+
+/// Why entry `k` → `v` goes at `now`, if it does.
+fn judge<F: Family>(
+    k: &F::Key,
+    v: &F::Value,
+    now: u32,
+    backends: &StdHashMap<u32, (F::Addr, u16)>,
+    replies: &StdHashMap<ReplyOf<F>, (F::Addr, u16)>,
+) -> Option<Reason> {
+    let (saddr, sport, _, _, proto, dir) = F::key(k);
+    let (id, expires, flags, nat_addr, nat_port) = F::value(v);
+    if expires <= now {
+        return Some(
+            if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
+                Reason::Closed
+            } else {
+                Reason::Expired
+            },
+        );
     }
+    let Some(addr) = backends.get(&id) else {
+        return Some(Reason::BackendGone);
+    };
+    // The address the entry was made for: the reply entry's own source, or what the flow's
+    // reply entry says.
+    let made_for = if dir == ct_dir::REPLY {
+        Some((saddr, sport))
+    } else {
+        let client = if flags & ct_flags::SNAT != 0 {
+            (nat_addr, nat_port)
+        } else {
+            (saddr, sport)
+        };
+        replies.get(&(client.0, client.1, proto, id)).copied()
+    };
+    match made_for {
+        Some(a) if a != *addr => Some(Reason::BackendGone),
+        _ => None,
+    }
+}
+
+/// Counts a live entry in `lb_conntrack_entries`.
+fn count_live<F: Family>(report: &mut GcReport, k: &F::Key, v: &F::Value) {
+    let (_, _, _, _, proto, _) = F::key(k);
+    let (_, _, flags, _, _) = F::value(v);
+    *report
+        .entries
+        .entry((F::NAME, protocol_name(proto), state_name(flags)))
+        .or_default() += 1;
+}
+
+/// Deletes the doomed entries; an expired or closed one only if no packet revived it since the
+/// walk (then it counts as live). Stops at the first failed delete.
+fn delete<F: Family>(
+    name: &str,
+    map: &mut HashMap<MapData, F::Key, F::Value>,
+    doomed: Vec<(F::Key, Reason)>,
+    now: u32,
+    report: &mut GcReport,
+) {
     for (k, reason) in doomed {
         if matches!(reason, Reason::Expired | Reason::Closed) {
             // A packet may have revived the flow since the walk.
             match map.get(&k, 0) {
                 Ok(v) if F::value(&v).1 > now => {
-                    let (_, _, _, _, proto, _) = F::key(&k);
-                    *report
-                        .entries
-                        .entry((F::NAME, protocol_name(proto), state_name(F::value(&v).2)))
-                        .or_default() += 1;
+                    count_live::<F>(report, &k, &v);
                     continue;
                 }
                 Ok(_) => {}
