@@ -1,6 +1,6 @@
 //! IPv4 and IPv6 as lb's maps hold them: each family's key and value types, map names and
 //! how an address goes into and comes out of an entry. The two families' types differ only
-//! in the address's width, so code over both (`maps`, `held`) is written once, generic over
+//! in the address's width, so code over both (`maps`, `held`, `conntrack`) is written once, generic over
 //! [`MapFamily`], and picks [`V4`] or [`V6`] from the address it is given.
 use std::{
     hash::Hash,
@@ -8,8 +8,8 @@ use std::{
 };
 
 use lb_common::{
-    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, EchoKey4, EchoKey6, RevNat4, RevNat6,
-    SrcRange4, SrcRange6, Svc4Key, Svc6Key, map_names,
+    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, Ct4Key, Ct4Value, Ct6Key, Ct6Value, EchoKey4,
+    EchoKey6, RevNat4, RevNat6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, map_names,
 };
 
 /// IPv4: the `lb4_*` maps.
@@ -31,9 +31,17 @@ pub struct MapNames {
 /// A service key's fields but the address: (port, proto, scope, slot).
 pub type SvcKeyRest = (u16, u8, u8, u16);
 
-/// One family's entries in the service, backend, rev-NAT, ClusterIP, echo and source-range
-/// maps.
+/// A conntrack key's fields: (saddr, sport, daddr, dport, proto, dir).
+pub type CtKeyFields<A> = (A, u16, A, u16, u8, u8);
+
+/// A conntrack value's fields: (backend_id, expires, flags, nat_addr, nat_port).
+pub type CtValueFields<A> = (u32, u32, u16, A, u16);
+
+/// One family's entries in the service, backend, rev-NAT, ClusterIP, echo, source-range and
+/// conntrack maps.
 pub trait MapFamily {
+    /// The family as metrics label it (`ipv4`, `ipv6`).
+    const NAME: &'static str;
     const NAMES: MapNames;
     /// The address's bits (a source range's prefix is at most this).
     const BITS: u8;
@@ -45,6 +53,8 @@ pub trait MapFamily {
     type ClusterIpKey: aya::Pod + bytemuck::Pod + Send + 'static;
     type EchoKey: aya::Pod;
     type SrcRange: aya::Pod;
+    type CtKey: aya::Pod + bytemuck::Pod + Eq + Hash;
+    type CtValue: aya::Pod + bytemuck::Pod;
 
     fn ip(addr: Self::Addr) -> IpAddr;
     fn svc_key(addr: Self::Addr, rest: SvcKeyRest) -> Self::SvcKey;
@@ -61,15 +71,18 @@ pub trait MapFamily {
     /// A source range's data: the rev-NAT id (network order, matched whole), the address.
     fn src_range(rev_nat_id: u32, addr: Self::Addr) -> Self::SrcRange;
     fn src_range_fields(k: &Self::SrcRange) -> (u32, Self::Addr);
+    fn ct_key_fields(k: &Self::CtKey) -> CtKeyFields<Self::Addr>;
+    fn ct_value_fields(v: &Self::CtValue) -> CtValueFields<Self::Addr>;
 }
 
 /// The family's types and names, written once for both: the lb-common types of a family
 /// have the same fields, only the address's width differs.
 macro_rules! map_family {
-    ($fam:ident, $bits:expr, $ip:ty, $n:literal,
+    ($fam:ident, $name:literal, $bits:expr, $ip:ty, $n:literal,
      $svc:ident, $backend:ident, $revnat:ident, $cip:ident, $echo:ident, $src:ident,
-     $names:expr) => {
+     $ct_key:ident, $ct_value:ident, $names:expr) => {
         impl MapFamily for $fam {
+            const NAME: &'static str = $name;
             const NAMES: MapNames = $names;
             const BITS: u8 = $bits;
             type Addr = [u8; $n];
@@ -79,6 +92,8 @@ macro_rules! map_family {
             type ClusterIpKey = $cip;
             type EchoKey = $echo;
             type SrcRange = $src;
+            type CtKey = $ct_key;
+            type CtValue = $ct_value;
 
             fn ip(addr: [u8; $n]) -> IpAddr {
                 <$ip>::from(addr).into()
@@ -134,12 +149,19 @@ macro_rules! map_family {
             fn src_range_fields(k: &$src) -> (u32, [u8; $n]) {
                 (u32::from_be_bytes(k.rev_nat_id), k.addr)
             }
+            fn ct_key_fields(k: &$ct_key) -> CtKeyFields<[u8; $n]> {
+                (k.saddr, k.sport, k.daddr, k.dport, k.proto, k.dir)
+            }
+            fn ct_value_fields(v: &$ct_value) -> CtValueFields<[u8; $n]> {
+                (v.backend_id, v.expires, v.flags, v.nat_addr, v.nat_port)
+            }
         }
     };
 }
 
 map_family!(
     V4,
+    "ipv4",
     32,
     Ipv4Addr,
     4,
@@ -149,6 +171,8 @@ map_family!(
     ClusterIp4Key,
     EchoKey4,
     SrcRange4,
+    Ct4Key,
+    Ct4Value,
     MapNames {
         services: map_names::SERVICES4,
         backends: map_names::BACKENDS4,
@@ -161,6 +185,7 @@ map_family!(
 
 map_family!(
     V6,
+    "ipv6",
     128,
     Ipv6Addr,
     16,
@@ -170,6 +195,8 @@ map_family!(
     ClusterIp6Key,
     EchoKey6,
     SrcRange6,
+    Ct6Key,
+    Ct6Value,
     MapNames {
         services: map_names::SERVICES6,
         backends: map_names::BACKENDS6,
