@@ -320,6 +320,14 @@ impl Asm {
         self.raw(0x18, dst, BPF_PSEUDO_MAP_FD, 0, fd);
         self.raw(0, 0, 0, 0, 0);
     }
+    /// `r0 = bpf_map_lookup_elem(map, fp + key)`; no entry jumps to `out`.
+    fn lookup_or_out(&mut self, map: RawFd, key: i16) {
+        self.ld_map_fd(R1, map);
+        self.mov(R2, FP);
+        self.add_imm(R2, key.into());
+        self.call(BPF_FUNC_MAP_LOOKUP_ELEM);
+        self.jeq(R0, 0, "out");
+    }
     fn label(&mut self, name: &'static str) {
         self.labels.insert(name, self.insns.len());
     }
@@ -391,11 +399,7 @@ fn frontend6(a: &mut Asm, ids: &KernelIds, revnat6: RawFd) {
     }
     a.stx(Sz::H, FP, K + 24, R3);
     a.st(Sz::B, FP, D + 36, 6);
-    a.ld_map_fd(R1, revnat6);
-    a.mov(R2, FP);
-    a.add_imm(R2, K.into());
-    a.call(BPF_FUNC_MAP_LOOKUP_ELEM);
-    a.jeq(R0, 0, "out");
+    a.lookup_or_out(revnat6, K);
     // `SkRevNat6Value`: the frontend's address, then its port.
     for w in 0..4 {
         a.ldx(Sz::W, R2, R0, 4 * w);
@@ -414,11 +418,7 @@ fn frontend4(a: &mut Asm, ids: &KernelIds, revnat4: RawFd) {
     a.stx(Sz::W, FP, D + 16, R2);
     a.stx(Sz::H, FP, K + 12, R3);
     a.st(Sz::B, FP, D + 36, 4);
-    a.ld_map_fd(R1, revnat4);
-    a.mov(R2, FP);
-    a.add_imm(R2, K.into());
-    a.call(BPF_FUNC_MAP_LOOKUP_ELEM);
-    a.jeq(R0, 0, "out");
+    a.lookup_or_out(revnat4, K);
     // `SkRevNat4Value`.
     a.ldx(Sz::W, R2, R0, 0);
     a.stx(Sz::W, FP, D, R2);
@@ -430,11 +430,7 @@ fn frontend4(a: &mut Asm, ids: &KernelIds, revnat4: RawFd) {
 /// it there; `out`: the end.
 fn destroy_pinned(a: &mut Asm, ids: &KernelIds, destroy: RawFd) {
     a.label("pair");
-    a.ld_map_fd(R1, destroy);
-    a.mov(R2, FP);
-    a.add_imm(R2, D.into());
-    a.call(BPF_FUNC_MAP_LOOKUP_ELEM);
-    a.jeq(R0, 0, "out");
+    a.lookup_or_out(destroy, D);
     a.mov(R9, R0);
     a.mov(R1, R6);
     a.call_kfunc(ids.sock_destroy);
