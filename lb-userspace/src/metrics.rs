@@ -160,31 +160,12 @@ struct ReasonLabels {
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    sync_duration: Histogram,
-    syncs: Family<ResultLabels, Counter>,
-    full_syncs: Family<ResultLabels, Counter>,
-    full_sync_repaired: Counter,
-    last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
-    event_to_write: Histogram,
-    skipped: Family<SkippedLabels, Counter>,
-    map_entries: Family<MapLabels, Gauge>,
-    map_capacity: Family<MapLabels, Gauge>,
-    services: Gauge,
-    backends: Gauge,
-    unprogrammed: Gauge,
-    map_full: Family<MapLabels, Counter>,
-    healthcheck_bind_errors: Counter,
-    healthcheck_listeners: Gauge,
-    apiserver_connected: Gauge,
-    apiserver_last_contact: Gauge<f64, std::sync::atomic::AtomicU64>,
-    watch_errors: Family<KindLabels, Counter>,
-    watch_relists: Family<KindLabels, Counter>,
+    sync: SyncMetrics,
+    maps: MapMetrics,
+    healthcheck: HealthcheckMetrics,
+    apiserver: ApiServerMetrics,
     kube_proxy: kubeproxy::KubeProxyMetrics,
-    ct_entries: Family<CtLabels, Gauge>,
-    ct_gc_runs: Counter,
-    ct_gc_deleted: Family<ReasonLabels, Counter>,
-    ct_gc_duration: Histogram,
-    ct_gc_errors: Counter,
+    ct: CtMetrics,
     /// Every `lb_conntrack_entries` label set a GC pass reported so far.
     ct_labels: Mutex<Vec<CtLabels>>,
     bpf: Arc<BpfCollector>,
@@ -221,9 +202,20 @@ struct Health {
     node_ineligible: bool,
 }
 
-impl Metrics {
-    pub fn new() -> Arc<Metrics> {
-        let mut registry = Registry::default();
+/// The reconciler's metrics: syncs, full syncs, their latencies and the objects skipped.
+#[derive(Debug)]
+struct SyncMetrics {
+    sync_duration: Histogram,
+    syncs: Family<ResultLabels, Counter>,
+    full_syncs: Family<ResultLabels, Counter>,
+    full_sync_repaired: Counter,
+    last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    event_to_write: Histogram,
+    skipped: Family<SkippedLabels, Counter>,
+}
+
+impl SyncMetrics {
+    fn register(registry: &mut Registry) -> Self {
         let sync_duration = Histogram::new(latency_buckets());
         registry.register(
             "lb_sync_duration_seconds",
@@ -275,6 +267,31 @@ impl Metrics {
             "Source objects skipped as invalid or unsupported, by kind and reason",
             skipped.clone(),
         );
+        Self {
+            sync_duration,
+            syncs,
+            full_syncs,
+            full_sync_repaired,
+            last_sync,
+            event_to_write,
+            skipped,
+        }
+    }
+}
+
+/// What the BPF maps hold and refuse: entries, capacities, frontends and backends programmed.
+#[derive(Debug)]
+struct MapMetrics {
+    map_entries: Family<MapLabels, Gauge>,
+    map_capacity: Family<MapLabels, Gauge>,
+    services: Gauge,
+    backends: Gauge,
+    unprogrammed: Gauge,
+    map_full: Family<MapLabels, Counter>,
+}
+
+impl MapMetrics {
+    fn register(registry: &mut Registry) -> Self {
         let map_entries = Family::<MapLabels, Gauge>::default();
         registry.register(
             "lb_map_entries",
@@ -312,6 +329,26 @@ impl Metrics {
             "Service frontends a sync refused because a BPF map had no room for them, by map",
             map_full.clone(),
         );
+        Self {
+            map_entries,
+            map_capacity,
+            services,
+            backends,
+            unprogrammed,
+            map_full,
+        }
+    }
+}
+
+/// The health check node port listeners.
+#[derive(Debug)]
+struct HealthcheckMetrics {
+    healthcheck_bind_errors: Counter,
+    healthcheck_listeners: Gauge,
+}
+
+impl HealthcheckMetrics {
+    fn register(registry: &mut Registry) -> Self {
         let healthcheck_bind_errors = Counter::default();
         registry.register(
             "lb_healthcheck_bind_errors",
@@ -324,6 +361,24 @@ impl Metrics {
             "Health check node port listeners open (one per port and IP family)",
             healthcheck_listeners.clone(),
         );
+        Self {
+            healthcheck_bind_errors,
+            healthcheck_listeners,
+        }
+    }
+}
+
+/// The Kubernetes API server connection and its watches.
+#[derive(Debug)]
+struct ApiServerMetrics {
+    apiserver_connected: Gauge,
+    apiserver_last_contact: Gauge<f64, std::sync::atomic::AtomicU64>,
+    watch_errors: Family<KindLabels, Counter>,
+    watch_relists: Family<KindLabels, Counter>,
+}
+
+impl ApiServerMetrics {
+    fn register(registry: &mut Registry) -> Self {
         let apiserver_connected = Gauge::default();
         registry.register(
             "lb_apiserver_connected",
@@ -349,7 +404,27 @@ impl Metrics {
             "Full relists after the first list (410 Gone, watcher reset), by kind",
             watch_relists.clone(),
         );
-        let kube_proxy = kubeproxy::KubeProxyMetrics::register(&mut registry);
+        Self {
+            apiserver_connected,
+            apiserver_last_contact,
+            watch_errors,
+            watch_relists,
+        }
+    }
+}
+
+/// The conntrack GC and the entries it leaves.
+#[derive(Debug)]
+struct CtMetrics {
+    ct_entries: Family<CtLabels, Gauge>,
+    ct_gc_runs: Counter,
+    ct_gc_deleted: Family<ReasonLabels, Counter>,
+    ct_gc_duration: Histogram,
+    ct_gc_errors: Counter,
+}
+
+impl CtMetrics {
+    fn register(registry: &mut Registry) -> Self {
         let ct_entries = Family::<CtLabels, Gauge>::default();
         registry.register(
             "lb_conntrack_entries",
@@ -386,36 +461,37 @@ impl Metrics {
             "Conntrack maps a GC pass could not walk, or entries it could not delete",
             ct_gc_errors.clone(),
         );
-        let udp = UdpResteerMetrics::register(&mut registry);
-        let bpf = Arc::new(BpfCollector::default());
-        registry.register_collector(Box::new(Arc::clone(&bpf)));
-        Arc::new(Metrics {
-            registry,
-            sync_duration,
-            syncs,
-            full_syncs,
-            full_sync_repaired,
-            last_sync,
-            event_to_write,
-            skipped,
-            map_entries,
-            map_capacity,
-            services,
-            backends,
-            unprogrammed,
-            map_full,
-            healthcheck_bind_errors,
-            healthcheck_listeners,
-            apiserver_connected,
-            apiserver_last_contact,
-            watch_errors,
-            watch_relists,
-            kube_proxy,
+        Self {
             ct_entries,
             ct_gc_runs,
             ct_gc_deleted,
             ct_gc_duration,
             ct_gc_errors,
+        }
+    }
+}
+
+impl Metrics {
+    /// Registers every metric, a family of them at a time, in the order `/metrics` lists them.
+    pub fn new() -> Arc<Metrics> {
+        let mut registry = Registry::default();
+        let sync = SyncMetrics::register(&mut registry);
+        let maps = MapMetrics::register(&mut registry);
+        let healthcheck = HealthcheckMetrics::register(&mut registry);
+        let apiserver = ApiServerMetrics::register(&mut registry);
+        let kube_proxy = kubeproxy::KubeProxyMetrics::register(&mut registry);
+        let ct = CtMetrics::register(&mut registry);
+        let udp = UdpResteerMetrics::register(&mut registry);
+        let bpf = Arc::new(BpfCollector::default());
+        registry.register_collector(Box::new(Arc::clone(&bpf)));
+        Arc::new(Metrics {
+            registry,
+            sync,
+            maps,
+            healthcheck,
+            apiserver,
+            kube_proxy,
+            ct,
             ct_labels: Mutex::new(Vec::new()),
             bpf,
             health: Mutex::new(Health::default()),
@@ -427,22 +503,26 @@ impl Metrics {
     /// `repaired` writes and deletes.
     pub fn observe_full_sync(&self, ok: bool, repaired: usize) {
         let result = if ok { "ok" } else { "error" };
-        self.full_syncs
+        self.sync
+            .full_syncs
             .get_or_create(&ResultLabels { result })
             .inc();
-        self.full_sync_repaired.inc_by(repaired as u64);
+        self.sync.full_sync_repaired.inc_by(repaired as u64);
     }
 
     /// One reconcile of the maps took `d`; `ok` = no service errors.
     pub fn observe_sync(&self, d: Duration, ok: bool) {
-        self.sync_duration.observe(d.as_secs_f64());
+        self.sync.sync_duration.observe(d.as_secs_f64());
         let result = if ok { "ok" } else { "error" };
-        self.syncs.get_or_create(&ResultLabels { result }).inc();
+        self.sync
+            .syncs
+            .get_or_create(&ResultLabels { result })
+            .inc();
         self.kube_proxy.observe_sync(d);
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        self.last_sync.set(now.as_secs_f64());
+        self.sync.last_sync.set(now.as_secs_f64());
     }
 
     /// kube-proxy's SLIs (change counts, network programming latency, local endpoints).
@@ -452,12 +532,13 @@ impl Metrics {
 
     /// Latency from a source event (watch event / file change) to the map write that applied it.
     pub fn observe_event_to_write(&self, d: Duration) {
-        self.event_to_write.observe(d.as_secs_f64());
+        self.sync.event_to_write.observe(d.as_secs_f64());
     }
 
     /// A source object of `kind` was skipped for `reason` (keep both low-cardinality).
     pub fn inc_skipped(&self, kind: &str, reason: &str) {
-        self.skipped
+        self.sync
+            .skipped
             .get_or_create(&SkippedLabels {
                 kind: kind.to_owned(),
                 reason: reason.to_owned(),
@@ -470,28 +551,33 @@ impl Metrics {
         let labels = MapLabels {
             map: map.to_owned(),
         };
-        self.map_entries.get_or_create(&labels).set(to_i64(used));
-        self.map_capacity
+        self.maps
+            .map_entries
+            .get_or_create(&labels)
+            .set(to_i64(used));
+        self.maps
+            .map_capacity
             .get_or_create(&labels)
             .set(to_i64(capacity));
     }
 
     pub fn set_services(&self, n: u64) {
-        self.services.set(to_i64(n));
+        self.maps.services.set(to_i64(n));
     }
 
     pub fn set_backends(&self, n: u64) {
-        self.backends.set(to_i64(n));
+        self.maps.backends.set(to_i64(n));
     }
 
     /// `n` frontends of the last sync could not be programmed.
     pub fn set_unprogrammed(&self, n: u64) {
-        self.unprogrammed.set(to_i64(n));
+        self.maps.unprogrammed.set(to_i64(n));
     }
 
     /// A frontend did not fit into `map`.
     pub fn inc_map_full(&self, map: &str) {
-        self.map_full
+        self.maps
+            .map_full
             .get_or_create(&MapLabels {
                 map: map.to_owned(),
             })
@@ -500,12 +586,12 @@ impl Metrics {
 
     /// A health check node port listener could not be opened.
     pub fn inc_healthcheck_bind_errors(&self) {
-        self.healthcheck_bind_errors.inc();
+        self.healthcheck.healthcheck_bind_errors.inc();
     }
 
     /// `n` health check node port listeners are open.
     pub fn set_healthcheck_listeners(&self, n: u64) {
-        self.healthcheck_listeners.set(to_i64(n));
+        self.healthcheck.healthcheck_listeners.set(to_i64(n));
     }
 
     /// The source is the Kubernetes API: from now on `/healthz` and the `lb_apiserver_*` and
@@ -521,10 +607,12 @@ impl Metrics {
             });
         }
         for kind in ["services", "endpointslices", "node"] {
-            self.watch_errors
+            self.apiserver
+                .watch_errors
                 .get_or_create(&KindLabels { kind })
                 .inc_by(0);
-            self.watch_relists
+            self.apiserver
+                .watch_relists
                 .get_or_create(&KindLabels { kind })
                 .inc_by(0);
         }
@@ -547,8 +635,8 @@ impl Metrics {
         }
         state.last_contact = Some(now);
         drop(h);
-        self.apiserver_connected.set(1);
-        self.apiserver_last_contact.set(
+        self.apiserver.apiserver_connected.set(1);
+        self.apiserver.apiserver_last_contact.set(
             now.duration_since(UNIX_EPOCH)
                 .unwrap_or_default()
                 .as_secs_f64(),
@@ -575,17 +663,23 @@ impl Metrics {
         }
         state.last_error = Some(error.to_owned());
         drop(h);
-        self.apiserver_connected.set(0);
+        self.apiserver.apiserver_connected.set(0);
     }
 
     /// A list or watch of `kind` (`services`, `endpointslices`, `node`) failed.
     pub fn inc_watch_errors(&self, kind: &'static str) {
-        self.watch_errors.get_or_create(&KindLabels { kind }).inc();
+        self.apiserver
+            .watch_errors
+            .get_or_create(&KindLabels { kind })
+            .inc();
     }
 
     /// `kind` was listed again from scratch after its first list.
     pub fn inc_watch_relists(&self, kind: &'static str) {
-        self.watch_relists.get_or_create(&KindLabels { kind }).inc();
+        self.apiserver
+            .watch_relists
+            .get_or_create(&KindLabels { kind })
+            .inc();
     }
 
     /// Whether the API server is reachable; `None` for a source without one.
@@ -603,11 +697,14 @@ impl Metrics {
     /// A conntrack GC pass ran: its entries replace the `lb_conntrack_entries` series (a state
     /// no entry is in any more reads 0), its deletions and duration are counted.
     pub fn observe_ct_gc(&self, report: &crate::datapath::conntrack::GcReport) {
-        self.ct_gc_runs.inc();
-        self.ct_gc_duration.observe(report.duration.as_secs_f64());
-        self.ct_gc_errors.inc_by(report.errors);
+        self.ct.ct_gc_runs.inc();
+        self.ct
+            .ct_gc_duration
+            .observe(report.duration.as_secs_f64());
+        self.ct.ct_gc_errors.inc_by(report.errors);
         for (reason, n) in &report.deleted {
-            self.ct_gc_deleted
+            self.ct
+                .ct_gc_deleted
                 .get_or_create(&ReasonLabels {
                     reason: reason.as_str(),
                 })
@@ -621,13 +718,13 @@ impl Metrics {
                 protocol,
                 state,
             };
-            self.ct_entries.get_or_create(&labels).set(to_i64(*n));
+            self.ct.ct_entries.get_or_create(&labels).set(to_i64(*n));
             seen.push(labels);
         }
         let mut stale = lock(&self.ct_labels);
         for l in stale.iter() {
             if !seen.contains(l) {
-                self.ct_entries.get_or_create(l).set(0);
+                self.ct.ct_entries.get_or_create(l).set(0);
             }
         }
         for l in seen {

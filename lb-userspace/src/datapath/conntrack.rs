@@ -27,7 +27,10 @@ use lb_common::{
     ct_dir, ct_flags, map_names,
 };
 
-use crate::datapath::pinned::open_hash;
+use crate::datapath::{
+    family::{MapFamily, V4, V6},
+    pinned::open_hash,
+};
 
 pub use crate::config::{CtArgs, CtTimeouts, MAX_TIMEOUT};
 
@@ -112,60 +115,6 @@ impl GcReport {
     }
 }
 
-/// One family's key and value types, as the GC reads them.
-trait Family {
-    type Key: aya::Pod + bytemuck::Pod + Eq + Hash;
-    type Value: aya::Pod + bytemuck::Pod;
-    type Backend: aya::Pod;
-    type Addr: Copy + Eq + Hash;
-    const NAME: &'static str;
-
-    fn backend_addr(b: &Self::Backend) -> (Self::Addr, u16);
-    /// (saddr, sport, daddr, dport, proto, dir)
-    fn key(k: &Self::Key) -> (Self::Addr, u16, Self::Addr, u16, u8, u8);
-    /// (backend_id, expires, flags, nat_addr, nat_port)
-    fn value(v: &Self::Value) -> (u32, u32, u16, Self::Addr, u16);
-}
-
-enum V4 {}
-enum V6 {}
-
-impl Family for V4 {
-    type Key = Ct4Key;
-    type Value = Ct4Value;
-    type Backend = Backend4;
-    type Addr = [u8; 4];
-    const NAME: &'static str = "ipv4";
-
-    fn backend_addr(b: &Backend4) -> ([u8; 4], u16) {
-        (b.addr, b.port)
-    }
-    fn key(k: &Ct4Key) -> ([u8; 4], u16, [u8; 4], u16, u8, u8) {
-        (k.saddr, k.sport, k.daddr, k.dport, k.proto, k.dir)
-    }
-    fn value(v: &Ct4Value) -> (u32, u32, u16, [u8; 4], u16) {
-        (v.backend_id, v.expires, v.flags, v.nat_addr, v.nat_port)
-    }
-}
-
-impl Family for V6 {
-    type Key = Ct6Key;
-    type Value = Ct6Value;
-    type Backend = Backend6;
-    type Addr = [u8; 16];
-    const NAME: &'static str = "ipv6";
-
-    fn backend_addr(b: &Backend6) -> ([u8; 16], u16) {
-        (b.addr, b.port)
-    }
-    fn key(k: &Ct6Key) -> ([u8; 16], u16, [u8; 16], u16, u8, u8) {
-        (k.saddr, k.sport, k.daddr, k.dport, k.proto, k.dir)
-    }
-    fn value(v: &Ct6Value) -> (u32, u32, u16, [u8; 16], u16) {
-        (v.backend_id, v.expires, v.flags, v.nat_addr, v.nat_port)
-    }
-}
-
 /// The conntrack maps and the backend maps the GC checks them against.
 pub struct Gc {
     pub tcp4: HashMap<MapData, Ct4Key, Ct4Value>,
@@ -211,13 +160,14 @@ impl Gc {
     }
 }
 
-fn read_backends<F: Family>(
+fn read_backends<F: MapFamily>(
     map: &HashMap<MapData, u32, F::Backend>,
 ) -> Result<StdHashMap<u32, (F::Addr, u16)>, MapError> {
     let mut out = StdHashMap::new();
     for item in map.iter() {
         let (id, b) = item?;
-        out.insert(id, F::backend_addr(&b));
+        let (addr, port, ..) = F::backend_fields(&b);
+        out.insert(id, (addr, port));
     }
     Ok(out)
 }
@@ -332,11 +282,12 @@ fn snapshot_by_key<K: aya::Pod + Eq + Hash, V: aya::Pod>(
 }
 
 /// A reply entry's client side (address, port), protocol and backend id.
-type ReplyOf<F> = (<F as Family>::Addr, u16, u8, u32);
+type ReplyOf<F> = (<F as MapFamily>::Addr, u16, u8, u32);
 
-fn sweep<F: Family>(
+/// One map's pass: read it and its family's backends, judge every entry, delete the doomed.
+fn sweep<F: MapFamily>(
     name: &str,
-    map: &mut HashMap<MapData, F::Key, F::Value>,
+    map: &mut HashMap<MapData, F::CtKey, F::CtValue>,
     backend_map: &HashMap<MapData, u32, F::Backend>,
     now: u32,
     report: &mut GcReport,
@@ -361,72 +312,99 @@ fn sweep<F: Family>(
             return;
         }
     };
-    // Where each flow's reply entry says its backend is: (client side as the reply entry is
-    // keyed, proto, backend id) → backend address. A service entry's backend id names the
-    // backend it was made for only if that address is still the id's.
-    let mut replies: StdHashMap<ReplyOf<F>, (F::Addr, u16)> = StdHashMap::new();
+    let replies = replies::<F>(&entries);
+    let mut doomed: Vec<(F::CtKey, Reason)> = Vec::new();
     for (k, v) in &entries {
-        let (saddr, sport, daddr, dport, proto, dir) = F::key(k);
+        match judge::<F>(k, v, now, &backends, &replies) {
+            Some(r) => doomed.push((*k, r)),
+            None => count_live::<F>(report, k, v),
+        }
+    }
+    delete::<F>(name, map, doomed, now, report);
+}
+
+/// Where each flow's reply entry says its backend is: (client side as the reply entry is
+/// keyed, proto, backend id) → backend address. A service entry's backend id names the
+/// backend it was made for only if that address is still the id's.
+fn replies<F: MapFamily>(
+    entries: &StdHashMap<F::CtKey, F::CtValue>,
+) -> StdHashMap<ReplyOf<F>, (F::Addr, u16)> {
+    let mut replies = StdHashMap::new();
+    for (k, v) in entries {
+        let (saddr, sport, daddr, dport, proto, dir) = F::ct_key_fields(k);
         if dir == ct_dir::REPLY {
-            let (id, ..) = F::value(v);
+            let (id, ..) = F::ct_value_fields(v);
             replies.insert((daddr, dport, proto, id), (saddr, sport));
         }
     }
-    let mut doomed: Vec<(F::Key, Reason)> = Vec::new();
-    for (k, v) in &entries {
-        let (saddr, sport, _, _, proto, dir) = F::key(k);
-        let (id, expires, flags, nat_addr, nat_port) = F::value(v);
-        let reason = if expires <= now {
-            Some(
-                if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
-                    Reason::Closed
-                } else {
-                    Reason::Expired
-                },
-            )
-        } else {
-            match backends.get(&id) {
-                None => Some(Reason::BackendGone),
-                Some(addr) => {
-                    // The address the entry was made for: the reply entry's own source, or
-                    // what the flow's reply entry says.
-                    let made_for = if dir == ct_dir::REPLY {
-                        Some((saddr, sport))
-                    } else {
-                        let client = if flags & ct_flags::SNAT != 0 {
-                            (nat_addr, nat_port)
-                        } else {
-                            (saddr, sport)
-                        };
-                        replies.get(&(client.0, client.1, proto, id)).copied()
-                    };
-                    match made_for {
-                        Some(a) if a != *addr => Some(Reason::BackendGone),
-                        _ => None,
-                    }
-                }
-            }
-        };
-        match reason {
-            Some(r) => doomed.push((*k, r)),
-            None => {
-                *report
-                    .entries
-                    .entry((F::NAME, protocol_name(proto), state_name(flags)))
-                    .or_default() += 1;
-            }
-        }
+    replies
+}
+
+/// Why entry `k` → `v` goes at `now`, if it does.
+fn judge<F: MapFamily>(
+    k: &F::CtKey,
+    v: &F::CtValue,
+    now: u32,
+    backends: &StdHashMap<u32, (F::Addr, u16)>,
+    replies: &StdHashMap<ReplyOf<F>, (F::Addr, u16)>,
+) -> Option<Reason> {
+    let (saddr, sport, _, _, proto, dir) = F::ct_key_fields(k);
+    let (id, expires, flags, nat_addr, nat_port) = F::ct_value_fields(v);
+    if expires <= now {
+        return Some(
+            if flags & (ct_flags::TX_CLOSING | ct_flags::RX_CLOSING) != 0 {
+                Reason::Closed
+            } else {
+                Reason::Expired
+            },
+        );
     }
+    let Some(addr) = backends.get(&id) else {
+        return Some(Reason::BackendGone);
+    };
+    // The address the entry was made for: the reply entry's own source, or what the flow's
+    // reply entry says.
+    let made_for = if dir == ct_dir::REPLY {
+        Some((saddr, sport))
+    } else {
+        let client = if flags & ct_flags::SNAT != 0 {
+            (nat_addr, nat_port)
+        } else {
+            (saddr, sport)
+        };
+        replies.get(&(client.0, client.1, proto, id)).copied()
+    };
+    match made_for {
+        Some(a) if a != *addr => Some(Reason::BackendGone),
+        _ => None,
+    }
+}
+
+/// Counts a live entry in `lb_conntrack_entries`.
+fn count_live<F: MapFamily>(report: &mut GcReport, k: &F::CtKey, v: &F::CtValue) {
+    let (_, _, _, _, proto, _) = F::ct_key_fields(k);
+    let (_, _, flags, _, _) = F::ct_value_fields(v);
+    *report
+        .entries
+        .entry((F::NAME, protocol_name(proto), state_name(flags)))
+        .or_default() += 1;
+}
+
+/// Deletes the doomed entries; an expired or closed one only if no packet revived it since the
+/// walk (then it counts as live). Stops at the first failed delete.
+fn delete<F: MapFamily>(
+    name: &str,
+    map: &mut HashMap<MapData, F::CtKey, F::CtValue>,
+    doomed: Vec<(F::CtKey, Reason)>,
+    now: u32,
+    report: &mut GcReport,
+) {
     for (k, reason) in doomed {
         if matches!(reason, Reason::Expired | Reason::Closed) {
             // A packet may have revived the flow since the walk.
             match map.get(&k, 0) {
-                Ok(v) if F::value(&v).1 > now => {
-                    let (_, _, _, _, proto, _) = F::key(&k);
-                    *report
-                        .entries
-                        .entry((F::NAME, protocol_name(proto), state_name(F::value(&v).2)))
-                        .or_default() += 1;
+                Ok(v) if F::ct_value_fields(&v).1 > now => {
+                    count_live::<F>(report, &k, &v);
                     continue;
                 }
                 Ok(_) => {}

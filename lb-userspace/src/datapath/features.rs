@@ -83,19 +83,27 @@ pub fn probe(devices: &[String], xdp: XdpMode) -> Features {
     let release = fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_owned())
         .unwrap_or_else(|_| "unknown".into());
-    let version = KernelVersion::current().ok();
-    let at_least = |maj, min| version.is_some_and(|v| v >= KernelVersion::new(maj, min, 0));
-    let syms = kernel_symbols(&[
-        "bpf_sock_destroy",
-        "bpf_iter_tcp_seq_show",
-        "bpf_iter_udp_seq_show",
-    ]);
-    let feature = |name: &str, available: bool, yes: &str, no: &str| Feature {
+    let mut features = attach_features();
+    features.extend(socket_features());
+    features.extend(kernel_features());
+    features.extend(xdp_features(devices, xdp));
+    Features { release, features }
+}
+
+/// A probed feature and what lb does with it or without it.
+fn feature(name: &str, available: bool, yes: &str, no: &str) -> Feature {
+    Feature {
         name: name.into(),
         available,
         chosen: if available { yes } else { no }.into(),
-    };
-    let mut features = vec![
+    }
+}
+
+/// How lb's programs attach, by kernel version.
+fn attach_features() -> Vec<Feature> {
+    let version = KernelVersion::current().ok();
+    let at_least = |maj, min| version.is_some_and(|v| v >= KernelVersion::new(maj, min, 0));
+    vec![
         feature(
             "tcx",
             at_least(6, 6),
@@ -121,6 +129,17 @@ pub fn probe(devices: &[String], xdp: XdpMode) -> Features {
             "a veth receives XDP frames only if its peer runs an XDP program: keep --xdp auto \
              (tc on veths)",
         ),
+    ]
+}
+
+/// What socket LB can do: refuse with ECONNREFUSED, destroy connected UDP sockets.
+fn socket_features() -> Vec<Feature> {
+    let syms = kernel_symbols(&[
+        "bpf_sock_destroy",
+        "bpf_iter_tcp_seq_show",
+        "bpf_iter_udp_seq_show",
+    ]);
+    vec![
         feature(
             "bpf_set_retval",
             sock_set_retval_supported(),
@@ -141,6 +160,12 @@ pub fn probe(devices: &[String], xdp: XdpMode) -> Features {
             "iter/tcp and iter/udp present (5.9+)",
             "iter/tcp or iter/udp absent",
         ),
+    ]
+}
+
+/// Map types and BTF.
+fn kernel_features() -> Vec<Feature> {
+    vec![
         feature(
             "per-CPU LRU hash",
             is_map_supported(MapType::LruPerCpuHash).unwrap_or(false),
@@ -153,7 +178,12 @@ pub fn probe(devices: &[String], xdp: XdpMode) -> Features {
             "vmlinux BTF present",
             "no vmlinux BTF: maps still carry their own BTF for bpftool",
         ),
-    ];
+    ]
+}
+
+/// XDP, per external device.
+fn xdp_features(devices: &[String], xdp: XdpMode) -> Vec<Feature> {
+    let mut features = Vec::new();
     for dev in devices {
         let mode = xdp.resolve(dev);
         let (available, chosen) = match mode {
@@ -170,5 +200,5 @@ pub fn probe(devices: &[String], xdp: XdpMode) -> Features {
             chosen,
         });
     }
-    Features { release, features }
+    features
 }

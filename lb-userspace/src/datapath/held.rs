@@ -17,23 +17,20 @@ use std::{
 };
 
 use aya::maps::{HashMap, IterableMap as _, MapData, MapError};
-use lb_common::{
-    Backend4, Backend6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, RevNat4, RevNat6, Svc4Key,
-    Svc6Key, SvcValue, map_names,
+use lb_common::{ClusterIpValue, SvcValue, map_names};
+
+use super::{
+    batch,
+    error::MapOpError,
+    family::{MapFamily, V4, V6},
 };
 
-use super::{batch, error::MapOpError};
-
-/// The maps [`Held`] writes to, borrowed only to duplicate their descriptors.
-pub(crate) struct HeldMaps<'a> {
-    pub(crate) cluster_ips4: &'a HashMap<MapData, ClusterIp4Key, ClusterIpValue>,
-    pub(crate) cluster_ips6: &'a HashMap<MapData, ClusterIp6Key, ClusterIpValue>,
-    pub(crate) backends4: &'a HashMap<MapData, u32, Backend4>,
-    pub(crate) backends6: &'a HashMap<MapData, u32, Backend6>,
-    pub(crate) revnat4: &'a HashMap<MapData, u32, RevNat4>,
-    pub(crate) revnat6: &'a HashMap<MapData, u32, RevNat6>,
-    pub(crate) services4: &'a HashMap<MapData, Svc4Key, SvcValue>,
-    pub(crate) services6: &'a HashMap<MapData, Svc6Key, SvcValue>,
+/// One family's maps [`Held`] writes to, borrowed only to duplicate their descriptors.
+pub(crate) struct HeldMaps<'a, F: MapFamily> {
+    pub(crate) cluster_ips: &'a HashMap<MapData, F::ClusterIpKey, ClusterIpValue>,
+    pub(crate) backends: &'a HashMap<MapData, u32, F::Backend>,
+    pub(crate) revnat: &'a HashMap<MapData, u32, F::RevNat>,
+    pub(crate) services: &'a HashMap<MapData, F::SvcKey, SvcValue>,
 }
 
 /// A batch for a writer thread.
@@ -143,39 +140,80 @@ where
 
 /// The master entries held, in write order.
 pub(crate) struct Masters {
-    pub(crate) v4: Vec<(Svc4Key, SvcValue)>,
-    pub(crate) v6: Vec<(Svc6Key, SvcValue)>,
+    pub(crate) v4: Vec<(<V4 as MapFamily>::SvcKey, SvcValue)>,
+    pub(crate) v6: Vec<(<V6 as MapFamily>::SvcKey, SvcValue)>,
+}
+
+/// One family's held entries but the masters.
+struct Queues<F: MapFamily> {
+    cluster_ips: Queue<F::ClusterIpKey, ClusterIpValue>,
+    backends: Queue<u32, F::Backend>,
+    revnat: Queue<u32, F::RevNat>,
+    slots: Queue<F::SvcKey, SvcValue>,
+}
+
+impl<F: MapFamily> Queues<F> {
+    fn new(maps: &HeldMaps<'_, F>) -> io::Result<Self> {
+        let names = &F::NAMES;
+        Ok(Self {
+            cluster_ips: Queue::new(names.cluster_ips, maps.cluster_ips)?,
+            backends: Queue::new(names.backends, maps.backends)?,
+            revnat: Queue::new(names.revnat, maps.revnat)?,
+            slots: Queue::new(names.services, maps.services)?,
+        })
+    }
 }
 
 pub(crate) struct Held {
-    cluster_ips4: Queue<ClusterIp4Key, ClusterIpValue>,
-    cluster_ips6: Queue<ClusterIp6Key, ClusterIpValue>,
-    backends4: Queue<u32, Backend4>,
-    backends6: Queue<u32, Backend6>,
-    revnat4: Queue<u32, RevNat4>,
-    revnat6: Queue<u32, RevNat6>,
-    slots4: Queue<Svc4Key, SvcValue>,
-    slots6: Queue<Svc6Key, SvcValue>,
+    v4: Queues<V4>,
+    v6: Queues<V6>,
     /// Writes the ClusterIPs, backends and rev-NAT entries.
     others: Writer,
     /// Writes the slots.
     slot_writer: Writer,
     /// Written by `BpfMaps` itself, after `finish_writers`.
-    pub(crate) masters: Masters,
+    masters: Masters,
+}
+
+/// One family's side of a [`Held`]: where its entries go.
+pub(crate) struct HeldFamily<'a, F: MapFamily> {
+    queues: &'a mut Queues<F>,
+    masters: &'a mut Vec<(F::SvcKey, SvcValue)>,
+    others: &'a mut Writer,
+    slot_writer: &'a mut Writer,
+}
+
+impl<F: MapFamily> HeldFamily<'_, F> {
+    pub(crate) fn cluster_ip(&mut self, e: (F::ClusterIpKey, ClusterIpValue)) {
+        self.queues.cluster_ips.push(e, self.others);
+    }
+
+    pub(crate) fn backend(&mut self, e: (u32, F::Backend)) {
+        self.queues.backends.push(e, self.others);
+    }
+
+    pub(crate) fn revnat(&mut self, e: (u32, F::RevNat)) {
+        self.queues.revnat.push(e, self.others);
+    }
+
+    /// A service entry: a master (slot 0) is kept to be written last, a slot goes to its
+    /// writer.
+    pub(crate) fn service(&mut self, slot: u16, e: (F::SvcKey, SvcValue)) {
+        if slot == 0 {
+            self.masters.push(e);
+        } else {
+            self.queues.slots.push(e, self.slot_writer);
+        }
+    }
 }
 
 impl Held {
-    /// Starts holding writes to `maps` (its writer threads and descriptors of its maps).
-    pub(crate) fn new(maps: &HeldMaps<'_>) -> io::Result<Self> {
+    /// Starts holding writes to the maps of both families (its writer threads and descriptors
+    /// of its maps).
+    pub(crate) fn new(v4: &HeldMaps<'_, V4>, v6: &HeldMaps<'_, V6>) -> io::Result<Self> {
         Ok(Self {
-            cluster_ips4: Queue::new(map_names::CLUSTER_IPS4, maps.cluster_ips4)?,
-            cluster_ips6: Queue::new(map_names::CLUSTER_IPS6, maps.cluster_ips6)?,
-            backends4: Queue::new(map_names::BACKENDS4, maps.backends4)?,
-            backends6: Queue::new(map_names::BACKENDS6, maps.backends6)?,
-            revnat4: Queue::new(map_names::REVNAT4, maps.revnat4)?,
-            revnat6: Queue::new(map_names::REVNAT6, maps.revnat6)?,
-            slots4: Queue::new(map_names::SERVICES4, maps.services4)?,
-            slots6: Queue::new(map_names::SERVICES6, maps.services6)?,
+            v4: Queues::new(v4)?,
+            v6: Queues::new(v6)?,
             others: Writer::spawn("lb-map-writer")?,
             slot_writer: Writer::spawn("lb-slot-writer")?,
             masters: Masters {
@@ -185,36 +223,22 @@ impl Held {
         })
     }
 
-    pub(crate) fn cluster_ip4(&mut self, e: (ClusterIp4Key, ClusterIpValue)) {
-        self.cluster_ips4.push(e, &mut self.others);
+    pub(crate) fn v4(&mut self) -> HeldFamily<'_, V4> {
+        HeldFamily {
+            queues: &mut self.v4,
+            masters: &mut self.masters.v4,
+            others: &mut self.others,
+            slot_writer: &mut self.slot_writer,
+        }
     }
 
-    pub(crate) fn cluster_ip6(&mut self, e: (ClusterIp6Key, ClusterIpValue)) {
-        self.cluster_ips6.push(e, &mut self.others);
-    }
-
-    pub(crate) fn backend4(&mut self, e: (u32, Backend4)) {
-        self.backends4.push(e, &mut self.others);
-    }
-
-    pub(crate) fn backend6(&mut self, e: (u32, Backend6)) {
-        self.backends6.push(e, &mut self.others);
-    }
-
-    pub(crate) fn revnat4(&mut self, e: (u32, RevNat4)) {
-        self.revnat4.push(e, &mut self.others);
-    }
-
-    pub(crate) fn revnat6(&mut self, e: (u32, RevNat6)) {
-        self.revnat6.push(e, &mut self.others);
-    }
-
-    pub(crate) fn slot4(&mut self, e: (Svc4Key, SvcValue)) {
-        self.slots4.push(e, &mut self.slot_writer);
-    }
-
-    pub(crate) fn slot6(&mut self, e: (Svc6Key, SvcValue)) {
-        self.slots6.push(e, &mut self.slot_writer);
+    pub(crate) fn v6(&mut self) -> HeldFamily<'_, V6> {
+        HeldFamily {
+            queues: &mut self.v6,
+            masters: &mut self.masters.v6,
+            others: &mut self.others,
+            slot_writer: &mut self.slot_writer,
+        }
     }
 
     /// Hands over what is left and waits for both writers: then everything but the masters
@@ -222,14 +246,14 @@ impl Held {
     pub(crate) fn finish_writers(mut self) -> Result<Masters, MapOpError> {
         // Order among these is free: only the ClusterIPs are visible before a master, and the
         // masters come after all of them.
-        self.cluster_ips4.flush(&mut self.others);
-        self.cluster_ips6.flush(&mut self.others);
-        self.backends4.flush(&mut self.others);
-        self.backends6.flush(&mut self.others);
-        self.revnat4.flush(&mut self.others);
-        self.revnat6.flush(&mut self.others);
-        self.slots4.flush(&mut self.slot_writer);
-        self.slots6.flush(&mut self.slot_writer);
+        self.v4.cluster_ips.flush(&mut self.others);
+        self.v6.cluster_ips.flush(&mut self.others);
+        self.v4.backends.flush(&mut self.others);
+        self.v6.backends.flush(&mut self.others);
+        self.v4.revnat.flush(&mut self.others);
+        self.v6.revnat.flush(&mut self.others);
+        self.v4.slots.flush(&mut self.slot_writer);
+        self.v6.slots.flush(&mut self.slot_writer);
         let others = self.others.finish();
         let slots = self.slot_writer.finish();
         others.and(slots)?;

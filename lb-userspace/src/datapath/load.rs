@@ -313,6 +313,100 @@ pub fn sock_set_retval_supported() -> bool {
     }
 }
 
+/// Checks the pin dir before loading: every map `pinned` names is there (`only_pinned`: a
+/// running lb's), or the dir is made ready for new pins; then the pins' layout version,
+/// Maglev geometry and map shapes.
+fn check_pin_dir(dir: &Path, opts: &LoadOptions, pinned: &[&str]) -> anyhow::Result<()> {
+    if opts.only_pinned.is_some() {
+        for name in pinned {
+            let path = dir.join(name);
+            if !path.exists() {
+                bail!(
+                    "no pinned map {}: is `lb run` running? (--pin-dir)",
+                    path.display()
+                );
+            }
+        }
+    } else {
+        prepare_pin_dir(dir)?;
+    }
+    // The version first: it explains a layout change better than a size mismatch.
+    let meta = super::meta::check(dir)?;
+    super::meta::check_maglev(dir, meta.as_ref(), opts.maglev_geometry().table_size)?;
+    check_pinned_maps(dir, opts)
+}
+
+/// Sets the maps' sizes and the frozen globals the programs are verified with; returns
+/// whether the programs may call `bpf_set_retval`.
+fn configure_loader<'a>(
+    loader: &mut EbpfLoader<'a>,
+    opts: &'a LoadOptions,
+    maglev: &'a MaglevGeometry,
+) -> bool {
+    for (name, n) in &opts.max_entries {
+        loader.map_max_entries(name, *n);
+    }
+    loader.map_max_entries(map_names::MAGLEV, opts.max_entries_of(map_names::MAGLEV));
+    // Frozen .rodata like LB_TRACE: the datapath's M is always the tables' M.
+    loader.override_global(globals::MAGLEV_TABLE_SIZE, &maglev.table_size, true);
+    if opts.trace {
+        // A .rodata global: the kernel freezes it, so with the default 0 the verifier
+        // prunes the tracing code from production loads.
+        loader.override_global(globals::TRACE, &1u8, true);
+    }
+    let t = &opts.ct_timeouts;
+    for (name, secs) in [
+        (globals::CT_TIMEOUT_TCP_SYN, &t.tcp_syn),
+        (globals::CT_TIMEOUT_TCP, &t.tcp),
+        (globals::CT_TIMEOUT_TCP_FIN, &t.tcp_fin),
+        (globals::CT_TIMEOUT_ANY, &t.any),
+    ] {
+        loader.override_global(name, secs, true);
+    }
+    let set_retval = !opts.no_set_retval && sock_set_retval_supported();
+    if set_retval {
+        // Frozen like LB_TRACE: with 0 the helper call stays unverified dead code.
+        loader.override_global(globals::HAS_SET_RETVAL, &1u8, true);
+    }
+    set_retval
+}
+
+/// Makes new pins private (0600) and, in a pin dir, records their layout version.
+fn finish_pins(
+    ebpf: &mut Ebpf,
+    opts: &LoadOptions,
+    pins: &[(&str, PathBuf)],
+    maglev: MaglevGeometry,
+) -> anyhow::Result<()> {
+    for (_, path) in pins {
+        fs::set_permissions(path, fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("chmod 0600 {}", path.display()))?;
+    }
+    if opts.pin_dir.is_some() {
+        super::meta::write(
+            ebpf.map_mut(map_names::META)
+                .context("map lb_meta missing")?,
+            maglev.table_size,
+        )?;
+    }
+    Ok(())
+}
+
+/// Loads every program into the kernel (the verifier runs here).
+fn load_programs(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    for (name, program) in ebpf.programs_mut() {
+        let r = match program {
+            Program::SchedClassifier(p) => p.load(),
+            Program::CgroupSockAddr(p) => p.load(),
+            Program::CgroupSkb(p) => p.load(),
+            Program::Xdp(p) => p.load(),
+            _ => continue,
+        };
+        r.with_context(|| format!("loading program {name} (verifier)"))?;
+    }
+    Ok(())
+}
+
 /// The loaded programs and maps. Dropping it detaches everything it attached.
 pub struct Datapath {
     ebpf: Ebpf,
@@ -335,51 +429,11 @@ impl Datapath {
             None => map_names::ALL.to_vec(),
         };
         if let Some(dir) = &opts.pin_dir {
-            if opts.only_pinned.is_some() {
-                for name in &pinned {
-                    let path = dir.join(name);
-                    if !path.exists() {
-                        bail!(
-                            "no pinned map {}: is `lb run` running? (--pin-dir)",
-                            path.display()
-                        );
-                    }
-                }
-            } else {
-                prepare_pin_dir(dir)?;
-            }
-            // The version first: it explains a layout change better than a size mismatch.
-            let meta = super::meta::check(dir)?;
-            super::meta::check_maglev(dir, meta.as_ref(), opts.maglev_geometry().table_size)?;
-            check_pinned_maps(dir, opts)?;
+            check_pin_dir(dir, opts, &pinned)?;
         }
         let mut loader = EbpfLoader::new();
-        for (name, n) in &opts.max_entries {
-            loader.map_max_entries(name, *n);
-        }
         let maglev = opts.maglev_geometry();
-        loader.map_max_entries(map_names::MAGLEV, opts.max_entries_of(map_names::MAGLEV));
-        // Frozen .rodata like LB_TRACE: the datapath's M is always the tables' M.
-        loader.override_global(globals::MAGLEV_TABLE_SIZE, &maglev.table_size, true);
-        if opts.trace {
-            // A .rodata global: the kernel freezes it, so with the default 0 the verifier
-            // prunes the tracing code from production loads.
-            loader.override_global(globals::TRACE, &1u8, true);
-        }
-        let t = &opts.ct_timeouts;
-        for (name, secs) in [
-            (globals::CT_TIMEOUT_TCP_SYN, &t.tcp_syn),
-            (globals::CT_TIMEOUT_TCP, &t.tcp),
-            (globals::CT_TIMEOUT_TCP_FIN, &t.tcp_fin),
-            (globals::CT_TIMEOUT_ANY, &t.any),
-        ] {
-            loader.override_global(name, secs, true);
-        }
-        let set_retval = !opts.no_set_retval && sock_set_retval_supported();
-        if set_retval {
-            // Frozen like LB_TRACE: with 0 the helper call stays unverified dead code.
-            loader.override_global(globals::HAS_SET_RETVAL, &1u8, true);
-        }
+        let set_retval = configure_loader(&mut loader, opts, &maglev);
         let pins: Vec<(&str, PathBuf)> = match &opts.pin_dir {
             Some(dir) => pinned.iter().map(|n| (*n, dir.join(n))).collect(),
             None => Vec::new(),
@@ -391,28 +445,9 @@ impl Datapath {
             .load(EBPF_OBJECT)
             .context("loading lb's eBPF object (maps and BTF)")?;
         if opts.only_pinned.is_none() {
-            for (_, path) in &pins {
-                fs::set_permissions(path, fs::Permissions::from_mode(0o600))
-                    .with_context(|| format!("chmod 0600 {}", path.display()))?;
-            }
-            if opts.pin_dir.is_some() {
-                super::meta::write(
-                    ebpf.map_mut(map_names::META)
-                        .context("map lb_meta missing")?,
-                    maglev.table_size,
-                )?;
-            }
+            finish_pins(&mut ebpf, opts, &pins, maglev)?;
         }
-        for (name, program) in ebpf.programs_mut() {
-            let r = match program {
-                Program::SchedClassifier(p) => p.load(),
-                Program::CgroupSockAddr(p) => p.load(),
-                Program::CgroupSkb(p) => p.load(),
-                Program::Xdp(p) => p.load(),
-                _ => continue,
-            };
-            r.with_context(|| format!("loading program {name} (verifier)"))?;
-        }
+        load_programs(&mut ebpf)?;
         let max_entries = MAP_SPECS
             .iter()
             .map(|s| (s.name.to_string(), opts.max_entries_of(s.name)))

@@ -15,6 +15,10 @@ use lb_common::{
 };
 
 pub use super::error::MapOpError;
+use super::{
+    family::{MapFamily, SvcKeyRest, V4, V6},
+    held::{Held, HeldFamily, HeldMaps},
+};
 use crate::{
     model::{Backend, BackendState, Family, Frontend, L4Addr, Proto, Scope},
     node::Cidr,
@@ -161,33 +165,6 @@ pub fn src_ranges_of(ranges: &BTreeSet<(u32, Cidr)>, family: Family) -> usize {
         .count()
 }
 
-/// The LPM key of source range `cidr` of frontend `rev_nat_id` (the id always matched whole).
-fn src_range4_key(rev_nat_id: u32, cidr: &Cidr) -> Option<LpmKey<SrcRange4>> {
-    match cidr.network() {
-        IpAddr::V4(a) => Some(LpmKey::new(
-            32 + u32::from(cidr.prefix),
-            SrcRange4 {
-                rev_nat_id: rev_nat_id.to_be_bytes(),
-                addr: a.octets(),
-            },
-        )),
-        IpAddr::V6(_) => None,
-    }
-}
-
-fn src_range6_key(rev_nat_id: u32, cidr: &Cidr) -> Option<LpmKey<SrcRange6>> {
-    match cidr.network() {
-        IpAddr::V6(a) => Some(LpmKey::new(
-            32 + u32::from(cidr.prefix),
-            SrcRange6 {
-                rev_nat_id: rev_nat_id.to_be_bytes(),
-                addr: a.octets(),
-            },
-        )),
-        IpAddr::V4(_) => None,
-    }
-}
-
 /// Backends of `family` in a backend id → backend table.
 pub fn backends_of(backends: &BTreeMap<u32, Backend>, family: Family) -> usize {
     backends
@@ -257,26 +234,17 @@ pub trait LbMaps {
 
 /// The `lb4_services` key of `fe`'s `slot`.
 pub fn svc4_key(fe: &Frontend, addr: Ipv4Addr, slot: u16) -> Svc4Key {
-    Svc4Key {
-        addr: addr.octets(),
-        port: fe.l4.port,
-        slot,
-        proto: fe.l4.proto.number(),
-        scope: fe.scope as u8,
-        pad: [0; 2],
-    }
+    V4::svc_key(addr.octets(), svc_key_rest(fe, slot))
 }
 
 /// The `lb6_services` key of `fe`'s `slot`.
 pub fn svc6_key(fe: &Frontend, addr: Ipv6Addr, slot: u16) -> Svc6Key {
-    Svc6Key {
-        addr: addr.octets(),
-        port: fe.l4.port,
-        slot,
-        proto: fe.l4.proto.number(),
-        scope: fe.scope as u8,
-        pad: [0; 2],
-    }
+    V6::svc_key(addr.octets(), svc_key_rest(fe, slot))
+}
+
+/// A service key's fields of `fe`'s `slot` but the address.
+fn svc_key_rest(fe: &Frontend, slot: u16) -> SvcKeyRest {
+    (fe.l4.port, fe.l4.proto.number(), fe.scope as u8, slot)
 }
 
 /// The kernel's maps, pinned or private.
@@ -301,7 +269,7 @@ pub struct BpfMaps {
     pub maglev: Option<Array<MapData, u32>>,
     pub maglev_geometry: MaglevGeometry,
     /// Writes `hold_writes` held, in order per map.
-    pub(crate) held: Option<Box<super::held::Held>>,
+    pub(crate) held: Option<Box<Held>>,
 }
 
 /// Writes `entries` into `map` in batches; where the kernel refuses a batch (one entry failed,
@@ -358,95 +326,34 @@ impl LbMaps for BpfMaps {
     }
 
     fn put_backend(&mut self, id: u32, backend: &Backend) -> Result<(), MapOpError> {
-        let (proto, port, state) = (
-            backend.l4.proto.number(),
-            backend.l4.port,
-            backend.state as u8,
-        );
-        match backend.l4.addr {
-            IpAddr::V4(a) => {
-                let v = Backend4 {
-                    addr: a.octets(),
-                    port,
-                    proto,
-                    state,
-                };
-                if let Some(h) = &mut self.held {
-                    h.backend4((id, v));
-                    return Ok(());
-                }
-                self.backends4
-                    .insert(id, v, 0)
-                    .map_err(|e| MapOpError::from_aya(map_names::BACKENDS4, e))
-            }
-            IpAddr::V6(a) => {
-                let v = Backend6 {
-                    addr: a.octets(),
-                    port,
-                    proto,
-                    state,
-                };
-                if let Some(h) = &mut self.held {
-                    h.backend6((id, v));
-                    return Ok(());
-                }
-                self.backends6
-                    .insert(id, v, 0)
-                    .map_err(|e| MapOpError::from_aya(map_names::BACKENDS6, e))
-            }
+        let l4 = &backend.l4;
+        let (port, proto, state) = (l4.port, l4.proto.number(), backend.state as u8);
+        match l4.addr {
+            IpAddr::V4(a) => self.v4().put_backend(id, a.octets(), port, proto, state),
+            IpAddr::V6(a) => self.v6().put_backend(id, a.octets(), port, proto, state),
         }
     }
 
     fn del_backend(&mut self, id: u32, family: Family) -> Result<(), MapOpError> {
         self.release_held()?;
         match family {
-            Family::V4 => ignore_missing(self.backends4.remove(&id))
-                .map_err(|e| MapOpError::from_aya(map_names::BACKENDS4, e)),
-            Family::V6 => ignore_missing(self.backends6.remove(&id))
-                .map_err(|e| MapOpError::from_aya(map_names::BACKENDS6, e)),
+            Family::V4 => self.v4().del_backend(id),
+            Family::V6 => self.v6().del_backend(id),
         }
     }
 
     fn put_revnat(&mut self, id: u32, addr: IpAddr, port: u16) -> Result<(), MapOpError> {
         match addr {
-            IpAddr::V4(a) => {
-                let v = RevNat4 {
-                    addr: a.octets(),
-                    port,
-                    pad: 0,
-                };
-                if let Some(h) = &mut self.held {
-                    h.revnat4((id, v));
-                    return Ok(());
-                }
-                self.revnat4
-                    .insert(id, v, 0)
-                    .map_err(|e| MapOpError::from_aya(map_names::REVNAT4, e))
-            }
-            IpAddr::V6(a) => {
-                let v = RevNat6 {
-                    addr: a.octets(),
-                    port,
-                    pad: 0,
-                };
-                if let Some(h) = &mut self.held {
-                    h.revnat6((id, v));
-                    return Ok(());
-                }
-                self.revnat6
-                    .insert(id, v, 0)
-                    .map_err(|e| MapOpError::from_aya(map_names::REVNAT6, e))
-            }
+            IpAddr::V4(a) => self.v4().put_revnat(id, a.octets(), port),
+            IpAddr::V6(a) => self.v6().put_revnat(id, a.octets(), port),
         }
     }
 
     fn del_revnat(&mut self, id: u32, family: Family) -> Result<(), MapOpError> {
         self.release_held()?;
         match family {
-            Family::V4 => ignore_missing(self.revnat4.remove(&id))
-                .map_err(|e| MapOpError::from_aya(map_names::REVNAT4, e)),
-            Family::V6 => ignore_missing(self.revnat6.remove(&id))
-                .map_err(|e| MapOpError::from_aya(map_names::REVNAT6, e)),
+            Family::V4 => self.v4().del_revnat(id),
+            Family::V6 => self.v6().del_revnat(id),
         }
     }
 
@@ -456,97 +363,49 @@ impl LbMaps for BpfMaps {
         slot: u16,
         value: &SvcValue,
     ) -> Result<(), MapOpError> {
-        if let Some(h) = &mut self.held {
-            match frontend.l4.addr {
-                IpAddr::V4(a) if slot == 0 => h.masters.v4.push((svc4_key(frontend, a, 0), *value)),
-                IpAddr::V4(a) => h.slot4((svc4_key(frontend, a, slot), *value)),
-                IpAddr::V6(a) if slot == 0 => h.masters.v6.push((svc6_key(frontend, a, 0), *value)),
-                IpAddr::V6(a) => h.slot6((svc6_key(frontend, a, slot), *value)),
-            }
-            return Ok(());
-        }
+        let rest = svc_key_rest(frontend, slot);
         match frontend.l4.addr {
-            IpAddr::V4(a) => self
-                .services4
-                .insert(svc4_key(frontend, a, slot), value, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::SERVICES4, e)),
-            IpAddr::V6(a) => self
-                .services6
-                .insert(svc6_key(frontend, a, slot), value, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::SERVICES6, e)),
+            IpAddr::V4(a) => self.v4().put_service(a.octets(), rest, value),
+            IpAddr::V6(a) => self.v6().put_service(a.octets(), rest, value),
         }
     }
 
     fn del_service(&mut self, frontend: &Frontend, slot: u16) -> Result<(), MapOpError> {
         self.release_held()?;
+        let rest = svc_key_rest(frontend, slot);
         match frontend.l4.addr {
-            IpAddr::V4(a) => ignore_missing(self.services4.remove(&svc4_key(frontend, a, slot)))
-                .map_err(|e| MapOpError::from_aya(map_names::SERVICES4, e)),
-            IpAddr::V6(a) => ignore_missing(self.services6.remove(&svc6_key(frontend, a, slot)))
-                .map_err(|e| MapOpError::from_aya(map_names::SERVICES6, e)),
+            IpAddr::V4(a) => self.v4().del_service(a.octets(), rest),
+            IpAddr::V6(a) => self.v6().del_service(a.octets(), rest),
         }
     }
 
     fn put_cluster_ip(&mut self, addr: IpAddr, frontends: u32) -> Result<(), MapOpError> {
         let v = ClusterIpValue { frontends };
-        if let Some(h) = &mut self.held {
-            match addr {
-                IpAddr::V4(a) => h.cluster_ip4((ClusterIp4Key { addr: a.octets() }, v)),
-                IpAddr::V6(a) => h.cluster_ip6((ClusterIp6Key { addr: a.octets() }, v)),
-            }
-            return Ok(());
-        }
         match addr {
-            IpAddr::V4(a) => self
-                .cluster_ips4
-                .insert(ClusterIp4Key { addr: a.octets() }, v, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS4, e)),
-            IpAddr::V6(a) => self
-                .cluster_ips6
-                .insert(ClusterIp6Key { addr: a.octets() }, v, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS6, e)),
+            IpAddr::V4(a) => self.v4().put_cluster_ip(a.octets(), v),
+            IpAddr::V6(a) => self.v6().put_cluster_ip(a.octets(), v),
         }
     }
 
     fn del_cluster_ip(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
         self.release_held()?;
         match addr {
-            IpAddr::V4(a) => ignore_missing(
-                self.cluster_ips4
-                    .remove(&ClusterIp4Key { addr: a.octets() }),
-            )
-            .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS4, e)),
-            IpAddr::V6(a) => ignore_missing(
-                self.cluster_ips6
-                    .remove(&ClusterIp6Key { addr: a.octets() }),
-            )
-            .map_err(|e| MapOpError::from_aya(map_names::CLUSTER_IPS6, e)),
+            IpAddr::V4(a) => self.v4().del_cluster_ip(a.octets()),
+            IpAddr::V6(a) => self.v6().del_cluster_ip(a.octets()),
         }
     }
 
     fn put_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
-        if let Some(k) = src_range4_key(rev_nat_id, cidr) {
-            self.src_ranges4
-                .insert(&k, 1, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE4, e))
-        } else if let Some(k) = src_range6_key(rev_nat_id, cidr) {
-            self.src_ranges6
-                .insert(&k, 1, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE6, e))
-        } else {
-            Ok(())
+        match cidr.network() {
+            IpAddr::V4(a) => self.v4().put_src_range(rev_nat_id, a.octets(), cidr.prefix),
+            IpAddr::V6(a) => self.v6().put_src_range(rev_nat_id, a.octets(), cidr.prefix),
         }
     }
 
     fn del_src_range(&mut self, rev_nat_id: u32, cidr: &Cidr) -> Result<(), MapOpError> {
-        if let Some(k) = src_range4_key(rev_nat_id, cidr) {
-            ignore_missing(self.src_ranges4.remove(&k))
-                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE4, e))
-        } else if let Some(k) = src_range6_key(rev_nat_id, cidr) {
-            ignore_missing(self.src_ranges6.remove(&k))
-                .map_err(|e| MapOpError::from_aya(map_names::SRC_RANGE6, e))
-        } else {
-            Ok(())
+        match cidr.network() {
+            IpAddr::V4(a) => self.v4().del_src_range(rev_nat_id, a.octets(), cidr.prefix),
+            IpAddr::V6(a) => self.v6().del_src_range(rev_nat_id, a.octets(), cidr.prefix),
         }
     }
 
@@ -569,23 +428,15 @@ impl LbMaps for BpfMaps {
 
     fn put_echo(&mut self, addr: IpAddr, value: EchoValue) -> Result<(), MapOpError> {
         match addr {
-            IpAddr::V4(a) => self
-                .echo4
-                .insert(EchoKey4 { addr: a.octets() }, value, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::ECHO4, e)),
-            IpAddr::V6(a) => self
-                .echo6
-                .insert(EchoKey6 { addr: a.octets() }, value, 0)
-                .map_err(|e| MapOpError::from_aya(map_names::ECHO6, e)),
+            IpAddr::V4(a) => self.v4().put_echo(a.octets(), value),
+            IpAddr::V6(a) => self.v6().put_echo(a.octets(), value),
         }
     }
 
     fn del_echo(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
         match addr {
-            IpAddr::V4(a) => ignore_missing(self.echo4.remove(&EchoKey4 { addr: a.octets() }))
-                .map_err(|e| MapOpError::from_aya(map_names::ECHO4, e)),
-            IpAddr::V6(a) => ignore_missing(self.echo6.remove(&EchoKey6 { addr: a.octets() }))
-                .map_err(|e| MapOpError::from_aya(map_names::ECHO6, e)),
+            IpAddr::V4(a) => self.v4().del_echo(a.octets()),
+            IpAddr::V6(a) => self.v6().del_echo(a.octets()),
         }
     }
 
@@ -597,18 +448,20 @@ impl LbMaps for BpfMaps {
         if self.held.is_some() {
             return;
         }
-        // Without its threads or descriptors, writes go entry by entry as usual.
-        let maps = super::held::HeldMaps {
-            cluster_ips4: &self.cluster_ips4,
-            cluster_ips6: &self.cluster_ips6,
-            backends4: &self.backends4,
-            backends6: &self.backends6,
-            revnat4: &self.revnat4,
-            revnat6: &self.revnat6,
-            services4: &self.services4,
-            services6: &self.services6,
+        let v4 = HeldMaps {
+            cluster_ips: &self.cluster_ips4,
+            backends: &self.backends4,
+            revnat: &self.revnat4,
+            services: &self.services4,
         };
-        match super::held::Held::new(&maps) {
+        let v6 = HeldMaps {
+            cluster_ips: &self.cluster_ips6,
+            backends: &self.backends6,
+            revnat: &self.revnat6,
+            services: &self.services6,
+        };
+        // Without its threads or descriptors, writes go entry by entry as usual.
+        match Held::new(&v4, &v6) {
             Ok(h) => self.held = Some(Box::new(h)),
             Err(e) => tracing::debug!(error = %e, "cannot hold map writes; writing entry by entry"),
         }
@@ -632,6 +485,152 @@ impl LbMaps for BpfMaps {
         maglev
             .set(table * g.table_size + cell, id, 0)
             .map_err(|e| MapOpError::from_aya(map_names::MAGLEV, e))
+    }
+}
+
+/// One family's maps of a [`BpfMaps`] and its side of the held writes: each write and delete
+/// is written once here, over the family.
+struct FamilyMaps<'a, F: MapFamily> {
+    services: &'a mut HashMap<MapData, F::SvcKey, SvcValue>,
+    backends: &'a mut HashMap<MapData, u32, F::Backend>,
+    revnat: &'a mut HashMap<MapData, u32, F::RevNat>,
+    cluster_ips: &'a mut HashMap<MapData, F::ClusterIpKey, ClusterIpValue>,
+    src_ranges: &'a mut LpmTrie<MapData, F::SrcRange, u8>,
+    echo: &'a mut HashMap<MapData, F::EchoKey, EchoValue>,
+    held: Option<HeldFamily<'a, F>>,
+}
+
+impl BpfMaps {
+    fn v4(&mut self) -> FamilyMaps<'_, V4> {
+        FamilyMaps {
+            services: &mut self.services4,
+            backends: &mut self.backends4,
+            revnat: &mut self.revnat4,
+            cluster_ips: &mut self.cluster_ips4,
+            src_ranges: &mut self.src_ranges4,
+            echo: &mut self.echo4,
+            held: self.held.as_deref_mut().map(Held::v4),
+        }
+    }
+
+    fn v6(&mut self) -> FamilyMaps<'_, V6> {
+        FamilyMaps {
+            services: &mut self.services6,
+            backends: &mut self.backends6,
+            revnat: &mut self.revnat6,
+            cluster_ips: &mut self.cluster_ips6,
+            src_ranges: &mut self.src_ranges6,
+            echo: &mut self.echo6,
+            held: self.held.as_deref_mut().map(Held::v6),
+        }
+    }
+}
+
+/// Writes `k` → `v` into `map`, failing as `name`.
+fn insert<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    name: &'static str,
+    k: K,
+    v: V,
+) -> Result<(), MapOpError> {
+    map.insert(k, v, 0)
+        .map_err(|e| MapOpError::from_aya(name, e))
+}
+
+/// Deletes `k` from `map` (already gone: success), failing as `name`.
+fn remove<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    name: &'static str,
+    k: &K,
+) -> Result<(), MapOpError> {
+    ignore_missing(map.remove(k)).map_err(|e| MapOpError::from_aya(name, e))
+}
+
+/// The LPM key of a source range of frontend `rev_nat_id` (the id always matched whole).
+fn src_range_key<F: MapFamily>(rev_nat_id: u32, addr: F::Addr, prefix: u8) -> LpmKey<F::SrcRange> {
+    LpmKey::new(32 + u32::from(prefix), F::src_range(rev_nat_id, addr))
+}
+
+impl<F: MapFamily> FamilyMaps<'_, F> {
+    fn put_backend(
+        self,
+        id: u32,
+        addr: F::Addr,
+        port: u16,
+        proto: u8,
+        state: u8,
+    ) -> Result<(), MapOpError> {
+        let v = F::backend(addr, port, proto, state);
+        if let Some(mut h) = self.held {
+            h.backend((id, v));
+            return Ok(());
+        }
+        insert(self.backends, F::NAMES.backends, id, v)
+    }
+
+    fn del_backend(self, id: u32) -> Result<(), MapOpError> {
+        remove(self.backends, F::NAMES.backends, &id)
+    }
+
+    fn put_revnat(self, id: u32, addr: F::Addr, port: u16) -> Result<(), MapOpError> {
+        let v = F::revnat(addr, port);
+        if let Some(mut h) = self.held {
+            h.revnat((id, v));
+            return Ok(());
+        }
+        insert(self.revnat, F::NAMES.revnat, id, v)
+    }
+
+    fn del_revnat(self, id: u32) -> Result<(), MapOpError> {
+        remove(self.revnat, F::NAMES.revnat, &id)
+    }
+
+    fn put_service(self, addr: F::Addr, rest: SvcKeyRest, v: &SvcValue) -> Result<(), MapOpError> {
+        let k = F::svc_key(addr, rest);
+        if let Some(mut h) = self.held {
+            let (.., slot) = rest;
+            h.service(slot, (k, *v));
+            return Ok(());
+        }
+        insert(self.services, F::NAMES.services, k, *v)
+    }
+
+    fn del_service(self, addr: F::Addr, rest: SvcKeyRest) -> Result<(), MapOpError> {
+        remove(self.services, F::NAMES.services, &F::svc_key(addr, rest))
+    }
+
+    fn put_cluster_ip(self, addr: F::Addr, v: ClusterIpValue) -> Result<(), MapOpError> {
+        let k = F::cluster_ip_key(addr);
+        if let Some(mut h) = self.held {
+            h.cluster_ip((k, v));
+            return Ok(());
+        }
+        insert(self.cluster_ips, F::NAMES.cluster_ips, k, v)
+    }
+
+    fn del_cluster_ip(self, addr: F::Addr) -> Result<(), MapOpError> {
+        let k = F::cluster_ip_key(addr);
+        remove(self.cluster_ips, F::NAMES.cluster_ips, &k)
+    }
+
+    fn put_src_range(self, rev_nat_id: u32, addr: F::Addr, prefix: u8) -> Result<(), MapOpError> {
+        self.src_ranges
+            .insert(&src_range_key::<F>(rev_nat_id, addr, prefix), 1, 0)
+            .map_err(|e| MapOpError::from_aya(F::NAMES.src_ranges, e))
+    }
+
+    fn del_src_range(self, rev_nat_id: u32, addr: F::Addr, prefix: u8) -> Result<(), MapOpError> {
+        let k = src_range_key::<F>(rev_nat_id, addr, prefix);
+        ignore_missing(self.src_ranges.remove(&k))
+            .map_err(|e| MapOpError::from_aya(F::NAMES.src_ranges, e))
+    }
+
+    fn put_echo(self, addr: F::Addr, v: EchoValue) -> Result<(), MapOpError> {
+        insert(self.echo, F::NAMES.echo, F::echo_key(addr), v)
+    }
+
+    fn del_echo(self, addr: F::Addr) -> Result<(), MapOpError> {
+        remove(self.echo, F::NAMES.echo, &F::echo_key(addr))
     }
 }
 
@@ -734,53 +733,15 @@ fn frontend_entry(
 /// `LbMaps::dump`'s parts, a table each.
 impl BpfMaps {
     fn dump_backends(&self, dump: &mut Dump) -> anyhow::Result<()> {
-        for item in self.backends4.iter() {
-            let (id, b) = item?;
-            let addr = Ipv4Addr::from(b.addr).into();
-            let name = map_names::BACKENDS4;
-            if let Some(b) = backend_entry(name, id, addr, b.port, b.proto, b.state)? {
-                dump.backends.insert(id, b);
-            }
-        }
-        for item in self.backends6.iter() {
-            let (id, b) = item?;
-            let addr = Ipv6Addr::from(b.addr).into();
-            let name = map_names::BACKENDS6;
-            if let Some(b) = backend_entry(name, id, addr, b.port, b.proto, b.state)? {
-                dump.backends.insert(id, b);
-            }
-        }
-        for item in self.revnat4.iter() {
-            let (id, r) = item?;
-            dump.revnat
-                .insert(id, (Ipv4Addr::from(r.addr).into(), r.port));
-        }
-        for item in self.revnat6.iter() {
-            let (id, r) = item?;
-            dump.revnat
-                .insert(id, (Ipv6Addr::from(r.addr).into(), r.port));
-        }
-        Ok(())
+        read_backends::<V4>(&self.backends4, dump)?;
+        read_backends::<V6>(&self.backends6, dump)?;
+        read_revnat::<V4>(&self.revnat4, dump)?;
+        read_revnat::<V6>(&self.revnat6, dump)
     }
 
     fn dump_services(&self, dump: &mut Dump) -> anyhow::Result<()> {
-        for item in self.services4.iter() {
-            let (k, v) = item?;
-            let addr = Ipv4Addr::from(k.addr).into();
-            let name = map_names::SERVICES4;
-            if let Some(fe) = frontend_entry(name, addr, k.port, k.proto, k.scope)? {
-                dump.services.insert((fe, k.slot), v);
-            }
-        }
-        for item in self.services6.iter() {
-            let (k, v) = item?;
-            let addr = Ipv6Addr::from(k.addr).into();
-            let name = map_names::SERVICES6;
-            if let Some(fe) = frontend_entry(name, addr, k.port, k.proto, k.scope)? {
-                dump.services.insert((fe, k.slot), v);
-            }
-        }
-        Ok(())
+        read_services::<V4>(&self.services4, dump)?;
+        read_services::<V6>(&self.services6, dump)
     }
 
     /// The tables the masters in `dump` name.
@@ -806,45 +767,15 @@ impl BpfMaps {
 
     /// The ClusterIP set and the echo table.
     fn dump_address_sets(&self, dump: &mut Dump) -> anyhow::Result<()> {
-        for item in self.cluster_ips4.iter() {
-            let (k, v) = item?;
-            dump.cluster_ips
-                .insert(Ipv4Addr::from(k.addr).into(), v.frontends);
-        }
-        for item in self.cluster_ips6.iter() {
-            let (k, v) = item?;
-            dump.cluster_ips
-                .insert(Ipv6Addr::from(k.addr).into(), v.frontends);
-        }
-        Ok(())
+        read_cluster_ips::<V4>(&self.cluster_ips4, dump)?;
+        read_cluster_ips::<V6>(&self.cluster_ips6, dump)
     }
 
     fn dump_src_ranges(&self, dump: &mut Dump) -> anyhow::Result<()> {
-        for k in self.src_ranges4.keys() {
-            let k = k?;
-            let d = k.data();
-            let prefix = k.prefix_len().saturating_sub(32).min(32) as u8;
-            let addr = Ipv4Addr::from(d.addr).into();
-            dump.src_ranges
-                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
-        }
-        for k in self.src_ranges6.keys() {
-            let k = k?;
-            let d = k.data();
-            let prefix = k.prefix_len().saturating_sub(32).min(128) as u8;
-            let addr = Ipv6Addr::from(d.addr).into();
-            dump.src_ranges
-                .insert((u32::from_be_bytes(d.rev_nat_id), Cidr { addr, prefix }));
-        }
-        for item in self.echo4.iter() {
-            let (k, v) = item?;
-            dump.echo.insert(Ipv4Addr::from(k.addr).into(), v);
-        }
-        for item in self.echo6.iter() {
-            let (k, v) = item?;
-            dump.echo.insert(Ipv6Addr::from(k.addr).into(), v);
-        }
-        Ok(())
+        read_src_ranges::<V4>(&self.src_ranges4, dump)?;
+        read_src_ranges::<V6>(&self.src_ranges6, dump)?;
+        read_echo::<V4>(&self.echo4, dump)?;
+        read_echo::<V6>(&self.echo6, dump)
     }
 
     fn dump_aff_match(&self, dump: &mut Dump) -> anyhow::Result<()> {
@@ -866,6 +797,91 @@ impl BpfMaps {
         }
         Ok(())
     }
+}
+
+/// Reads one family's backends into `dump`.
+fn read_backends<F: MapFamily>(
+    map: &HashMap<MapData, u32, F::Backend>,
+    dump: &mut Dump,
+) -> anyhow::Result<()> {
+    for item in map.iter() {
+        let (id, b) = item?;
+        let (addr, port, proto, state) = F::backend_fields(&b);
+        let name = F::NAMES.backends;
+        if let Some(b) = backend_entry(name, id, F::ip(addr), port, proto, state)? {
+            dump.backends.insert(id, b);
+        }
+    }
+    Ok(())
+}
+
+/// Reads one family's rev-NAT entries into `dump`.
+fn read_revnat<F: MapFamily>(
+    map: &HashMap<MapData, u32, F::RevNat>,
+    dump: &mut Dump,
+) -> anyhow::Result<()> {
+    for item in map.iter() {
+        let (id, r) = item?;
+        let (addr, port) = F::revnat_fields(&r);
+        dump.revnat.insert(id, (F::ip(addr), port));
+    }
+    Ok(())
+}
+
+/// Reads one family's service entries into `dump`.
+fn read_services<F: MapFamily>(
+    map: &HashMap<MapData, F::SvcKey, SvcValue>,
+    dump: &mut Dump,
+) -> anyhow::Result<()> {
+    for item in map.iter() {
+        let (k, v) = item?;
+        let (addr, (port, proto, scope, slot)) = F::svc_key_fields(&k);
+        let name = F::NAMES.services;
+        if let Some(fe) = frontend_entry(name, F::ip(addr), port, proto, scope)? {
+            dump.services.insert((fe, slot), v);
+        }
+    }
+    Ok(())
+}
+
+/// Reads one family's ClusterIP set into `dump`.
+fn read_cluster_ips<F: MapFamily>(
+    map: &HashMap<MapData, F::ClusterIpKey, ClusterIpValue>,
+    dump: &mut Dump,
+) -> anyhow::Result<()> {
+    for item in map.iter() {
+        let (k, v) = item?;
+        dump.cluster_ips
+            .insert(F::ip(F::cluster_ip_addr(&k)), v.frontends);
+    }
+    Ok(())
+}
+
+/// Reads one family's source ranges into `dump`.
+fn read_src_ranges<F: MapFamily>(
+    map: &LpmTrie<MapData, F::SrcRange, u8>,
+    dump: &mut Dump,
+) -> anyhow::Result<()> {
+    for k in map.keys() {
+        let k = k?;
+        let (rev_nat_id, addr) = F::src_range_fields(&k.data());
+        let prefix = k.prefix_len().saturating_sub(32).min(F::BITS.into()) as u8;
+        let addr = F::ip(addr);
+        dump.src_ranges.insert((rev_nat_id, Cidr { addr, prefix }));
+    }
+    Ok(())
+}
+
+/// Reads one family's echo table into `dump`.
+fn read_echo<F: MapFamily>(
+    map: &HashMap<MapData, F::EchoKey, EchoValue>,
+    dump: &mut Dump,
+) -> anyhow::Result<()> {
+    for item in map.iter() {
+        let (k, v) = item?;
+        dump.echo.insert(F::ip(F::echo_addr(&k)), v);
+    }
+    Ok(())
 }
 
 /// Deleting what is already gone is success.

@@ -320,6 +320,14 @@ impl Asm {
         self.raw(0x18, dst, BPF_PSEUDO_MAP_FD, 0, fd);
         self.raw(0, 0, 0, 0, 0);
     }
+    /// `r0 = bpf_map_lookup_elem(map, fp + key)`; no entry jumps to `out`.
+    fn lookup_or_out(&mut self, map: RawFd, key: i16) {
+        self.ld_map_fd(R1, map);
+        self.mov(R2, FP);
+        self.add_imm(R2, key.into());
+        self.call(BPF_FUNC_MAP_LOOKUP_ELEM);
+        self.jeq(R0, 0, "out");
+    }
     fn label(&mut self, name: &'static str) {
         self.labels.insert(name, self.insns.len());
     }
@@ -338,8 +346,21 @@ const K: i16 = -32;
 const D: i16 = -72;
 
 /// The `iter/udp` program. `maps`: fds of `lb4_sk_revnat`, `lb6_sk_revnat`, `lb_udp_destroy`.
+/// Each part below writes one stretch of it, jumping between them by label.
 fn program(ids: &KernelIds, revnat4: RawFd, revnat6: RawFd, destroy: RawFd) -> Vec<Insn> {
     let mut a = Asm::default();
+    socket_keys(&mut a, ids);
+    frontend6(&mut a, ids, revnat6);
+    frontend4(&mut a, ids, revnat4);
+    destroy_pinned(&mut a, ids, destroy);
+    // Every label is defined above.
+    a.finish().unwrap_or_default()
+}
+
+/// Reads the socket: skips all but connected ones, fills the keys' socket cookie and backend
+/// port, and branches by family (`v4`, `v6`) or to `out`. The parts after rely on r6 (the
+/// socket) and r3 (the backend port) it leaves.
+fn socket_keys(a: &mut Asm, ids: &KernelIds) {
     // r6 = ctx->udp_sk (`struct bpf_iter__udp`: meta, udp_sk, ...); NULL at the end of the walk.
     a.ldx(Sz::Dw, R6, R1, 8);
     a.jeq(R6, 0, "out");
@@ -366,6 +387,10 @@ fn program(ids: &KernelIds, revnat4: RawFd, revnat6: RawFd, destroy: RawFd) -> V
     a.jne(R2, 0, "v6");
     a.ldx(Sz::W, R2, R6, ids.v6_daddr + 8);
     a.jeq32(R2, u32::from_ne_bytes([0, 0, 0xff, 0xff]), "v4");
+}
+
+/// `v6`: the `lb6_sk_revnat` lookup; the frontend into the destroy key, then `pair`.
+fn frontend6(a: &mut Asm, ids: &KernelIds, revnat6: RawFd) {
     a.label("v6");
     for w in 0..4 {
         a.ldx(Sz::W, R2, R6, ids.v6_daddr + 4 * w);
@@ -374,11 +399,7 @@ fn program(ids: &KernelIds, revnat4: RawFd, revnat6: RawFd, destroy: RawFd) -> V
     }
     a.stx(Sz::H, FP, K + 24, R3);
     a.st(Sz::B, FP, D + 36, 6);
-    a.ld_map_fd(R1, revnat6);
-    a.mov(R2, FP);
-    a.add_imm(R2, K.into());
-    a.call(BPF_FUNC_MAP_LOOKUP_ELEM);
-    a.jeq(R0, 0, "out");
+    a.lookup_or_out(revnat6, K);
     // `SkRevNat6Value`: the frontend's address, then its port.
     for w in 0..4 {
         a.ldx(Sz::W, R2, R0, 4 * w);
@@ -387,28 +408,29 @@ fn program(ids: &KernelIds, revnat4: RawFd, revnat6: RawFd, destroy: RawFd) -> V
     a.ldx(Sz::H, R2, R0, 16);
     a.stx(Sz::H, FP, D + 32, R2);
     a.ja("pair");
+}
+
+/// `v4`: the `lb4_sk_revnat` lookup; the frontend into the destroy key.
+fn frontend4(a: &mut Asm, ids: &KernelIds, revnat4: RawFd) {
     a.label("v4");
     a.ldx(Sz::W, R2, R6, ids.daddr);
     a.stx(Sz::W, FP, K + 8, R2);
     a.stx(Sz::W, FP, D + 16, R2);
     a.stx(Sz::H, FP, K + 12, R3);
     a.st(Sz::B, FP, D + 36, 4);
-    a.ld_map_fd(R1, revnat4);
-    a.mov(R2, FP);
-    a.add_imm(R2, K.into());
-    a.call(BPF_FUNC_MAP_LOOKUP_ELEM);
-    a.jeq(R0, 0, "out");
+    a.lookup_or_out(revnat4, K);
     // `SkRevNat4Value`.
     a.ldx(Sz::W, R2, R0, 0);
     a.stx(Sz::W, FP, D, R2);
     a.ldx(Sz::H, R2, R0, 4);
     a.stx(Sz::H, FP, D + 32, R2);
+}
+
+/// `pair`: destroys the socket if `lb_udp_destroy` holds its (frontend, backend) pair, counting
+/// it there; `out`: the end.
+fn destroy_pinned(a: &mut Asm, ids: &KernelIds, destroy: RawFd) {
     a.label("pair");
-    a.ld_map_fd(R1, destroy);
-    a.mov(R2, FP);
-    a.add_imm(R2, D.into());
-    a.call(BPF_FUNC_MAP_LOOKUP_ELEM);
-    a.jeq(R0, 0, "out");
+    a.lookup_or_out(destroy, D);
     a.mov(R9, R0);
     a.mov(R1, R6);
     a.call_kfunc(ids.sock_destroy);
@@ -419,8 +441,6 @@ fn program(ids: &KernelIds, revnat4: RawFd, revnat6: RawFd, destroy: RawFd) -> V
     a.label("out");
     a.mov_imm(R0, 0);
     a.raw(0x95, 0, 0, 0, 0);
-    // Every label is defined above.
-    a.finish().unwrap_or_default()
 }
 
 // ---------------------------------------------------------------------------------------------

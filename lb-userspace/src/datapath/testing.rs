@@ -350,76 +350,110 @@ pub fn render(dump: &Dump) -> String {
             continue;
         }
         referenced_revnat.insert(v.rev_nat_id);
-        let scope = if fe.scope == Scope::Internal {
-            " scope=internal"
-        } else {
-            ""
-        };
-        let revnat = match dump.revnat.get(&v.rev_nat_id) {
-            Some((a, p)) if (*a, *p) == (fe.l4.addr, fe.l4.port) => "ok".to_string(),
-            Some((a, p)) => format!("MISMATCH {a}:{p}"),
-            None => "MISSING".to_string(),
-        };
-        let alg = match (v.lb_alg, maglev_table_of(v)) {
-            (lb_alg::MAGLEV, Some(t)) => format!(" alg=maglev table={t}"),
-            (lb_alg::MAGLEV, None) => " alg=maglev table=none".to_string(),
-            _ => String::new(),
-        };
-        let _ = writeln!(
-            out,
-            "{}{scope} flags={} count={} qcount={} revnat={}({revnat}){alg}",
-            fe.l4,
-            flag_names(v.flags),
-            v.count,
-            v.qcount,
-            v.rev_nat_id
-        );
-        if v.flags & svc_flags::AFFINITY != 0 {
-            // The match entries must name exactly the active slots' backends.
-            let family = Family::of(&fe.l4.addr);
-            let active: BTreeSet<u32> = (1..=v.count)
-                .filter_map(|s| dump.services.get(&(*fe, s)).map(|sv| sv.backend_id))
-                .collect();
-            let matched: BTreeSet<u32> = dump
-                .aff_match
-                .iter()
-                .filter(|m| m.family == family && m.rev_nat_id == v.rev_nat_id)
-                .filter(|m| m.scope == fe.scope)
-                .map(|m| m.backend_id)
-                .collect();
-            let check = if matched == active {
-                "ok".to_string()
-            } else {
-                format!("MISMATCH {matched:?}")
-            };
-            let _ = writeln!(
-                out,
-                "  affinity timeout={}s match({check})",
-                v.affinity_timeout
-            );
-        }
-        if let Some(t) = maglev_table_of(v) {
-            render_maglev(&mut out, dump, t);
-        }
-        for s in 1..=v.slots() {
-            match dump.services.get(&(*fe, s)) {
-                Some(sv) => {
-                    referenced_backends.insert(sv.backend_id);
-                    match dump.backends.get(&sv.backend_id) {
-                        Some(b) => {
-                            let _ = writeln!(out, "  slot {s}: {} {}", b.l4, b.state.as_str());
-                        }
-                        None => {
-                            let _ = writeln!(out, "  slot {s}: MISSING backend {}", sv.backend_id);
-                        }
+        render_frontend(&mut out, dump, fe, v);
+        render_slots(&mut out, dump, fe, v, &mut referenced_backends);
+    }
+    render_orphans(&mut out, dump, &referenced_backends, &referenced_revnat);
+    render_address_sets(&mut out, dump);
+    render_frontend_sets(&mut out, dump);
+    out
+}
+
+/// A frontend's master line, its affinity check and its Maglev table.
+fn render_frontend(out: &mut String, dump: &Dump, fe: &Frontend, v: &SvcValue) {
+    let scope = if fe.scope == Scope::Internal {
+        " scope=internal"
+    } else {
+        ""
+    };
+    let revnat = match dump.revnat.get(&v.rev_nat_id) {
+        Some((a, p)) if (*a, *p) == (fe.l4.addr, fe.l4.port) => "ok".to_string(),
+        Some((a, p)) => format!("MISMATCH {a}:{p}"),
+        None => "MISSING".to_string(),
+    };
+    let alg = match (v.lb_alg, maglev_table_of(v)) {
+        (lb_alg::MAGLEV, Some(t)) => format!(" alg=maglev table={t}"),
+        (lb_alg::MAGLEV, None) => " alg=maglev table=none".to_string(),
+        _ => String::new(),
+    };
+    let _ = writeln!(
+        out,
+        "{}{scope} flags={} count={} qcount={} revnat={}({revnat}){alg}",
+        fe.l4,
+        flag_names(v.flags),
+        v.count,
+        v.qcount,
+        v.rev_nat_id
+    );
+    if v.flags & svc_flags::AFFINITY != 0 {
+        render_affinity(out, dump, fe, v);
+    }
+    if let Some(t) = maglev_table_of(v) {
+        render_maglev(out, dump, t);
+    }
+}
+
+/// A frontend's affinity line: the match entries must name exactly the active slots'
+/// backends.
+fn render_affinity(out: &mut String, dump: &Dump, fe: &Frontend, v: &SvcValue) {
+    let family = Family::of(&fe.l4.addr);
+    let active: BTreeSet<u32> = (1..=v.count)
+        .filter_map(|s| dump.services.get(&(*fe, s)).map(|sv| sv.backend_id))
+        .collect();
+    let matched: BTreeSet<u32> = dump
+        .aff_match
+        .iter()
+        .filter(|m| m.family == family && m.rev_nat_id == v.rev_nat_id)
+        .filter(|m| m.scope == fe.scope)
+        .map(|m| m.backend_id)
+        .collect();
+    let check = if matched == active {
+        "ok".to_string()
+    } else {
+        format!("MISMATCH {matched:?}")
+    };
+    let _ = writeln!(
+        out,
+        "  affinity timeout={}s match({check})",
+        v.affinity_timeout
+    );
+}
+
+/// A frontend's slots, resolved to backends (noted in `referenced`).
+fn render_slots(
+    out: &mut String,
+    dump: &Dump,
+    fe: &Frontend,
+    v: &SvcValue,
+    referenced: &mut BTreeSet<u32>,
+) {
+    for s in 1..=v.slots() {
+        match dump.services.get(&(*fe, s)) {
+            Some(sv) => {
+                referenced.insert(sv.backend_id);
+                match dump.backends.get(&sv.backend_id) {
+                    Some(b) => {
+                        let _ = writeln!(out, "  slot {s}: {} {}", b.l4, b.state.as_str());
+                    }
+                    None => {
+                        let _ = writeln!(out, "  slot {s}: MISSING backend {}", sv.backend_id);
                     }
                 }
-                None => {
-                    let _ = writeln!(out, "  slot {s}: MISSING");
-                }
+            }
+            None => {
+                let _ = writeln!(out, "  slot {s}: MISSING");
             }
         }
     }
+}
+
+/// Slots past their master's, and backends and rev-NAT entries no master names.
+fn render_orphans(
+    out: &mut String,
+    dump: &Dump,
+    referenced_backends: &BTreeSet<u32>,
+    referenced_revnat: &BTreeSet<u32>,
+) {
     for ((fe, slot), v) in &dump.services {
         let covered = dump
             .services
@@ -439,6 +473,10 @@ pub fn render(dump: &Dump) -> String {
             let _ = writeln!(out, "orphan revnat {id}: {a}:{p}");
         }
     }
+}
+
+/// The ClusterIP set, checked against the ClusterIP frontends, and the echo table.
+fn render_address_sets(out: &mut String, dump: &Dump) {
     for (addr, n) in &dump.cluster_ips {
         let at = dump
             .services
@@ -457,6 +495,10 @@ pub fn render(dump: &Dump) -> String {
     for (addr, v) in &dump.echo {
         let _ = writeln!(out, "echo {addr} {}", echo_text(v));
     }
+}
+
+/// The per-frontend sets: source ranges, and affinity-match entries no affinity frontend uses.
+fn render_frontend_sets(out: &mut String, dump: &Dump) {
     for (id, cidr) in &dump.src_ranges {
         let used = dump.services.iter().any(|((_, slot), v)| {
             *slot == 0 && v.rev_nat_id == *id && v.flags & svc_flags::SOURCE_RANGES != 0
@@ -481,7 +523,6 @@ pub fn render(dump: &Dump) -> String {
             );
         }
     }
-    out
 }
 
 /// A Maglev table's summary: its cells per backend (or the ids it names that are missing).

@@ -121,74 +121,84 @@ impl KubeProxyMetrics {
             healthz: Family::default(),
             livez: Family::default(),
         };
+        m.register_series(registry);
+        m.create_series();
+        m
+    }
+
+    /// Registers every series under kube-proxy's names and help texts.
+    fn register_series(&self, registry: &mut Registry) {
         registry.register(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
-            m.sync_duration.clone(),
+            self.sync_duration.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "The last time proxy rules were successfully synced",
-            m.last_sync.clone(),
+            self.last_sync.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
             "The last time a sync of proxy rules was queued",
-            m.last_queued.clone(),
+            self.last_queued.clone(),
         );
         registry.register(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
-            m.programming.clone(),
+            self.programming.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
             "Pending proxy rules Endpoint changes",
-            m.endpoint_changes_pending.clone(),
+            self.endpoint_changes_pending.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_endpoint_changes",
             "Cumulative proxy rules Endpoint changes",
-            m.endpoint_changes.clone(),
+            self.endpoint_changes.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_service_changes_pending",
             "Pending proxy rules Service changes",
-            m.service_changes_pending.clone(),
+            self.service_changes_pending.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_service_changes",
             "Cumulative proxy rules Service changes",
-            m.service_changes.clone(),
+            self.service_changes.clone(),
         );
         registry.register(
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",
-            m.no_local_endpoints.clone(),
+            self.no_local_endpoints.clone(),
         );
         registry.register(
             "kubeproxy_proxy_healthz",
             "Cumulative proxy healthz HTTP status",
-            m.healthz.clone(),
+            self.healthz.clone(),
         );
         registry.register(
             "kubeproxy_proxy_livez",
             "Cumulative proxy livez HTTP status",
-            m.livez.clone(),
+            self.livez.clone(),
         );
-        // Present from the start, as kube-proxy's are once registered.
+    }
+
+    /// Creates the labelled series that are present from the start, as kube-proxy's are once
+    /// registered.
+    fn create_series(&self) {
         for ip_family in FAMILIES {
             let l = FamilyLabels { ip_family };
-            let _ = m.sync_duration.get_or_create(&l);
-            let _ = m.programming.get_or_create(&l);
+            let _ = self.sync_duration.get_or_create(&l);
+            let _ = self.programming.get_or_create(&l);
             for traffic_policy in ["internal", "external"] {
-                let _ = m.no_local_endpoints.get_or_create(&PolicyLabels {
+                let _ = self.no_local_endpoints.get_or_create(&PolicyLabels {
                     traffic_policy,
                     ip_family,
                 });
             }
         }
-        m
     }
 
     /// One sync of both families took `d` and ended now.
