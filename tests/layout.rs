@@ -28,6 +28,10 @@
 //! for `datapath::maps`): folders, too, import only downwards.
 //! `detector_finds_circles` proves, on a small synthetic crate, that the detector finds circles
 //! (and ignores comments and strings), so the main test cannot pass vacuously.
+//!
+//! `lb_userspace_functions_are_short` holds every function to 80 lines unless a `// Long:`
+//! comment above it says why; `long_function_reader_measures_and_reads_reasons` proves the
+//! reader on a synthetic file.
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
     fs,
@@ -658,4 +662,121 @@ fn detector_finds_circles() {
     let r = report(&g);
     assert!(r[0].contains("a -> b::c  (a.rs:3)"), "{}", r[0]);
     assert!(r[0].contains("b::c -> a  (b/c.rs:2)"), "{}", r[0]);
+}
+
+/// Functions longer than this many lines (from the `fn` line to the closing brace) need a
+/// reason: a comment line starting `// Long:` among the lines just above the `fn`.
+const MAX_FN_LINES: usize = 80;
+
+/// Every function with a body in `src`: (name, line of `fn`, lines from `fn` to its `}`).
+fn functions(src: &str) -> Vec<(String, usize, usize)> {
+    let toks = tokenize(src);
+    let mut out = Vec::new();
+    for (i, (t, line)) in toks.iter().enumerate() {
+        let (Tok::Ident(kw), Some((Tok::Ident(name), _))) = (t, toks.get(i + 1)) else {
+            continue;
+        };
+        if kw != "fn" {
+            continue;
+        }
+        // The body is the first `{` before any `;` (a `;` first: a declaration, no body).
+        let Some(open) = toks[i..]
+            .iter()
+            .position(|(t, _)| matches!(t, Tok::Punct('{' | ';')))
+            .map(|p| i + p)
+            .filter(|&p| toks[p].0 == Tok::Punct('{'))
+        else {
+            continue;
+        };
+        let mut depth = 0usize;
+        for (t, end) in &toks[open..] {
+            match t {
+                Tok::Punct('{') => depth += 1,
+                Tok::Punct('}') => {
+                    depth -= 1;
+                    if depth == 0 {
+                        out.push((name.clone(), *line, end - line + 1));
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// Whether the comment, doc and attribute lines right above line `at` (1-based) give a reason.
+fn has_reason(src: &str, at: usize) -> bool {
+    src.lines()
+        .take(at - 1)
+        .collect::<Vec<_>>()
+        .iter()
+        .rev()
+        .map(|l| l.trim())
+        .take_while(|l| l.starts_with("//") || l.starts_with("#[") || l.starts_with(')'))
+        .any(|l| l.starts_with("// Long:"))
+}
+
+/// The functions of `files` over [`MAX_FN_LINES`] without a reason, as `path:line name (n lines)`.
+fn long_functions(files: &[(PathBuf, String)]) -> Vec<String> {
+    let mut long = Vec::new();
+    for (path, src) in files {
+        for (name, line, n) in functions(src) {
+            if n > MAX_FN_LINES && !has_reason(src, line) {
+                long.push(format!("{}:{line} {name} ({n} lines)", path.display()));
+            }
+        }
+    }
+    long.sort();
+    long
+}
+
+#[test]
+fn lb_userspace_functions_are_short() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lb-userspace/src");
+    let mut files = Vec::new();
+    read_tree(&src, &src, &mut files);
+    let all: usize = files.iter().map(|(_, s)| functions(s).len()).sum();
+    assert!(
+        all > 500,
+        "only {all} functions found: the reader is broken"
+    );
+    let long = long_functions(&files);
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FN_LINES} lines in lb-userspace/src (split them, or say why in a \
+         `// Long:` comment above the fn):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn long_function_reader_measures_and_reads_reasons() {
+    let body = |n: usize| "    let _ = 1;\n".repeat(n);
+    let src = format!(
+        "fn short() {{\n{}}}\n\
+         trait T {{ fn decl(&self); }}\n\
+         /// Docs.\n#[inline]\nfn long<'a>(s: &'a str) -> char {{\n    let _ = \"{{\";\n{}}}\n\
+         // Long: one flat table.\nfn excused() {{\n{}}}\n",
+        body(3),
+        body(MAX_FN_LINES),
+        body(MAX_FN_LINES)
+    );
+    let fns = functions(&src);
+    let sizes: Vec<(&str, usize)> = fns.iter().map(|(n, _, l)| (n.as_str(), *l)).collect();
+    assert_eq!(
+        sizes,
+        [
+            ("short", 5),
+            ("long", MAX_FN_LINES + 3),
+            ("excused", MAX_FN_LINES + 2)
+        ],
+        "the string's brace and the bodiless declaration must not count"
+    );
+    let files = [(PathBuf::from("x.rs"), src)];
+    assert_eq!(
+        long_functions(&files),
+        [format!("x.rs:9 long ({} lines)", MAX_FN_LINES + 3)]
+    );
 }
