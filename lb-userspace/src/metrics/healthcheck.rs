@@ -80,14 +80,6 @@ pub struct HealthChecks {
     pub conflicts: Vec<PortConflict>,
 }
 
-fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
-    format!(
-        "{}/{}",
-        meta.namespace.as_deref().unwrap_or("default"),
-        meta.name.as_deref().unwrap_or("")
-    )
-}
-
 /// The families kube-proxy's per-family proxiers see `svc` in (`GetClusterIPByFamily`).
 fn cluster_ip_families(svc: &Service) -> BTreeSet<Family> {
     let Some(spec) = svc.spec.as_ref() else {
@@ -148,7 +140,7 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .map(Borrow::borrow)
         .filter(|s| health_check_port(s).is_some())
         .collect();
-    services.sort_by_key(|s| object_name(&s.metadata));
+    services.sort_by_key(|s| translate::object_name(&s.metadata));
     let slices = slices_of(&services, slices);
     // What the index refuses, translation reports.
     let index = index_slices(&slices, node_name, &mut Vec::new());

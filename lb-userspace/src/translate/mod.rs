@@ -34,8 +34,9 @@ use crate::model::{
     Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm, Proto, Scope,
     ServiceEntry, ServicePortName,
 };
+pub(crate) use objects::object_name;
 pub use objects::{SkipReason, Skipped};
-use objects::{Skips, has_label, object_name, parse_ip};
+use objects::{Skips, has_label, parse_ip};
 pub use slices::MAX_SLICE_ENDPOINTS;
 use slices::{Endpoint, SliceIndex, SlicePortNames, index_slices, slice_port_names};
 
