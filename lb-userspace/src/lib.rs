@@ -1,7 +1,8 @@
 //! lb: an eBPF service load balancer that replaces kube-proxy.
 //!
 //! One folder per stage, read bottom-up; imports run only down (tests/layout.rs fails on a
-//! circle between modules or between folders):
+//! circle between modules or between folders, and on a function over 80 lines without a
+//! `// Long:` reason):
 //!
 //! - ground: `model` (frontends, backends, the desired state), `config` (option types the
 //!   cli and the daemon share), `node` (this node's facts: IPs, cluster and service CIDRs),
