@@ -20,7 +20,7 @@ use std::{
     time::{Instant, SystemTime, UNIX_EPOCH},
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use lb::kube::slim::{EndpointSlice, Service};
 use lb::{
     daemon::{self, SyncKind},
     datapath::maps::{AffMatch, Dump, LbMaps, MaglevGeometry, MapOpError, Table},
@@ -33,6 +33,7 @@ use lb::{
     translate::{NodeInfo, desired_state},
 };
 use lb_common::{EchoValue, SvcValue};
+use lb_tests::FromJson;
 use serde_json::{Value, json};
 
 /// xorshift64*: small, seeded, reproducible.
@@ -282,11 +283,10 @@ impl World {
                     let i = rng.below(self.slices.len());
                     if let Some(s) = &self.slices[i] {
                         let mut s = (**s).clone();
-                        if let Some(ep) = s.endpoints.iter_mut().flatten().next() {
-                            let c = ep.conditions.get_or_insert_with(Default::default);
-                            c.ready = Some(rng.chance(50));
-                            c.terminating = Some(rng.chance(50));
-                            c.serving = Some(rng.chance(50));
+                        if let Some(ep) = s.endpoints.iter_mut().next() {
+                            ep.ready = Some(rng.chance(50));
+                            ep.terminating = Some(rng.chance(50));
+                            ep.serving = Some(rng.chance(50));
                         }
                         self.slices[i] = Some(Arc::new(s));
                     }
@@ -298,7 +298,7 @@ impl World {
                     if let Some(s) = &self.services[i] {
                         let mut s = (**s).clone();
                         if rng.chance(50) {
-                            s.metadata.resource_version = Some(format!("{}", rng.next()));
+                            s.metadata.resource_version = Some(format!("{}", rng.next()).into());
                         }
                         self.services[i] = Some(Arc::new(s));
                     }
@@ -328,8 +328,8 @@ fn shuffle<T>(rng: &mut Rng, v: &mut [T]) {
     }
 }
 
-fn parse<T: serde::de::DeserializeOwned>(v: Value) -> T {
-    serde_json::from_value(v).expect("test object parses")
+fn parse<T: FromJson>(v: Value) -> T {
+    T::from_json(v)
 }
 
 fn seed() -> u64 {

@@ -65,10 +65,10 @@ impl Drop for Harness {
     }
 }
 
-fn name_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+fn name_of(meta: &lb::kube::slim::Meta) -> String {
     match &meta.namespace {
         Some(ns) => format!("{ns}/{}", meta.name.as_deref().unwrap_or("")),
-        None => meta.name.clone().unwrap_or_default(),
+        None => meta.name.as_deref().unwrap_or_default().to_string(),
     }
 }
 

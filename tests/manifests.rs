@@ -85,14 +85,14 @@ endpoints:
 fn service_names(o: &Objects) -> Vec<String> {
     o.services
         .iter()
-        .map(|s| s.metadata.name.clone().unwrap_or_default())
+        .map(|s| s.metadata.name.as_deref().unwrap_or_default().to_string())
         .collect()
 }
 
 fn slice_names(o: &Objects) -> Vec<String> {
     o.slices
         .iter()
-        .map(|s| s.metadata.name.clone().unwrap_or_default())
+        .map(|s| s.metadata.name.as_deref().unwrap_or_default().to_string())
         .collect()
 }
 
@@ -118,22 +118,22 @@ fn multi_document_yaml_loads_every_document() {
     assert_eq!(slice_names(&o), ["one-1"]);
     // The documents are really parsed, not just counted.
     let spec = o.services[1].spec.as_ref().expect("spec");
-    assert_eq!(spec.cluster_ip.as_deref(), Some("198.19.0.2"));
-    assert_eq!(spec.ports.as_ref().expect("ports")[0].port, 80);
+    assert_eq!(
+        spec.cluster_ip.as_ref().map(ToString::to_string).as_deref(),
+        Some("198.19.0.2")
+    );
+    assert_eq!(spec.ports[0].port, 80);
     let s = &o.slices[0];
-    assert_eq!(s.address_type, "IPv4");
+    assert_eq!(&*s.address_type, "IPv4");
     assert_eq!(
-        s.endpoints.as_ref().expect("endpoints")[0].addresses,
-        ["198.18.0.1"]
-    );
-    assert_eq!(
-        s.metadata
-            .labels
+        s.endpoints[0]
+            .addr
             .as_ref()
-            .and_then(|l| l.get("kubernetes.io/service-name"))
-            .map(String::as_str),
-        Some("one")
+            .map(ToString::to_string)
+            .as_deref(),
+        Some("198.18.0.1")
     );
+    assert_eq!(s.service.as_deref(), Some("one"));
 }
 
 #[test]
@@ -173,7 +173,9 @@ fn json_file_loads() {
         o.services[0]
             .spec
             .as_ref()
-            .and_then(|s| s.cluster_ip.as_deref()),
+            .and_then(|s| s.cluster_ip.as_ref())
+            .map(ToString::to_string)
+            .as_deref(),
         Some("198.19.0.4")
     );
 }
@@ -516,7 +518,7 @@ items:
     let names: Vec<_> = o
         .nodes
         .iter()
-        .map(|n| n.metadata.name.clone().unwrap_or_default())
+        .map(|n| n.metadata.name.as_deref().unwrap_or_default().to_string())
         .collect();
     assert_eq!(names, ["node-a", "node-b"]);
     let info = lb::translate::NodeInfo::from_node("node-a", o.nodes.first());

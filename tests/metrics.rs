@@ -756,13 +756,13 @@ async fn datapath_maps_are_read_at_scrape_time() {
 }
 
 /// A Service or EndpointSlice from YAML.
-fn object<T: serde::de::DeserializeOwned>(yaml: &str) -> Arc<T> {
-    Arc::new(serde_yaml::from_str(yaml).expect("object"))
+fn object<T: lb_tests::FromJson>(yaml: &str) -> Arc<T> {
+    Arc::new(T::from_json(serde_yaml::from_str(yaml).expect("object")))
 }
 
 fn snapshot(
-    services: Vec<Arc<k8s_openapi::api::core::v1::Service>>,
-    slices: Vec<Arc<k8s_openapi::api::discovery::v1::EndpointSlice>>,
+    services: Vec<Arc<lb::kube::slim::Service>>,
+    slices: Vec<Arc<lb::kube::slim::EndpointSlice>>,
 ) -> lb::kube::source::Snapshot {
     lb::kube::source::Snapshot {
         services,

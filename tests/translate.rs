@@ -8,7 +8,7 @@ use std::{
     path::Path,
 };
 
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+use lb::kube::slim::{EndpointSlice, Service};
 use lb::{
     kube::manifests::{Objects, parse_into},
     model::{BackendState, Frontend, Proto, Scope, ServiceEntry},
@@ -525,8 +525,8 @@ endpoints:
 
 #[test]
 fn node_is_eligible_unless_being_deleted_or_tainted_for_deletion() {
-    let node = |yaml: &str| -> k8s_openapi::api::core::v1::Node {
-        serde_yaml::from_str(yaml).expect("Node YAML")
+    let node = |yaml: &str| -> lb::kube::slim::Node {
+        lb_tests::FromJson::from_json(serde_yaml::from_str(yaml).expect("Node YAML"))
     };
     assert!(
         node_eligible(None),

@@ -7,8 +7,10 @@
 //! - ground: `model` (frontends, backends, the desired state), `config` (option types the
 //!   cli and the daemon share), `node` (this node's facts: IPs, cluster and service CIDRs),
 //!   `state_dir` (names the daemon leaves for the read-only commands), `privileges`;
-//! - `kube/`: where objects come from (a manifest directory or the Kubernetes API), as
-//!   snapshots, and `kube::changes`, the one diff of a snapshot against the one before;
+//! - `kube/`: where objects come from (a manifest directory or the Kubernetes API), made
+//!   slim right after decoding (`kube::slim`: only what lb reads, interned names, parsed
+//!   addresses), as snapshots, and `kube::changes`, the one diff of a snapshot against the one
+//!   before;
 //! - `translate/`: the pure function from a snapshot to a `model::DesiredState` (kube-proxy's
 //!   rules, on the one EndpointSlice index, `slices`), kept up to date per service
 //!   (`incremental`), and Maglev tables (`maglev`);

@@ -15,3 +15,27 @@ pub mod metrics;
 pub mod netns;
 pub mod relay;
 pub mod testbed;
+
+/// Objects written as the API server sends them (JSON), made slim as lb's sources make them:
+/// decoded as their Kubernetes type, then kept as `lb::kube::slim`'s copy.
+pub trait FromJson: Sized {
+    /// Panics on JSON the Kubernetes type refuses (a test's own object).
+    fn from_json(v: serde_json::Value) -> Self;
+}
+
+macro_rules! from_json {
+    ($($slim:ty: $k8s:ty),*) => {$(
+        impl FromJson for $slim {
+            fn from_json(v: serde_json::Value) -> Self {
+                let o: $k8s = serde_json::from_value(v).expect("test object parses");
+                Self::from(&o)
+            }
+        }
+    )*};
+}
+
+from_json!(
+    lb::kube::slim::Service: k8s_openapi::api::core::v1::Service,
+    lb::kube::slim::EndpointSlice: k8s_openapi::api::discovery::v1::EndpointSlice,
+    lb::kube::slim::Node: k8s_openapi::api::core::v1::Node
+);

@@ -28,13 +28,10 @@ use std::{
     },
 };
 
-use k8s_openapi::{
-    Metadata,
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+use super::{
+    slim::{EndpointSlice, Object, Service},
+    source::{PtrHasher, Snapshot, same},
 };
-
-use super::source::{PtrHasher, Snapshot, same};
 
 /// What one kind of object changed.
 #[derive(Debug)]
@@ -158,7 +155,7 @@ fn ptr<T>(o: &Arc<T>) -> usize {
     Arc::as_ptr(o) as usize
 }
 
-impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
+impl<T: PartialEq + Object> Tracked<T> {
     fn new() -> Self {
         Self {
             by_key: HashMap::new(),
@@ -235,10 +232,10 @@ impl<T: PartialEq + Metadata<Ty = ObjectMeta>> Tracked<T> {
     }
 }
 
-fn key<T: Metadata<Ty = ObjectMeta>>(o: &Arc<T>) -> Key {
-    let m = o.metadata();
+fn key<T: Object>(o: &Arc<T>) -> Key {
+    let m = o.meta();
     (
-        m.namespace.clone().unwrap_or_default(),
-        m.name.clone().unwrap_or_default(),
+        m.namespace.as_deref().unwrap_or_default().to_string(),
+        m.name.as_deref().unwrap_or_default().to_string(),
     )
 }

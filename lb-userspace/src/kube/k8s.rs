@@ -24,6 +24,8 @@ use k8s_openapi::{
     },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
+
+use super::slim;
 use kube::{
     Api, Client, Config,
     client::ClientBuilder,
@@ -35,20 +37,6 @@ use super::{
     LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
     source::{Snapshot, SnapshotSender},
 };
-
-/// kubectl's copy of the whole object it last applied, in an annotation.
-const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
-
-/// Drops what lb never reads before the reflector stores an object: `managedFields` and
-/// kubectl's last-applied copy are often most of an object's size, and the stores hold every
-/// Service and EndpointSlice of the cluster. Other annotations stay (lb reads some).
-fn trim<K: kube::Resource>(o: &mut K) {
-    let meta = o.meta_mut();
-    meta.managed_fields = None;
-    if let Some(a) = meta.annotations.as_mut() {
-        a.remove(LAST_APPLIED);
-    }
-}
 
 /// A Service as lb's watch decodes it: without `status.conditions`, which lb never reads and
 /// which the API server stores unvalidated. A condition written without `lastTransitionTime`
@@ -97,23 +85,16 @@ pub fn drop_status_conditions(object: &mut serde_json::Value) {
     }
 }
 
-/// The reflector's event for the Service inside.
-fn unwrap_service(event: watcher::Event<WatchedService>) -> watcher::Event<Service> {
+/// The watcher's event with its object made slim (see `slim`): the reflector stores only
+/// lb's copy, and the decoded Kubernetes object is dropped here.
+fn slim_event<K, T>(event: watcher::Event<K>, slim: impl Fn(&K) -> T) -> watcher::Event<T> {
     use watcher::Event;
     match event {
-        Event::Apply(s) => Event::Apply(s.0),
-        Event::Delete(s) => Event::Delete(s.0),
+        Event::Apply(o) => Event::Apply(slim(&o)),
+        Event::Delete(o) => Event::Delete(slim(&o)),
         Event::Init => Event::Init,
-        Event::InitApply(s) => Event::InitApply(s.0),
+        Event::InitApply(o) => Event::InitApply(slim(&o)),
         Event::InitDone => Event::InitDone,
-    }
-}
-
-/// `trim`, and the Node's image list (lb reads its labels and addresses).
-fn trim_node(n: &mut Node) {
-    trim(n);
-    if let Some(status) = n.status.as_mut() {
-        status.images = None;
     }
 }
 
@@ -296,9 +277,9 @@ pub async fn watch_with(client: Client, node_name: String, tx: SnapshotSender, o
 
 /// The reflectors' stores: what a snapshot is taken from.
 struct Stores {
-    services: reflector::Store<Service>,
-    slices: reflector::Store<EndpointSlice>,
-    node: reflector::Store<Node>,
+    services: reflector::Store<slim::Service>,
+    slices: reflector::Store<slim::EndpointSlice>,
+    node: reflector::Store<slim::Node>,
 }
 
 impl Stores {
@@ -353,17 +334,23 @@ fn reflectors(client: Client, node_name: &str, timeout: u32) -> (Stores, Events)
     let svc_events = reflector(
         svc_writer,
         watcher(services, svc_cfg)
-            .map(|e| e.map(unwrap_service))
-            .modify(trim),
+            .map(|e| e.map(|e| slim_event(e, |s: &WatchedService| slim::Service::from(&s.0)))),
     )
     .default_backoff()
     .map(|e| (Kind::Services, e.map(|e| step(&e))));
-    let slice_events = reflector(slice_writer, watcher(slices, slice_cfg).modify(trim))
-        .default_backoff()
-        .map(|e| (Kind::Slices, e.map(|e| step(&e))));
-    let node_events = reflector(node_writer, watcher(nodes, node_cfg).modify(trim_node))
-        .default_backoff()
-        .map(|e| (Kind::Node, e.map(|e| step(&e))));
+    let slice_events = reflector(
+        slice_writer,
+        watcher(slices, slice_cfg)
+            .map(|e| e.map(|e| slim_event(e, |s| slim::EndpointSlice::from(s)))),
+    )
+    .default_backoff()
+    .map(|e| (Kind::Slices, e.map(|e| step(&e))));
+    let node_events = reflector(
+        node_writer,
+        watcher(nodes, node_cfg).map(|e| e.map(|e| slim_event(e, |n| slim::Node::from(n)))),
+    )
+    .default_backoff()
+    .map(|e| (Kind::Node, e.map(|e| step(&e))));
     let stores = Stores {
         services: svc_store,
         slices: slice_store,
@@ -418,9 +405,10 @@ impl WatchCounter {
 #[cfg(test)]
 mod tests {
     use k8s_openapi::api::core::v1::{Node, Service};
+    use kube::runtime::watcher;
     use serde_json::json;
 
-    use super::{LAST_APPLIED, WatchedService, trim, trim_node};
+    use super::{WatchedService, slim};
 
     /// What the API server returns for a Service whose status condition was written without
     /// a `lastTransitionTime` (the e2e "service status lifecycle" spec makes one).
@@ -467,34 +455,24 @@ mod tests {
     }
 
     #[test]
-    fn trim_drops_managed_fields_and_the_last_applied_copy_only() {
-        let mut svc: Service = serde_json::from_value(json!({
-            "metadata": {
-                "name": "web",
-                "namespace": "shop",
-                "resourceVersion": "7",
-                "labels": {"app": "web"},
-                "annotations": {
-                    LAST_APPLIED: "{\"kind\":\"Service\"}",
-                    "lb.io/lb-algorithm": "maglev",
-                },
-                "managedFields": [{"manager": "kubectl", "operation": "Apply"}],
-            },
-            "spec": {"clusterIP": "198.19.0.1", "ports": [{"port": 80}]},
-        }))
-        .expect("service");
-        let spec = svc.spec.clone();
-        trim(&mut svc);
-        let meta = &svc.metadata;
-        assert_eq!(meta.managed_fields, None);
-        let annotations = meta.annotations.as_ref().expect("annotations");
-        assert!(!annotations.contains_key(LAST_APPLIED));
-        assert_eq!(annotations["lb.io/lb-algorithm"], "maglev");
-        assert_eq!(meta.resource_version.as_deref(), Some("7"));
-        assert_eq!(meta.labels.as_ref().map(|l| l["app"].as_str()), Some("web"));
-        assert_eq!(svc.spec, spec);
+    fn the_store_keeps_what_lb_reads() {
+        let raw = service_with_null_condition_time();
+        let WatchedService(svc) = serde_json::from_value(raw).expect("decodes");
+        let event = super::slim_event(watcher::Event::Apply(svc), |s| slim::Service::from(s));
+        let watcher::Event::Apply(svc) = event else {
+            panic!("an Apply stays an Apply");
+        };
+        assert_eq!(svc.metadata.object_name(), "shop/lb-svc");
+        assert_eq!(svc.metadata.resource_version.as_deref(), Some("9"));
+        let spec = svc.spec.as_ref().expect("spec");
+        assert_eq!(spec.type_.as_deref(), Some("LoadBalancer"));
+        assert_eq!(
+            spec.cluster_ip,
+            Some(slim::Addr::Ip("198.19.0.1".parse().expect("ip")))
+        );
+        assert_eq!(svc.lb_ingress.len(), 1);
 
-        let mut node: Node = serde_json::from_value(json!({
+        let node: Node = serde_json::from_value(json!({
             "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "a"}},
             "status": {
                 "addresses": [{"type": "InternalIP", "address": "198.18.0.1"}],
@@ -502,10 +480,8 @@ mod tests {
             },
         }))
         .expect("node");
-        trim_node(&mut node);
-        let status = node.status.as_ref().expect("status");
-        assert_eq!(status.images, None);
-        assert_eq!(status.addresses.as_ref().map(Vec::len), Some(1));
-        assert!(node.metadata.labels.is_some());
+        let node = slim::Node::from(&node);
+        assert_eq!(node.zone.as_deref(), Some("a"));
+        assert_eq!(node.addresses.len(), 1);
     }
 }

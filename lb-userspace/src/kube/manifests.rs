@@ -14,13 +14,13 @@ use std::{
 };
 
 use anyhow::Context as _;
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::{core::v1, discovery::v1 as discovery};
 use serde::Deserialize as _;
 
-/// The objects read from a directory.
+use super::slim::{EndpointSlice, Node, Service};
+
+/// The objects read from a directory, slim: each is decoded as its Kubernetes type (which
+/// refuses what the API server would), then kept as lb's copy.
 #[derive(Clone, Debug, Default)]
 pub struct Objects {
     pub services: Vec<Service>,
@@ -258,16 +258,17 @@ fn add_object(value: serde_yaml::Value, objects: &mut Objects) -> Result<(), Str
             {
                 status.remove("conditions");
             }
-            let svc: Service = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
-            objects.services.push(svc);
+            let svc: v1::Service = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
+            objects.services.push(Service::from(&svc));
         }
         ("discovery.k8s.io/v1", "EndpointSlice") => {
-            let slice: EndpointSlice = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
-            objects.slices.push(slice);
+            let slice: discovery::EndpointSlice =
+                serde_yaml::from_value(value).map_err(|e| e.to_string())?;
+            objects.slices.push(EndpointSlice::from(&slice));
         }
         ("v1", "Node") => {
-            let node: Node = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
-            objects.nodes.push(node);
+            let node: v1::Node = serde_yaml::from_value(value).map_err(|e| e.to_string())?;
+            objects.nodes.push(Node::from(&node));
         }
         (_, "List" | "ServiceList" | "EndpointSliceList" | "NodeList") => {
             let items = value

@@ -8,17 +8,12 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use k8s_openapi::{
-    Metadata,
-    api::{
-        core::v1::{Node, Service},
-        discovery::v1::EndpointSlice,
-    },
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
-};
 use tokio::sync::{Notify, watch};
 
-use super::manifests::{self, Problem};
+use super::{
+    manifests::{self, Problem},
+    slim::{EndpointSlice, Node, Object, Service},
+};
 
 /// Everything a source knows at one point in time.
 #[derive(Clone, Debug)]
@@ -121,14 +116,11 @@ pub async fn watch_manifests(
 
 /// Whether two versions of an object are the same: one `Arc` (an unchanged reflector entry), the
 /// same non-empty resourceVersion, or equal contents (manifests carry no resourceVersion).
-pub(crate) fn same<T: PartialEq + Metadata<Ty = ObjectMeta>>(a: &Arc<T>, b: &Arc<T>) -> bool {
+pub(crate) fn same<T: PartialEq + Object>(a: &Arc<T>, b: &Arc<T>) -> bool {
     if Arc::ptr_eq(a, b) {
         return true;
     }
-    match (
-        &a.metadata().resource_version,
-        &b.metadata().resource_version,
-    ) {
+    match (&a.meta().resource_version, &b.meta().resource_version) {
         (Some(x), Some(y)) if !x.is_empty() => x == y,
         _ => a == b,
     }

@@ -30,7 +30,6 @@ use axum::{
     http::{HeaderName, HeaderValue, StatusCode, header},
     response::IntoResponse,
 };
-use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
 use tokio::{
     sync::{oneshot, watch},
     task::JoinHandle,
@@ -38,7 +37,7 @@ use tokio::{
 
 pub use crate::model::Family;
 use crate::{
-    kube::LABEL_SERVICE_NAME,
+    kube::slim::{Addr, EndpointSlice, Service},
     metrics::Metrics,
     translate::{
         self,
@@ -85,28 +84,23 @@ fn cluster_ip_families(svc: &Service) -> BTreeSet<Family> {
     let Some(spec) = svc.spec.as_ref() else {
         return BTreeSet::new();
     };
-    let parse = |s: &str| s.parse::<IpAddr>().ok().map(|ip| Family::of(&ip));
-    match spec.ip_families.as_deref() {
+    let parse = |a: &Addr| a.lenient().map(|ip| Family::of(&ip));
+    if !spec.ip_families.is_empty() {
         // With ipFamilies, the i-th family's ClusterIP is clusterIPs[i].
-        Some(families) if !families.is_empty() => families
+        spec.ip_families
             .iter()
-            .zip(spec.cluster_ips.iter().flatten())
+            .zip(spec.cluster_ips.iter())
             .filter_map(|(family, ip)| {
                 let want = Family::from_k8s(family)?;
                 (parse(ip) == Some(want)).then_some(want)
             })
-            .collect(),
+            .collect()
+    } else if !spec.cluster_ips.is_empty() {
         // No ipFamilies (the API server always sets them; manifests may not): the addresses'
         // families, of clusterIPs as translate programs them, else of clusterIP.
-        _ => match spec.cluster_ips.as_deref() {
-            Some(ips) if !ips.is_empty() => ips.iter().filter_map(|ip| parse(ip)).collect(),
-            _ => spec
-                .cluster_ip
-                .as_deref()
-                .and_then(parse)
-                .into_iter()
-                .collect(),
-        },
+        spec.cluster_ips.iter().filter_map(parse).collect()
+    } else {
+        spec.cluster_ip.iter().filter_map(parse).collect()
     }
 }
 
@@ -114,9 +108,7 @@ fn cluster_ip_families(svc: &Service) -> BTreeSet<Family> {
 /// LoadBalancer with `externalTrafficPolicy: Local` and a port in range.
 fn health_check_port(svc: &Service) -> Option<u16> {
     let spec = svc.spec.as_ref()?;
-    if spec.type_.as_deref() != Some("LoadBalancer")
-        || spec.external_traffic_policy.as_deref() != Some("Local")
-    {
+    if spec.type_.as_deref() != Some("LoadBalancer") || !spec.external_local {
         return None;
     }
     u16::try_from(spec.health_check_node_port?)
@@ -140,13 +132,13 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         .map(Borrow::borrow)
         .filter(|s| health_check_port(s).is_some())
         .collect();
-    services.sort_by_key(|s| translate::object_name(&s.metadata));
+    services.sort_by_key(|s| s.metadata.object_name());
     let slices = slices_of(&services, slices);
     // What the index refuses, translation reports.
     let index = index_slices(&slices, node_name, &mut Vec::new());
     let mut out = HealthChecks::default();
     for svc in services {
-        let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
+        let Some(name) = svc.metadata.name.as_deref().filter(|n| !n.is_empty()) else {
             continue;
         };
         if translate::ignored(svc).is_some() {
@@ -155,12 +147,8 @@ pub fn desired<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
         let Some(port) = health_check_port(svc) else {
             continue;
         };
-        let namespace = svc
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
-        let key = (namespace, name);
+        let namespace = svc.metadata.namespace.as_deref().unwrap_or("default");
+        let key = (namespace.to_string(), name.to_string());
         for family in cluster_ip_families(svc) {
             let health = ServiceHealth {
                 namespace: key.0.clone(),
@@ -190,12 +178,8 @@ fn slices_of<'s, E: Borrow<EndpointSlice>>(
         .map(Borrow::borrow)
         .filter(|slice| {
             let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
-            let service = slice
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(LABEL_SERVICE_NAME));
-            service.is_some_and(|name| keys.contains(&(ns, name.as_str())))
+            let service = slice.service.as_deref();
+            service.is_some_and(|name| keys.contains(&(ns, name)))
         })
         .collect()
 }
@@ -436,7 +420,22 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
-    use crate::translate::NodeInfo;
+    use crate::{
+        kube::{LABEL_SERVICE_NAME, slim::slim},
+        translate::NodeInfo,
+    };
+
+    type Service = k8s_openapi::api::core::v1::Service;
+    type EndpointSlice = k8s_openapi::api::discovery::v1::EndpointSlice;
+
+    /// `super::desired` of slim copies of `services` and `slices`.
+    fn desired(services: &[Service], slices: &[EndpointSlice], node_name: &str) -> HealthChecks {
+        super::desired::<crate::kube::slim::Service, crate::kube::slim::EndpointSlice>(
+            &slim(services),
+            &slim(slices),
+            node_name,
+        )
+    }
 
     fn service(v: serde_json::Value) -> Service {
         serde_json::from_value(v).expect("service")
@@ -672,7 +671,10 @@ mod tests {
                 31000,
                 Family::V4,
             );
-            let t = translate::desired_state(std::slice::from_ref(&svc), &slices, &node);
+            let t = translate::desired_state::<
+                crate::kube::slim::Service,
+                crate::kube::slim::EndpointSlice,
+            >(&slim([&svc]), &slim(&slices), &node);
             let node_ports: Vec<_> = t
                 .state
                 .services

@@ -28,7 +28,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use crate::kube::slim::EndpointSlice;
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{
@@ -48,7 +48,7 @@ use crate::{
 
 /// The EndpointSlice controller's annotation: when the change that caused the slice's last
 /// update happened (a Pod or Service change).
-pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+pub use crate::kube::slim::LAST_CHANGE_TRIGGER_TIME;
 
 const FAMILIES: [&str; 2] = ["IPv4", "IPv6"];
 
@@ -300,7 +300,7 @@ impl Changes {
             if let Some(t) = trigger_time(slice)
                 && t > started
             {
-                triggers.push((usize::from(slice.address_type == "IPv6"), t));
+                triggers.push((usize::from(&*slice.address_type == "IPv6"), t));
             }
         }
         Changes {
@@ -337,12 +337,7 @@ impl ChangeTracker {
 
 /// The slice's `LAST_CHANGE_TRIGGER_TIME`, if it is there and parses.
 fn trigger_time(slice: &EndpointSlice) -> Option<SystemTime> {
-    let v = slice
-        .metadata
-        .annotations
-        .as_ref()?
-        .get(LAST_CHANGE_TRIGGER_TIME)?;
-    parse_rfc3339(v)
+    parse_rfc3339(slice.trigger_time.as_deref()?)
 }
 
 /// Parses an RFC 3339 UTC time as Go's `time.RFC3339Nano` writes it (`Z` or a numeric

@@ -5,7 +5,7 @@
 //! datapath's `lb_config` and cluster-CIDR maps get.
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use k8s_openapi::api::core::v1::Node;
+use crate::kube::slim::Node;
 use lb_common::{LbConfig, config_flags, nat};
 use serde::Serialize;
 
@@ -226,19 +226,13 @@ impl NodeFacts {
 /// A Node object's InternalIP addresses, then its ExternalIP ones (kube-proxy's order), parsed;
 /// unparsable ones are skipped.
 pub fn node_object_ips(node: &Node) -> Vec<IpAddr> {
-    let addrs = node
-        .status
-        .as_ref()
-        .and_then(|s| s.addresses.as_ref())
-        .map(Vec::as_slice)
-        .unwrap_or_default();
     ["InternalIP", "ExternalIP"]
         .iter()
         .flat_map(|kind| {
-            addrs
+            node.addresses
                 .iter()
-                .filter(move |a| a.type_ == *kind)
-                .filter_map(|a| a.address.parse().ok())
+                .filter(move |(type_, _)| &**type_ == *kind)
+                .filter_map(|(_, address)| address.parse().ok())
         })
         .collect()
 }
@@ -383,7 +377,7 @@ mod tests {
     use super::*;
 
     fn node(addrs: &[(&str, &str)]) -> Node {
-        Node {
+        Node::from(&k8s_openapi::api::core::v1::Node {
             status: Some(NodeStatus {
                 addresses: Some(
                     addrs
@@ -396,8 +390,8 @@ mod tests {
                 ),
                 ..NodeStatus::default()
             }),
-            ..Node::default()
-        }
+            ..Default::default()
+        })
     }
 
     #[test]

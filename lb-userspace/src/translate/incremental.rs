@@ -25,15 +25,10 @@ use std::{collections::BTreeMap, sync::Arc};
 
 use foldhash::{HashMap, HashSet, HashSetExt as _};
 
-use k8s_openapi::{
-    api::{core::v1::Service, discovery::v1::EndpointSlice},
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
-};
-
 use crate::{
     kube::{
-        LABEL_SERVICE_NAME,
         changes::{ChangeDetector, SnapshotDiff},
+        slim::{EndpointSlice, Meta, Service},
     },
     model::{DesiredState, Frontend, ServiceEntry},
     translate::{
@@ -67,16 +62,16 @@ impl Update {
 /// namespace (`default` when unset) and name, as the translation names objects.
 type Key = (String, String);
 
-fn key_of(meta: &ObjectMeta) -> Key {
+fn key_of(meta: &Meta) -> Key {
     (
-        meta.namespace.clone().unwrap_or_else(|| "default".into()),
-        meta.name.clone().unwrap_or_default(),
+        meta.namespace.as_deref().unwrap_or("default").to_string(),
+        meta.name.as_deref().unwrap_or_default().to_string(),
     )
 }
 
 /// namespace (empty when unset) and name, as the change detector names objects: two objects
 /// with one `key_of` and two of these are two objects of one name here.
-fn raw_key(meta: &ObjectMeta) -> (&str, &str) {
+fn raw_key(meta: &Meta) -> (&str, &str) {
     (
         meta.namespace.as_deref().unwrap_or_default(),
         meta.name.as_deref().unwrap_or_default(),
@@ -85,12 +80,9 @@ fn raw_key(meta: &ObjectMeta) -> (&str, &str) {
 
 /// The service an EndpointSlice belongs to, if it names one.
 fn group_of(slice: &EndpointSlice) -> Option<Key> {
-    let service = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
-    if service.is_empty() {
-        return None;
-    }
-    let ns = slice.metadata.namespace.clone();
-    Some((ns.unwrap_or_else(|| "default".into()), service.clone()))
+    let service = slice.service.as_deref().filter(|s| !s.is_empty())?;
+    let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
+    Some((ns.to_string(), service.to_string()))
 }
 
 struct Svc {
@@ -111,18 +103,8 @@ struct Svc {
 /// depends on.
 fn address_deps(svc: &Service) -> (bool, bool) {
     let spec = svc.spec.as_ref();
-    let nodeport = spec
-        .and_then(|s| s.ports.as_ref())
-        .is_some_and(|p| p.iter().any(|p| p.node_port.is_some()));
-    let external = spec
-        .and_then(|s| s.external_ips.as_ref())
-        .is_some_and(|e| !e.is_empty())
-        || svc
-            .status
-            .as_ref()
-            .and_then(|s| s.load_balancer.as_ref())
-            .and_then(|lb| lb.ingress.as_ref())
-            .is_some_and(|i| !i.is_empty());
+    let nodeport = spec.is_some_and(|s| s.ports.iter().any(|p| p.node_port.is_some()));
+    let external = spec.is_some_and(|s| !s.external_ips.is_empty()) || !svc.lb_ingress.is_empty();
     (nodeport, external)
 }
 

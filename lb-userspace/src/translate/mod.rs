@@ -23,26 +23,19 @@ pub(crate) mod slices;
 
 use std::{borrow::Borrow, collections::BTreeSet, net::IpAddr};
 
-use crate::kube::{LABEL_SERVICE_PROXY_NAME, LABEL_ZONE};
-use k8s_openapi::api::{
-    core::v1::{Node, Service, ServicePort, ServiceSpec},
-    discovery::v1::EndpointSlice,
-};
+use crate::kube::slim::{Addr, EndpointSlice, Node, Service, ServicePort, ServiceSpec};
 use lb_common::svc_flags;
 
 use crate::model::{
     Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, LbAlgorithm, Proto, Scope,
     ServiceEntry, ServicePortName,
 };
-pub(crate) use objects::object_name;
+use objects::Skips;
 pub use objects::{SkipReason, Skipped};
-use objects::{Skips, has_label, parse_ip};
 pub use slices::MAX_SLICE_ENDPOINTS;
 use slices::{Endpoint, SliceIndex, SlicePortNames, index_slices, slice_port_names};
 
-/// Annotation choosing a Service's load-balancing algorithm (`random` or `maglev`), overriding
-/// the node default (`--lb-algorithm`).
-pub const ANNOTATION_LB_ALGORITHM: &str = "lb.io/lb-algorithm";
+pub use crate::kube::slim::{ANNOTATION_LB_ALGORITHM, TAINT_TO_BE_DELETED};
 
 /// What the translation needs to know about the node it runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -64,10 +57,7 @@ pub struct NodeInfo {
 impl NodeInfo {
     /// Facts from the Node object, falling back to `name` when there is none.
     pub fn from_node(name: &str, node: Option<&Node>) -> Self {
-        let zone = node
-            .and_then(|n| n.metadata.labels.as_ref())
-            .and_then(|l| l.get(LABEL_ZONE))
-            .cloned();
+        let zone = node.and_then(|n| n.zone.as_deref()).map(String::from);
         Self {
             name: name.to_string(),
             zone,
@@ -76,20 +66,12 @@ impl NodeInfo {
     }
 }
 
-/// The taint the cluster autoscaler puts on a node it is about to delete.
-pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
-
 /// Whether load balancers should still send traffic to this node (kube-proxy's `SyncNode`):
 /// not while its Node is being deleted or carries [`TAINT_TO_BE_DELETED`]. Without a Node
 /// object the node counts as eligible, as kube-proxy's starts out.
 pub fn node_eligible(node: Option<&Node>) -> bool {
     let Some(node) = node else { return true };
-    node.metadata.deletion_timestamp.is_none()
-        && !node
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.as_ref())
-            .is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED))
+    !node.deleting && !node.to_be_deleted
 }
 
 /// kube-proxy's default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours).
@@ -126,7 +108,7 @@ pub struct NoLocalEndpoints {
 
 /// Whether lb leaves this service alone, and why.
 pub fn ignored(svc: &Service) -> Option<Ignored> {
-    if has_label(&svc.metadata, LABEL_SERVICE_PROXY_NAME) {
+    if svc.other_proxy {
         return Some(Ignored::OtherProxy);
     }
     let Some(spec) = svc.spec.as_ref() else {
@@ -135,9 +117,10 @@ pub fn ignored(svc: &Service) -> Option<Ignored> {
     if spec.type_.as_deref() == Some("ExternalName") {
         return Some(Ignored::ExternalName);
     }
-    match spec.cluster_ip.as_deref() {
-        None | Some("") | Some("None") => Some(Ignored::Headless),
-        _ => None,
+    match &spec.cluster_ip {
+        None => Some(Ignored::Headless),
+        Some(ip) if ip.is_text("") || ip.is_text("None") => Some(Ignored::Headless),
+        Some(_) => None,
     }
 }
 
@@ -324,10 +307,7 @@ pub(crate) type ServiceOrder = (
 );
 
 pub(crate) fn service_order(s: &Service) -> ServiceOrder {
-    (
-        s.metadata.creation_timestamp.clone(),
-        object_name(&s.metadata),
-    )
+    (s.creation_timestamp.clone(), s.metadata.object_name())
 }
 
 /// What one Service translates to, before frontends are shared out among services.
@@ -369,7 +349,7 @@ pub(crate) fn translate_service(
 ) -> ServiceOut {
     let mut out = ServiceOut::default();
     let mut skips = Skips::new("Service", &svc.metadata, &mut out.skipped);
-    let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
+    let Some(name) = svc.metadata.name.as_deref().filter(|n| !n.is_empty()) else {
         skips.push(SkipReason::MissingName, "metadata.name is empty".into());
         return out;
     };
@@ -379,11 +359,11 @@ pub(crate) fn translate_service(
     let Some(spec) = svc.spec.as_ref() else {
         return out;
     };
-    let facts = ServiceFacts::read(svc, spec, name, node, &mut skips);
+    let facts = ServiceFacts::read(svc, spec, name.to_string(), node, &mut skips);
     let key = (facts.namespace.clone(), facts.name.clone());
     let empty = Default::default();
     let endpoints = index.get(&key).unwrap_or(&empty);
-    let ports = spec.ports.as_deref().unwrap_or_default();
+    let ports = &spec.ports[..];
     if ports.is_empty() {
         skips.push(
             SkipReason::NoPorts,
@@ -470,26 +450,20 @@ impl<'a> ServiceFacts<'a> {
         let namespace = svc
             .metadata
             .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
+            .as_deref()
+            .unwrap_or("default")
+            .to_string();
         let algorithm = lb_algorithm(svc, node, skips);
         let cluster_ips = parse_ips(
             "clusterIP",
-            match &spec.cluster_ips {
-                Some(ips) if !ips.is_empty() => ips.iter().map(String::as_str).collect(),
-                _ => spec.cluster_ip.as_deref().into_iter().collect(),
+            if spec.cluster_ips.is_empty() {
+                spec.cluster_ip.iter().collect()
+            } else {
+                spec.cluster_ips.iter().collect()
             },
             skips,
         );
-        let external_ips = parse_ips(
-            "externalIP",
-            spec.external_ips
-                .iter()
-                .flatten()
-                .map(String::as_str)
-                .collect(),
-            skips,
-        );
+        let external_ips = parse_ips("externalIP", spec.external_ips.iter().collect(), skips);
         let type_ = spec.type_.as_deref().unwrap_or("ClusterIP");
         let lb_ips = if type_ == "LoadBalancer" {
             load_balancer_ips(svc, skips)
@@ -511,9 +485,8 @@ impl<'a> ServiceFacts<'a> {
             source_ranges,
             affinity_flag,
             affinity_timeout,
-            internal_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
-            external_local: externally_accessible_type
-                && spec.external_traffic_policy.as_deref() == Some("Local"),
+            internal_local: spec.internal_local,
+            external_local: externally_accessible_type && spec.external_local,
         }
     }
 
@@ -528,7 +501,7 @@ impl<'a> ServiceFacts<'a> {
         listed: Option<&BTreeSet<String>>,
         skips: &mut Skips,
     ) -> Option<PortFacts> {
-        let port_name = port.name.clone().unwrap_or_default();
+        let port_name = port.name.as_deref().unwrap_or_default().to_string();
         let proto_name = port.protocol.as_deref().unwrap_or("TCP");
         let Some(proto) = Proto::from_k8s(proto_name) else {
             skips.push(
@@ -749,12 +722,7 @@ impl<'a> ServiceFacts<'a> {
 /// The Service's algorithm: its `lb.io/lb-algorithm` annotation, else (or when the annotation
 /// is not one lb knows) the node default.
 fn lb_algorithm(svc: &Service, node: &NodeInfo, skips: &mut Skips) -> LbAlgorithm {
-    let annotation = svc
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_LB_ALGORITHM));
-    match annotation {
+    match svc.lb_algorithm.as_deref() {
         None => node.lb_algorithm,
         Some(v) => LbAlgorithm::parse(v).unwrap_or_else(|| {
             skips.push(
@@ -771,12 +739,12 @@ fn lb_algorithm(svc: &Service, node: &NodeInfo, skips: &mut Skips) -> LbAlgorith
 }
 
 /// The addresses of `list` (`what` names the field) that parse as kube-proxy parses them.
-fn parse_ips(what: &str, list: Vec<&str>, skips: &mut Skips) -> Vec<IpAddr> {
+fn parse_ips(what: &str, list: Vec<&Addr>, skips: &mut Skips) -> Vec<IpAddr> {
     let mut ips = Vec::new();
-    for s in list {
-        match parse_ip(s) {
+    for a in list {
+        match a.ip() {
             Ok(ip) => ips.push(ip),
-            Err(why) => skips.push(SkipReason::InvalidIp, format!("{what} {s:?}: {why}")),
+            Err((s, why)) => skips.push(SkipReason::InvalidIp, format!("{what} {s:?}: {why}")),
         }
     }
     ips
@@ -787,14 +755,10 @@ fn parse_ips(what: &str, list: Vec<&str>, skips: &mut Skips) -> Vec<IpAddr> {
 fn load_balancer_ips(svc: &Service, skips: &mut Skips) -> Vec<IpAddr> {
     parse_ips(
         "loadBalancer ingress IP",
-        svc.status
-            .as_ref()
-            .and_then(|s| s.load_balancer.as_ref())
-            .and_then(|lb| lb.ingress.as_ref())
-            .into_iter()
-            .flatten()
-            .filter(|i| i.ip_mode.as_deref().is_none_or(|m| m == "VIP"))
-            .filter_map(|i| i.ip.as_deref())
+        svc.lb_ingress
+            .iter()
+            .filter(|i| !i.proxy_mode)
+            .filter_map(|i| i.ip.as_ref())
             .collect(),
         skips,
     )
@@ -808,7 +772,7 @@ fn source_ranges(spec: &ServiceSpec, lb_ips: &[IpAddr], skips: &mut Skips) -> BT
     if lb_ips.is_empty() {
         return source_ranges;
     }
-    for r in spec.load_balancer_source_ranges.iter().flatten() {
+    for r in &spec.load_balancer_source_ranges {
         match r.trim().parse::<Cidr>() {
             Ok(c) => {
                 source_ranges.insert(c);
@@ -830,15 +794,10 @@ fn source_ranges(spec: &ServiceSpec, lb_ips: &[IpAddr], skips: &mut Skips) -> BT
 /// `sessionAffinity: ClientIP`: the flag and timeout every frontend of the service carries,
 /// `(0, 0)` without; an out-of-range timeout gets kube-proxy's default.
 fn session_affinity(spec: &ServiceSpec, skips: &mut Skips) -> (u16, u32) {
-    if spec.session_affinity.as_deref() != Some("ClientIP") {
+    if !spec.affinity_client_ip {
         return (0, 0);
     }
-    let t = spec
-        .session_affinity_config
-        .as_ref()
-        .and_then(|c| c.client_ip.as_ref())
-        .and_then(|c| c.timeout_seconds);
-    let timeout = match t {
+    let timeout = match spec.affinity_timeout {
         None => DEFAULT_AFFINITY_TIMEOUT,
         Some(t) if (1..=MAX_AFFINITY_TIMEOUT as i32).contains(&t) => t as u32,
         Some(t) => {

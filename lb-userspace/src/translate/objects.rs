@@ -1,8 +1,8 @@
 //! What translation reads the same way off every object (its name, its labels, an address as
 //! kube-proxy parses one), and how it reports an object, or a part of one, it refuses.
-use std::{fmt, net::IpAddr};
+use std::fmt;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use crate::kube::slim::Meta;
 
 /// Why an object, or a part of one, was not applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -93,10 +93,10 @@ pub(crate) struct Skips<'a> {
 
 impl<'a> Skips<'a> {
     /// Reports parts of the object of `kind` named `meta` into `out`.
-    pub(crate) fn new(kind: &'static str, meta: &ObjectMeta, out: &'a mut Vec<Skipped>) -> Self {
+    pub(crate) fn new(kind: &'static str, meta: &Meta, out: &'a mut Vec<Skipped>) -> Self {
         Self {
             kind,
-            object: object_name(meta),
+            object: meta.object_name(),
             out,
         }
     }
@@ -114,47 +114,4 @@ impl<'a> Skips<'a> {
     pub(crate) fn count(&self) -> usize {
         self.out.len()
     }
-}
-
-/// `namespace/name`, the namespace `default` when unset: how reports name objects.
-pub(crate) fn object_name(meta: &ObjectMeta) -> String {
-    format!(
-        "{}/{}",
-        meta.namespace.as_deref().unwrap_or("default"),
-        meta.name.as_deref().unwrap_or("")
-    )
-}
-
-pub(crate) fn has_label(meta: &ObjectMeta, key: &str) -> bool {
-    meta.labels.as_ref().is_some_and(|l| l.contains_key(key))
-}
-
-/// Parses an address as Go's `netip.ParseAddr` (kube-proxy's parser) does: a leading zero in an
-/// IPv4 octet (`010.1.1.1`, octal to some parsers), an IPv6 zone (`fe80::1%eth0`), a CIDR and
-/// surrounding spaces are refused. IPv4-mapped IPv6 addresses (`::ffff:198.18.0.1`) are refused
-/// too: their family is ambiguous, and lb never programs one address under two families.
-pub(crate) fn parse_ip(s: &str) -> Result<IpAddr, &'static str> {
-    let Ok(ip) = s.parse::<IpAddr>() else {
-        let octets: Vec<&str> = s.split('.').collect();
-        let leading_zero = octets.len() == 4
-            && octets
-                .iter()
-                .all(|o| !o.is_empty() && o.bytes().all(|b| b.is_ascii_digit()))
-            && octets.iter().any(|o| o.len() > 1 && o.starts_with('0'));
-        return Err(if s.contains('%') {
-            "an IPv6 zone is not allowed"
-        } else if s.contains('/') {
-            "a CIDR, not an address"
-        } else if leading_zero {
-            "an IPv4 octet with a leading zero"
-        } else {
-            "not an IP address"
-        });
-    };
-    if let IpAddr::V6(v6) = ip
-        && v6.to_ipv4_mapped().is_some()
-    {
-        return Err("an IPv4-mapped IPv6 address");
-    }
-    Ok(ip)
 }

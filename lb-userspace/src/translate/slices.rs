@@ -9,12 +9,13 @@ use std::{
     net::IpAddr,
 };
 
-use k8s_openapi::api::discovery::v1::{self as discovery, EndpointSlice};
-
 use crate::{
-    kube::{LABEL_HEADLESS, LABEL_SERVICE_NAME},
+    kube::{
+        LABEL_SERVICE_NAME,
+        slim::{self, EndpointSlice},
+    },
     model::{Family, L4Addr, Proto},
-    translate::objects::{SkipReason, Skipped, Skips, has_label, object_name, parse_ip},
+    translate::objects::{SkipReason, Skipped, Skips},
 };
 
 /// The API server's cap on endpoints per EndpointSlice (`maxEndpoints` in its validation).
@@ -39,23 +40,17 @@ impl Endpoint {
     /// The endpoint `ep` of a slice at `l4` (one of the slice's ports), on node `node_name`:
     /// its conditions as kube-proxy defaults them (ready and serving unless false, terminating
     /// only if true) and its topology hints.
-    fn new(ep: &discovery::Endpoint, l4: L4Addr, node_name: &str) -> Self {
-        let cond = ep.conditions.as_ref();
-        let hints = ep.hints.as_ref();
+    fn new(ep: &slim::Endpoint, l4: L4Addr, node_name: &str) -> Self {
+        let hints = ep.hints.as_deref();
+        let set = |names: &[slim::Name]| names.iter().map(|n| n.to_string()).collect();
         Self {
             l4,
-            ready: cond.and_then(|c| c.ready).unwrap_or(true),
-            serving: cond.and_then(|c| c.serving).unwrap_or(true),
-            terminating: cond.and_then(|c| c.terminating).unwrap_or(false),
+            ready: ep.ready.unwrap_or(true),
+            serving: ep.serving.unwrap_or(true),
+            terminating: ep.terminating.unwrap_or(false),
             local: !node_name.is_empty() && ep.node_name.as_deref() == Some(node_name),
-            zone_hints: hints
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|z| z.iter().map(|z| z.name.clone()).collect())
-                .unwrap_or_default(),
-            node_hints: hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .map(|n| n.iter().map(|n| n.name.clone()).collect())
-                .unwrap_or_default(),
+            zone_hints: hints.map(|h| set(&h.for_zones)).unwrap_or_default(),
+            node_hints: hints.map(|h| set(&h.for_nodes)).unwrap_or_default(),
         }
     }
 
@@ -95,16 +90,16 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
     let mut out = SliceIndex::new();
     let mut slices: Vec<&EndpointSlice> = slices.iter().map(Borrow::borrow).collect();
     // Deterministic precedence among duplicates: slice name order.
-    slices.sort_by_key(|s| object_name(&s.metadata));
+    slices.sort_by_key(|s| s.metadata.object_name());
     for slice in slices {
-        if has_label(&slice.metadata, LABEL_HEADLESS) {
+        if slice.headless {
             continue;
         }
         let mut skips = Skips::new("EndpointSlice", &slice.metadata, skipped);
         let Some((service, family)) = owner(slice, &mut skips) else {
             continue;
         };
-        let endpoints = slice.endpoints.as_deref().unwrap_or_default();
+        let endpoints = &slice.endpoints[..];
         if endpoints.len() > MAX_SLICE_ENDPOINTS {
             skips.push(
                 SkipReason::TooManyEndpoints,
@@ -116,12 +111,9 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
             continue;
         }
         let ports = usable_ports(slice, &mut skips);
-        let namespace = slice
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
-        let by_port = &mut out.entry((namespace, service.clone())).or_default()[family.index()];
+        let namespace = slice.metadata.namespace.as_deref().unwrap_or("default");
+        let key = (namespace.to_string(), service.to_string());
+        let by_port = &mut out.entry(key).or_default()[family.index()];
         for ep in endpoints {
             let Some(addr) = endpoint_addr(ep, slice, family, &mut skips) else {
                 continue;
@@ -146,21 +138,15 @@ pub(crate) fn index_slices<E: Borrow<EndpointSlice>>(
 /// The service a slice belongs to (its `kubernetes.io/service-name` label) and the family of
 /// its addresses; `None` for a slice that names no service, has an unknown address type, or
 /// is an FQDN one (those are for DNS, not proxies).
-fn owner<'s>(slice: &'s EndpointSlice, skips: &mut Skips) -> Option<(&'s String, Family)> {
-    let Some(service) = slice
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(LABEL_SERVICE_NAME))
-        .filter(|s| !s.is_empty())
-    else {
+fn owner<'s>(slice: &'s EndpointSlice, skips: &mut Skips) -> Option<(&'s str, Family)> {
+    let Some(service) = slice.service.as_deref().filter(|s| !s.is_empty()) else {
         skips.push(
             SkipReason::MissingServiceLabel,
             format!("no {LABEL_SERVICE_NAME} label"),
         );
         return None;
     };
-    let family = match slice.address_type.as_str() {
+    let family = match &*slice.address_type {
         "IPv4" => Family::V4,
         "IPv6" => Family::V6,
         "FQDN" => return None,
@@ -179,8 +165,8 @@ fn owner<'s>(slice: &'s EndpointSlice, skips: &mut Skips) -> Option<(&'s String,
 /// name (the controller writes "" for unnamed service ports) and without a number.
 fn usable_ports(slice: &EndpointSlice, skips: &mut Skips) -> Vec<(String, Proto, u16)> {
     let mut ports = Vec::new();
-    for p in slice.ports.iter().flatten() {
-        let Some(name) = p.name.clone() else {
+    for p in slice.ports.iter() {
+        let Some(name) = p.name.as_deref().map(String::from) else {
             skips.push(
                 SkipReason::InvalidPort,
                 "a port without a name (use \"\" for unnamed service ports)".into(),
@@ -210,15 +196,14 @@ fn usable_ports(slice: &EndpointSlice, skips: &mut Skips) -> Vec<(String, Proto,
 /// The address kube-proxy takes of an endpoint: its first (`None` without one), which must
 /// parse and be of the slice's family.
 fn endpoint_addr(
-    ep: &discovery::Endpoint,
+    ep: &slim::Endpoint,
     slice: &EndpointSlice,
     family: Family,
     skips: &mut Skips,
 ) -> Option<IpAddr> {
-    let first = ep.addresses.first()?;
-    let addr = match parse_ip(first) {
+    let addr = match ep.addr.as_ref()?.ip() {
         Ok(a) => a,
-        Err(why) => {
+        Err((first, why)) => {
             skips.push(
                 SkipReason::InvalidIp,
                 format!("endpoint address {first:?}: {why}"),
@@ -242,25 +227,23 @@ pub(crate) type SlicePortNames = BTreeMap<(String, String), BTreeSet<String>>;
 pub(crate) fn slice_port_names<E: Borrow<EndpointSlice>>(slices: &[E]) -> SlicePortNames {
     let mut out = SlicePortNames::new();
     for slice in slices.iter().map(Borrow::borrow) {
-        let Some(service) = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(LABEL_SERVICE_NAME))
-        else {
+        let Some(service) = slice.service.as_deref() else {
             continue;
         };
-        if has_label(&slice.metadata, LABEL_HEADLESS) || slice.address_type == "FQDN" {
+        if slice.headless || &*slice.address_type == "FQDN" {
             continue;
         }
-        let namespace = slice
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into());
-        let names = out.entry((namespace, service.clone())).or_default();
+        let namespace = slice.metadata.namespace.as_deref().unwrap_or("default");
+        let names = out
+            .entry((namespace.to_string(), service.to_string()))
+            .or_default();
         // Names of ports `index_slices` refused count too: those are reported there already.
-        names.extend(slice.ports.iter().flatten().filter_map(|p| p.name.clone()));
+        names.extend(
+            slice
+                .ports
+                .iter()
+                .filter_map(|p| p.name.as_deref().map(String::from)),
+        );
     }
     out
 }

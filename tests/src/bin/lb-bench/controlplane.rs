@@ -41,7 +41,7 @@ use lb_common::{map_names, map_sizes};
 use crate::{
     kubeproxy::{self, Config, ServicePort},
     netns::{self, Scratch, TempDir},
-    workload::{self, Objects, Results, Rng, ServiceDef},
+    workload::{self, Objects, Results, Rng, ServiceDef, Slim},
 };
 
 const SUITE: &str = "controlplane";
@@ -253,7 +253,11 @@ fn program_cold(objects: &Objects, opts: &LoadOptions) -> anyhow::Result<(Durati
     let maps = datapath.take_lb_maps()?;
     let start = Instant::now();
     let mut reconciler = Reconciler::new(maps)?;
-    let translation = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+    let translation = desired_state(
+        &objects.lb.services,
+        &objects.lb.slices,
+        &NodeInfo::default(),
+    );
     let report = reconciler.apply(&translation.state);
     Ok((start.elapsed(), report))
 }
@@ -272,7 +276,7 @@ struct Daemon {
 
 impl Daemon {
     /// Loads private maps sized for `n` × `e` and syncs `objects` (the first, full sync).
-    fn new(objects: &Objects, n: usize, e: usize) -> anyhow::Result<Self> {
+    fn new(objects: &Slim, n: usize, e: usize) -> anyhow::Result<Self> {
         let (opts, _) = load_options(n, e);
         let mut datapath = Datapath::load(&opts)?;
         let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
@@ -296,7 +300,7 @@ impl Daemon {
 
     /// One sync of `objects`, as the daemon's loop does it once the source has published
     /// them: the time from the snapshot to the map write, and what was written.
-    fn sync(&mut self, objects: &Objects) -> (Duration, ApplyReport) {
+    fn sync(&mut self, objects: &Slim) -> (Duration, ApplyReport) {
         let snapshot = Snapshot {
             services: objects.services.clone(),
             slices: objects.slices.clone(),
@@ -516,7 +520,7 @@ fn cold(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::Re
 /// Replaces endpoint 0 of service `i` with the `c`-th replacement address.
 fn replace_endpoint(defs: &mut [ServiceDef], objects: &mut Objects, i: usize, c: usize) {
     defs[i].endpoints[0] = workload::replacement_ip(c);
-    objects.slices[i] = Arc::new(workload::slice(&defs[i], &defs[i].endpoints));
+    objects.set_slice(i, workload::slice(&defs[i], &defs[i].endpoints));
 }
 
 /// kube-proxy's reactions to one change, each timed.
@@ -562,11 +566,15 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
     let mut objects = workload::objects(&defs);
     let mut rng = Rng::new(0xc4a6);
 
-    let mut daemon = Daemon::new(&objects, n, e)?;
+    let mut daemon = Daemon::new(&objects.lb, n, e)?;
     // The full sync (every sync before issue 16; `--full-sync-interval` now), on its own maps.
     let mut datapath = Datapath::load(&load_options(n, e).0)?;
     let mut reconciler: Reconciler<BpfMaps> = Reconciler::new(datapath.take_lb_maps()?)?;
-    let initial = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+    let initial = desired_state(
+        &objects.lb.services,
+        &objects.lb.slices,
+        &NodeInfo::default(),
+    );
     let report = reconciler.apply(&initial.state);
     ensure!(report.errors.is_empty(), "initial programming failed");
     drop(initial);
@@ -621,7 +629,7 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
             replace_endpoint(&mut defs, &mut objects, i, c);
             c += 1;
             // The daemon's sync.
-            let (took, report) = daemon.sync(&objects);
+            let (took, report) = daemon.sync(&objects.lb);
             ensure!(
                 report.errors.is_empty() && report.writes > 0,
                 "change {c}: {} writes, errors {:?}",
@@ -632,8 +640,11 @@ fn change(settings: &Settings, tmp: &TempDir, results: &mut Results) -> anyhow::
             // The full sync, for every 10th change (it is ~100× slower).
             if c % 10 == 1 {
                 let t0 = Instant::now();
-                let translation =
-                    desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+                let translation = desired_state(
+                    &objects.lb.services,
+                    &objects.lb.slices,
+                    &NodeInfo::default(),
+                );
                 let report = reconciler.apply(&translation.state);
                 full_t.push(t0.elapsed().as_secs_f64() * 1e3);
                 ensure!(
@@ -738,7 +749,7 @@ fn lb_changes(
     let mut defs = workload::fillers(n, e);
     let mut objects = workload::objects(&defs);
     let mut rng = Rng::new(0xc4a7);
-    let mut daemon = Daemon::new(&objects, n, e)?;
+    let mut daemon = Daemon::new(&objects.lb, n, e)?;
     let mut took = Vec::with_capacity(changes);
     // The full sync beside, for `full_every` (see `Settings`).
     let mut full = match full_every {
@@ -753,12 +764,16 @@ fn lb_changes(
     for c in 0..changes {
         let just_full = full_every > 0 && c % full_every == 0;
         if let Some((_, reconciler)) = full.as_mut().filter(|_| just_full) {
-            let t = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+            let t = desired_state(
+                &objects.lb.services,
+                &objects.lb.slices,
+                &NodeInfo::default(),
+            );
             reconciler.apply(&t.state);
         }
         workload::check_interrupted()?;
         replace_endpoint(&mut defs, &mut objects, rng.below(n), c);
-        let (t, report) = daemon.sync(&objects);
+        let (t, report) = daemon.sync(&objects.lb);
         ensure!(
             report.errors.is_empty() && report.writes > 0,
             "change {c}: {} writes, errors {:?}",
@@ -812,7 +827,7 @@ fn burst(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     let mut defs = workload::fillers(n, e);
     let mut objects = workload::objects(&defs);
     let mut rng = Rng::new(0xb025);
-    let mut daemon = Daemon::new(&objects, n, e)?;
+    let mut daemon = Daemon::new(&objects.lb, n, e)?;
     let mut took = Vec::with_capacity(bursts);
     let mut c = 0;
     for b in 0..bursts {
@@ -823,7 +838,7 @@ fn burst(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
             replace_endpoint(&mut defs, &mut objects, i, c);
             c += 1;
         }
-        let (t, report) = daemon.sync(&objects);
+        let (t, report) = daemon.sync(&objects.lb);
         ensure!(
             report.errors.is_empty() && report.writes >= per.min(n),
             "burst {b}: {} writes, errors {:?}",
@@ -887,7 +902,7 @@ fn rss(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
 /// `lb-bench rss`: holds `n` × `e` programmed the way the daemon does (objects, desired
 /// state, reconciler mirror, maps) and prints its VmHWM and its maps' memlock as JSON.
 pub fn rss_child(n: usize, e: usize) -> anyhow::Result<()> {
-    let objects = workload::objects(&workload::fillers(n, e));
+    let objects = workload::slim_objects(&workload::fillers(n, e));
     let daemon = Daemon::new(&objects, n, e)?;
     let reconciler = &daemon.reconciler;
     let status = fs::read_to_string("/proc/self/status")?;

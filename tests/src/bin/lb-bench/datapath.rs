@@ -154,7 +154,11 @@ impl Fixture {
         let maps = datapath.take_lb_maps()?;
         let mut reconciler = Reconciler::new(maps)?;
         let objects = workload::objects(&services(n));
-        let translation = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+        let translation = desired_state(
+            &objects.lb.services,
+            &objects.lb.slices,
+            &NodeInfo::default(),
+        );
         ensure!(
             translation.skipped.is_empty(),
             "translation skipped objects: {:?}",

@@ -429,7 +429,11 @@ fn program(
     n: usize,
     impls: &[Impl],
 ) -> anyhow::Result<()> {
-    let translation = desired_state(&objects.services, &objects.slices, &NodeInfo::default());
+    let translation = desired_state(
+        &objects.lb.services,
+        &objects.lb.slices,
+        &NodeInfo::default(),
+    );
     ensure!(
         translation.skipped.is_empty(),
         "translation skipped {:?}",

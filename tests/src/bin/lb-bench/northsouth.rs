@@ -207,10 +207,10 @@ fn services(n: usize, backends: &[Ipv4Addr]) -> (workload::Objects, Vec<Service>
         kube.push(k);
         lb.push(l);
     }
-    let kube_objects = workload::Objects {
-        services: kube.into_iter().map(std::sync::Arc::new).collect(),
-        slices: objects.slices,
-    };
+    let kube_objects = workload::Objects::new(
+        kube.into_iter().map(std::sync::Arc::new).collect(),
+        objects.slices,
+    );
     (kube_objects, lb, frontends[n - 1])
 }
 

@@ -29,7 +29,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
-use lb::kube::LABEL_SERVICE_NAME;
+use lb::kube::{LABEL_SERVICE_NAME, slim};
 
 pub const NAMESPACE: &str = "bench";
 /// kube-proxy's `--cluster-cidr` in the benchmark: the client is a "pod", so no masquerade.
@@ -215,19 +215,65 @@ pub fn slice(def: &ServiceDef, endpoints: &[Ipv4Addr]) -> EndpointSlice {
     }
 }
 
-/// The objects a source would hand the daemon, in service index order (the rule order of the
-/// iptables and nftables renderings).
+/// The objects, in service index order (the rule order of the iptables and nftables
+/// renderings): as Kubernetes objects for kube-proxy's renderings, and as the slim copies a
+/// source hands lb's daemon (`lb`).
 pub struct Objects {
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<EndpointSlice>>,
+    pub lb: Slim,
+}
+
+/// What lb's sources publish: slim copies (`lb::kube::slim`).
+#[derive(Default)]
+pub struct Slim {
+    pub services: Vec<Arc<slim::Service>>,
+    pub slices: Vec<Arc<slim::EndpointSlice>>,
+}
+
+impl Objects {
+    pub fn new(services: Vec<Arc<Service>>, slices: Vec<Arc<EndpointSlice>>) -> Self {
+        let lb = Slim {
+            services: services
+                .iter()
+                .map(|s| Arc::new(s.as_ref().into()))
+                .collect(),
+            slices: slices.iter().map(|s| Arc::new(s.as_ref().into())).collect(),
+        };
+        Self {
+            services,
+            slices,
+            lb,
+        }
+    }
+
+    /// Replaces slice `i` in both forms.
+    pub fn set_slice(&mut self, i: usize, slice: EndpointSlice) {
+        self.lb.slices[i] = Arc::new((&slice).into());
+        self.slices[i] = Arc::new(slice);
+    }
 }
 
 pub fn objects(defs: &[ServiceDef]) -> Objects {
-    Objects {
-        services: defs.iter().map(|d| Arc::new(service(d))).collect(),
+    Objects::new(
+        defs.iter().map(|d| Arc::new(service(d))).collect(),
+        defs.iter()
+            .map(|d| Arc::new(slice(d, &d.endpoints)))
+            .collect(),
+    )
+}
+
+/// Only lb's slim copies, each Kubernetes object dropped as soon as it is converted (as a
+/// source does): what a process holding lb's state holds.
+pub fn slim_objects(defs: &[ServiceDef]) -> Slim {
+    Slim {
+        services: defs
+            .iter()
+            .map(|d| Arc::new((&service(d)).into()))
+            .collect(),
         slices: defs
             .iter()
-            .map(|d| Arc::new(slice(d, &d.endpoints)))
+            .map(|d| Arc::new((&slice(d, &d.endpoints)).into()))
             .collect(),
     }
 }
