@@ -121,10 +121,10 @@ impl<M: LbMaps> Reconciler<M> {
             .iter()
             .copied()
             .filter(|id| {
-                let Some(b) = self.backends.get(id) else {
+                let Some(b) = self.backends.get(*id) else {
                     return false;
                 };
-                let total: u32 = self.wanted.get(&b.l4).map_or(0, |n| n.iter().sum());
+                let total = self.backends.wanted_total(&b.l4);
                 let elsewhere = total > changed_want.get(&b.l4).copied().unwrap_or(0);
                 let kept = (keep_wanted && total > 0) || elsewhere;
                 !(kept || by_changed.contains(id))
@@ -251,18 +251,15 @@ impl<M: LbMaps> Reconciler<M> {
     /// stays (logged) and marks the reconciler degraded (the next sync is a full one).
     pub(super) fn delete_backends(&mut self, unused: Vec<u32>, report: &mut ApplyReport) {
         for id in unused {
-            let Some(b) = self.backends.get(&id).copied() else {
+            let Some(b) = self.backends.get(id) else {
                 continue;
             };
             match self.maps.del_backend(id, Family::of(&b.l4.addr)) {
                 Ok(()) => {
                     report.deletes += 1;
                     report.backends_deleted += 1;
-                    self.backends.remove(&id);
+                    self.backends.remove(id);
                     self.counts.backends[fam_of(&b.l4.addr)] -= 1;
-                    if self.backend_ids.get(&b.l4) == Some(&id) {
-                        self.backend_ids.remove(&b.l4);
-                    }
                 }
                 Err(e) => {
                     self.degraded = true;
@@ -284,15 +281,17 @@ impl<M: LbMaps> Reconciler<M> {
             .flat_map(|i| i.slots.iter().copied())
             .chain(self.maglev_tables.values().flatten().copied())
             .collect();
-        let unused: Vec<u32> = self
+        let mut unused: Vec<u32> = self
             .backends
             .iter()
             .filter(|(id, b)| {
-                let kept = keep_wanted && self.wanted.contains_key(&b.l4);
+                let kept = keep_wanted && self.backends.wanted_total(&b.l4) > 0;
                 !(used_backends.contains(id) || kept)
             })
-            .map(|(id, _)| *id)
+            .map(|(id, _)| id)
             .collect();
+        // In id order, as they are deleted.
+        unused.sort_unstable();
         self.delete_backends(unused, report);
         let used_revnat: HashSet<u32> = self
             .services

@@ -127,7 +127,7 @@ impl<M: LbMaps> Reconciler<M> {
                 .iter()
                 .filter_map(|fe| desired.services.get(fe))
                 .flat_map(|e| e.backends.iter())
-                .filter_map(|b| self.backend_ids.get(&b.l4).copied()),
+                .filter_map(|b| self.backends.id_of(&b.l4)),
         );
         revnat.extend(
             changed
@@ -163,20 +163,19 @@ impl<M: LbMaps> Reconciler<M> {
         touched.sort_unstable();
         touched.dedup();
         for l4 in touched {
-            let (Some(&id), Some(state)) = (self.backend_ids.get(&l4), self.wanted_state(&l4))
-            else {
+            let (Some(id), Some(state)) = (self.backends.id_of(&l4), self.wanted_state(&l4)) else {
                 continue;
             };
-            let total: u32 = self.wanted.get(&l4).map_or(0, |n| n.iter().sum());
+            let total = self.backends.wanted_total(&l4);
             if total <= changed_want.get(&l4).copied().unwrap_or(0) {
                 continue;
             }
             let b = Backend { l4, state };
-            if self.backends.get(&id).is_some_and(|have| *have != b) {
+            if self.backends.get(id).is_some_and(|have| have != b) {
                 match self.maps.put_backend(id, &b) {
                     Ok(()) => {
                         report.writes += 1;
-                        self.backends.insert(id, b);
+                        self.backends.insert(id, &b);
                     }
                     Err(e) => {
                         self.degraded = true;

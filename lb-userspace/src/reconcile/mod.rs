@@ -40,8 +40,10 @@
 //!
 //! The parts, each an `impl` of `Reconciler` over the mirror this file keeps: `service` (one
 //! frontend planned, checked for room and written), `maglev_tables`, `addresses` (ClusterIP
-//! set and echo table), `garbage` (what nothing refers to), `incremental` (`apply_update`).
+//! set and echo table), `garbage` (what nothing refers to), `incremental` (`apply_update`);
+//! `backends` is the mirror's backend table (each address once, with its id and wanted count).
 mod addresses;
+mod backends;
 mod garbage;
 mod incremental;
 mod maglev_tables;
@@ -58,10 +60,11 @@ use std::{
 use foldhash::{HashMap, HashMapExt as _};
 use lb_common::{EchoValue, SvcValue, svc_flags};
 
+use self::backends::Backends;
+
 use crate::{
     datapath::maps::{
-        AffMatch, Dump, LbMaps, Table, aff_match_of, backends_of, maglev_table_of, revnat_of,
-        src_ranges_of,
+        AffMatch, Dump, LbMaps, Table, aff_match_of, maglev_table_of, revnat_of, src_ranges_of,
     },
     model::{Backend, BackendState, Cidr, DesiredState, Family, Frontend, L4Addr, Proto, Scope},
 };
@@ -70,8 +73,9 @@ use crate::{
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Installed {
     master: SvcValue,
-    /// `slots[i]` is slot `i + 1`; 0 where the slot entry is missing.
-    slots: Vec<u32>,
+    /// `slots[i]` is slot `i + 1`; 0 where the slot entry is missing. Boxed: exactly as long
+    /// as the frontend's slots, without a `Vec`'s capacity.
+    slots: Box<[u32]>,
 }
 
 /// A service that could not be (fully) written.
@@ -114,8 +118,9 @@ pub struct ApplyReport {
 
 pub struct Reconciler<M> {
     maps: M,
-    backends: BTreeMap<u32, Backend>,
-    backend_ids: HashMap<L4Addr, u32>,
+    /// The backend map as written, and how many entries of the last desired state name each
+    /// backend address, per state (the backend map holds the most usable one).
+    backends: Backends,
     revnat: BTreeMap<u32, (IpAddr, u16)>,
     revnat_ids: HashMap<L4Addr, u32>,
     services: BTreeMap<Frontend, Installed>,
@@ -136,9 +141,6 @@ pub struct Reconciler<M> {
     /// The canonical active backends each Maglev frontend's table was built from this run
     /// (unknown after a restart: the table is then rebuilt and only differing cells written).
     maglev_built: HashMap<Frontend, Vec<L4Addr>>,
-    /// Per backend address: how many entries of the last desired state name it, per state
-    /// (index: the state's byte). The backends map holds the most usable one.
-    wanted: HashMap<L4Addr, [u32; 4]>,
     /// Whether the mirror holds the last desired state but for `retry`, so `apply_update`
     /// may work on changes alone.
     incremental: bool,
@@ -188,8 +190,7 @@ impl<M: LbMaps> Reconciler<M> {
     fn from_dump(maps: M, dump: Dump) -> Self {
         let mut r = Self {
             maps,
-            backends: BTreeMap::new(),
-            backend_ids: HashMap::new(),
+            backends: Backends::new(),
             revnat: BTreeMap::new(),
             revnat_ids: HashMap::new(),
             services: BTreeMap::new(),
@@ -202,7 +203,6 @@ impl<M: LbMaps> Reconciler<M> {
             next_revnat_id: 1,
             maglev_tables: BTreeMap::new(),
             maglev_built: HashMap::new(),
-            wanted: HashMap::new(),
             incremental: false,
             retry: BTreeSet::new(),
             degraded: false,
@@ -232,10 +232,6 @@ impl<M: LbMaps> Reconciler<M> {
 
     /// Sets the mirror to what `dump` holds; `apply_update` is full until an `apply` ran.
     fn load_dump(&mut self, dump: Dump) {
-        let mut backend_ids = HashMap::new();
-        for (id, b) in &dump.backends {
-            backend_ids.entry(b.l4).or_insert(*id);
-        }
         let mut services = BTreeMap::new();
         let mut revnat_ids = HashMap::new();
         let mut stray_slots = BTreeSet::new();
@@ -281,8 +277,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         let next_backend_id = dump.backends.keys().max().map_or(1, |m| m.wrapping_add(1));
         let next_revnat_id = dump.revnat.keys().max().map_or(1, |m| m.wrapping_add(1));
-        self.backends = dump.backends;
-        self.backend_ids = backend_ids;
+        self.backends = Backends::from_entries(dump.backends.iter());
         self.revnat = dump.revnat;
         self.revnat_ids = revnat_ids;
         self.services = services;
@@ -308,7 +303,7 @@ impl<M: LbMaps> Reconciler<M> {
         }
         for f in [Family::V4, Family::V6] {
             let i = fam(f);
-            c.backends[i] = backends_of(&self.backends, f);
+            c.backends[i] = self.backends.count(f);
             c.revnat[i] = revnat_of(&self.revnat, f);
             c.src_ranges[i] = src_ranges_of(&self.src_ranges, f);
             c.aff_match[i] = aff_match_of(&self.aff_match, f);
@@ -397,10 +392,12 @@ impl<M: LbMaps> Reconciler<M> {
             self.remove_counted(&fe, &mut report);
         }
         self.delete_stray_slots(&mut report);
-        self.wanted = HashMap::with_capacity(self.wanted.len());
+        self.backends.clear_wanted();
         for e in desired.services.values() {
             self.want(&e.backends, true);
         }
+        // Every wanted address has its record now; few more come in this apply.
+        self.backends.shrink(true);
         self.collect_garbage(true, &mut report);
 
         let wanted_ips = cluster_ip_counts(desired.services.iter().map(|(fe, e)| (fe, e.flags)));
@@ -451,6 +448,7 @@ impl<M: LbMaps> Reconciler<M> {
 
     /// After an apply: whether the next may be incremental, and what it must retry.
     fn finish(&mut self, report: &ApplyReport) {
+        self.backends.shrink(false);
         let clean = report.errors.iter().all(|e| e.full_map.is_some());
         self.incremental = clean && !self.degraded;
         self.retry = report
@@ -464,22 +462,13 @@ impl<M: LbMaps> Reconciler<M> {
     /// Counts `entry`'s backends into (`add`) or out of the desired state's.
     fn want(&mut self, backends: &[Backend], add: bool) {
         for b in backends {
-            let n = self.wanted.entry(b.l4).or_default();
-            let s = &mut n[b.state as usize];
-            if add {
-                *s += 1;
-            } else {
-                *s = s.saturating_sub(1);
-                if n.iter().all(|c| *c == 0) {
-                    self.wanted.remove(&b.l4);
-                }
-            }
+            self.backends.want(b, add);
         }
     }
 
     /// The most usable state the desired state gives `l4`, if it names it.
     fn wanted_state(&self, l4: &L4Addr) -> Option<BackendState> {
-        let n = self.wanted.get(l4)?;
+        let n = self.backends.wanted(l4);
         let i = n.iter().position(|c| *c > 0)?;
         BackendState::try_from(i as u8).ok()
     }

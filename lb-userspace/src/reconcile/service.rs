@@ -83,7 +83,7 @@ impl<M: LbMaps> Reconciler<M> {
         loop {
             let id = self.next_backend_id;
             self.next_backend_id = self.next_backend_id.wrapping_add(1).max(1);
-            if id != 0 && !self.backends.contains_key(&id) {
+            if id != 0 && !self.backends.contains_id(id) {
                 return id;
             }
         }
@@ -196,12 +196,12 @@ impl<M: LbMaps> Reconciler<M> {
             && plan
                 .existing
                 .as_ref()
-                .is_some_and(|i| i.master == *master && i.slots == plan.ids)
+                .is_some_and(|i| i.master == *master && i.slots[..] == plan.ids[..])
             && self.revnat.get(&plan.rev_nat_id) == Some(&(fe.l4.addr, fe.l4.port))
             && global
                 .iter()
                 .zip(&plan.ids)
-                .all(|(b, id)| self.backends.get(id) == Some(b))
+                .all(|(b, id)| self.backends.get(*id) == Some(*b))
     }
 
     /// Writes a frontend `apply_service` planned, in the order the module docs give, its
@@ -346,7 +346,7 @@ impl<M: LbMaps> Reconciler<M> {
         let mut ids = Vec::with_capacity(backends.len());
         let mut seen_new: HashMap<L4Addr, u32> = HashMap::new();
         for b in backends {
-            let id = match self.backend_ids.get(&b.l4).copied() {
+            let id = match self.backends.id_of(&b.l4) {
                 Some(id) => id,
                 None => *seen_new.entry(b.l4).or_insert_with(|| {
                     let id = self.alloc_backend_id_excluding(&new_backends);
@@ -371,13 +371,13 @@ impl<M: LbMaps> Reconciler<M> {
         // 1. Backends (new ones, and known ones whose state changed).
         for (b, id) in global.iter().zip(&plan.ids) {
             let b = *b;
-            if self.backends.get(id) != Some(&b) {
+            if self.backends.get(*id) != Some(b) {
                 self.maps.put_backend(*id, &b)?;
                 report.writes += 1;
-                if self.backends.insert(*id, b).is_none() {
+                // `id` becomes the address's own.
+                if self.backends.insert(*id, &b) {
                     self.counts.backends[fam_of(&b.l4.addr)] += 1;
                 }
-                self.backend_ids.insert(b.l4, *id);
             }
         }
         // 2. Rev-NAT, before any packet can be balanced to a backend of this frontend.
@@ -488,10 +488,13 @@ impl<M: LbMaps> Reconciler<M> {
         }
         let installed = self.services.entry(*fe).or_insert_with(|| Installed {
             master: SvcValue::default(),
-            slots: Vec::new(),
+            slots: Box::default(),
         });
+        // The mirror's slots as written so far, put back (exactly sized) whatever happens.
+        let mut slots = std::mem::take(&mut installed.slots).into_vec();
+        let mut result = Ok(());
         for (i, id) in ids.iter().enumerate() {
-            if installed.slots.get(i) == Some(id) {
+            if slots.get(i) == Some(id) {
                 continue;
             }
             let slot = (i + 1) as u16;
@@ -500,23 +503,31 @@ impl<M: LbMaps> Reconciler<M> {
                 rev_nat_id: master.rev_nat_id,
                 ..SvcValue::default()
             };
-            self.maps.put_service(fe, slot, &v)?;
+            result = self.maps.put_service(fe, slot, &v);
+            if result.is_err() {
+                break;
+            }
             report.writes += 1;
             // A slot left over from before is in use again: it is no longer stray.
             self.stray_slots.remove(&(*fe, slot));
-            if i < installed.slots.len() {
-                installed.slots[i] = *id;
+            if i < slots.len() {
+                slots[i] = *id;
             } else {
-                installed.slots.push(*id);
+                slots.push(*id);
             }
         }
-        self.maps.put_service(fe, 0, master)?;
-        report.writes += 1;
-        installed.master = *master;
-        // Slots beyond the new total are deleted by the caller; the mirror drops them now so
-        // that a failed delete shows up as a stray slot instead.
-        installed.slots.truncate(ids.len());
-        Ok(())
+        if result.is_ok() {
+            result = self.maps.put_service(fe, 0, master);
+        }
+        if result.is_ok() {
+            report.writes += 1;
+            installed.master = *master;
+            // Slots beyond the new total are deleted by the caller; the mirror drops them now
+            // so that a failed delete shows up as a stray slot instead.
+            slots.truncate(ids.len());
+        }
+        installed.slots = slots.into_boxed_slice();
+        result
     }
 
     /// Best effort to put a service back as it was after a failed update.
@@ -533,8 +544,8 @@ impl<M: LbMaps> Reconciler<M> {
                 };
                 if self.maps.put_service(fe, (i + 1) as u16, &v).is_ok() {
                     report.writes += 1;
-                    if i < installed.slots.len() {
-                        installed.slots[i] = *id;
+                    if let Some(s) = installed.slots.get_mut(i) {
+                        *s = *id;
                     }
                 }
             }
@@ -545,7 +556,8 @@ impl<M: LbMaps> Reconciler<M> {
         let surplus: Vec<usize> = (old.slots.len() + 1..=installed.slots.len())
             .rev()
             .collect();
-        installed.slots.truncate(old.slots.len());
+        let keep = old.slots.len().min(installed.slots.len());
+        installed.slots = installed.slots[..keep].into();
         for slot in surplus {
             self.delete_slot(fe, slot as u16, "surplus slot", report);
         }
