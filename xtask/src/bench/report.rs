@@ -1229,7 +1229,8 @@ translated anew, the maps re-read and compared), which must find nothing to repa
 incremental syncs; then fresh `lb-bench rss` processes holding the shape. 100,000 × 10 gets
 fewer repetitions than the others, as each cold start or full sync there takes seconds: 3 cold
 starts and full syncs (5 elsewhere), 500 single changes (1,000), 5 bursts (10) and 2 RSS
-processes (3).
+processes (3). The three shapes take about 1.5 minutes together on the 2-core build machine
+(100,000 × 10 about one of them).
 "#;
 
 const REPRODUCE: &str = r#"
