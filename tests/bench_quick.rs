@@ -33,6 +33,84 @@ fn missing_tools() -> Vec<&'static str> {
         .collect()
 }
 
+/// What each scale shape records, in `lb-bench`'s order.
+const SCALE_METRICS: [&str; 6] = [
+    "cold_start",
+    "change_to_map_write",
+    "burst_to_map_write",
+    "full_sync",
+    "peak_rss",
+    "bpf_map_memory",
+];
+
+/// The scale cases: three shapes (two with 10 endpoints per service, one with 1), each with
+/// every metric once, in its unit, and sane against each other: the p99 of a series is at
+/// least its median, one change is cheaper than a burst of them and than a cold start, and
+/// the process holding more endpoints needs more memory.
+fn check_scale(records: &[Value]) {
+    let scale: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["case"].as_str().is_some_and(|c| c.starts_with("scale_")))
+        .collect();
+    let mut shapes: Vec<(u64, String)> = scale
+        .iter()
+        .map(|r| {
+            (
+                r["services"].as_u64().unwrap(),
+                r["case"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    shapes.sort();
+    shapes.dedup();
+    assert_eq!(shapes.len(), 3, "three scale shapes: {shapes:?}");
+    let get = |n: u64, case: &str, metric: &str| -> &Value {
+        let found: Vec<&&Value> = scale
+            .iter()
+            .filter(|r| r["services"] == n && r["case"] == case && r["metric"] == metric)
+            .collect();
+        assert_eq!(found.len(), 1, "{n} {case} {metric}: {found:?}");
+        found[0]
+    };
+    let median = |n, case: &str, metric| get(n, case, metric)["median"].as_f64().unwrap();
+    for (n, case) in &shapes {
+        for metric in SCALE_METRICS {
+            let r = get(*n, case, metric);
+            let unit = if matches!(metric, "peak_rss" | "bpf_map_memory") {
+                "MiB"
+            } else {
+                "ms"
+            };
+            assert_eq!(r["unit"], unit, "{r}");
+            let p99 = r["p99"].as_f64();
+            assert_eq!(
+                p99.is_some(),
+                metric.ends_with("_to_map_write") || metric == "full_sync",
+                "{r}"
+            );
+            if let Some(p) = p99 {
+                assert!(p >= r["median"].as_f64().unwrap(), "{r}");
+            }
+        }
+        let change = median(*n, case, "change_to_map_write");
+        assert!(
+            change < median(*n, case, "burst_to_map_write"),
+            "{n} {case}"
+        );
+        assert!(change < median(*n, case, "cold_start"), "{n} {case}");
+        // Beyond the program binary and the runtime: a process of some MiB.
+        assert!(median(*n, case, "peak_rss") >= 1.0, "{n} {case}");
+    }
+    let tens: Vec<u64> = shapes
+        .iter()
+        .filter(|(_, c)| c == "scale_10_endpoints")
+        .map(|(n, _)| *n)
+        .collect();
+    assert_eq!(tens.len(), 2, "two shapes with 10 endpoints: {shapes:?}");
+    let map_mib = |n| median(n, "scale_10_endpoints", "bpf_map_memory");
+    assert!(map_mib(tens[0]) > 0.0 && map_mib(tens[1]) >= map_mib(tens[0]));
+}
+
 #[test]
 fn quick_run_writes_every_result() {
     let missing = missing_tools();
@@ -185,6 +263,11 @@ fn quick_run_writes_every_result() {
     );
     want("controlplane", "hold_10_endpoints", "lb", "peak_rss");
     want("controlplane", "hold_10_endpoints", "lb", "bpf_map_memory");
+    for case in ["scale_10_endpoints", "scale_1_endpoints"] {
+        for metric in SCALE_METRICS {
+            want("controlplane", case, "lb", metric);
+        }
+    }
     let missing: Vec<_> = expected.iter().filter(|e| !seen.contains(*e)).collect();
     assert!(missing.is_empty(), "results.json lacks {missing:?}");
 
@@ -210,7 +293,10 @@ fn quick_run_writes_every_result() {
         "northsouth at several sizes"
     );
 
+    check_scale(&records);
+
     for key in [
+        "controlplane_scale_method",
         "datapath_method",
         "newflows_method",
         "northsouth_method",

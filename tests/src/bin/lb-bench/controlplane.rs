@@ -15,7 +15,9 @@
 //!   (`nft --json list chains ip` + the `nft -f` transaction);
 //! - burst: 1,000 EndpointSlice changes published in one snapshot, through the daemon's sync;
 //! - peak RSS (VmHWM) of a child process holding the objects, the desired state and the
-//!   programmed maps, and the kernel memory of its maps (memlock).
+//!   programmed maps, and the kernel memory of its maps (memlock);
+//! - scale (`controlplane/scale.rs`), lb only: all of the above through the daemon's sync,
+//!   plus its periodic full sync, at 10,000 × 10, 50,000 × 1 and 100,000 × 10.
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -44,6 +46,8 @@ use crate::{
     workload::{self, Objects, Results, Rng, ServiceDef, Slim},
 };
 
+mod scale;
+
 const SUITE: &str = "controlplane";
 
 pub struct Settings {
@@ -63,7 +67,10 @@ pub struct Settings {
     pub rss: (usize, usize),
     /// A case tried once with lb's default map sizes, to report whether it fits.
     pub attempt: Option<(usize, usize)>,
-    /// Which cases run (attempt, cold, change, more, burst, rss); all when empty.
+    /// The scale cases, lb only (`scale.rs`): cold start, changes, bursts, full syncs and
+    /// memory at each shape.
+    pub scale: Vec<scale::Shape>,
+    /// Which cases run (attempt, cold, change, more, burst, rss, scale); all when empty.
     pub cases: Vec<String>,
     /// In the `more` cases: a full sync (on maps of its own) after every this many changes,
     /// and each change's time printed by whether a full sync came just before it (0: none).
@@ -75,12 +82,15 @@ impl Settings {
         let mut s = Self::defaults(quick);
         // For investigating lb's own cases:
         // `LB_BENCH_CONTROLPLANE=cases=more+burst+rss,more=10000x10x1000` or
-        // `LB_BENCH_CONTROLPLANE=cases=cold,cold=10000x10,rules_max=0,reps=7`.
+        // `LB_BENCH_CONTROLPLANE=cases=cold,cold=10000x10,rules_max=0,reps=7` or
+        // `LB_BENCH_CONTROLPLANE=cases=scale,scale=10000x10+50000x1`.
         if let Ok(v) = std::env::var("LB_BENCH_CONTROLPLANE") {
             for kv in v.split(',') {
                 match kv.split_once('=') {
                     Some(("cases", c)) => s.cases = c.split('+').map(str::to_owned).collect(),
                     Some(("full_every", n)) => s.full_every = n.parse().unwrap_or(0),
+                    // `scale=10000x10+50000x1`: services × endpoints, repetitions by size.
+                    Some(("scale", c)) => s.scale = scale::Shape::parse(c, quick),
                     Some(("reps", n)) => s.reps = n.parse().unwrap_or(s.reps),
                     // `cold=10000x10+1000x10`: services × endpoints.
                     Some(("cold", c)) => {
@@ -137,6 +147,7 @@ impl Settings {
                 burst: (300, 10, 50, 3),
                 rss: (1_000, 10),
                 attempt: None,
+                scale: scale::Shape::defaults(true),
                 cases: Vec::new(),
                 full_every: 0,
             }
@@ -154,6 +165,7 @@ impl Settings {
                 burst: (10_000, 10, 1_000, 20),
                 rss: (10_000, 10),
                 attempt: Some((50_000, 10)),
+                scale: scale::Shape::defaults(false),
                 cases: Vec::new(),
                 full_every: 0,
             }
@@ -196,6 +208,9 @@ pub fn run(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     }
     if settings.runs("rss") {
         rss(settings, results)?;
+    }
+    if settings.runs("scale") {
+        scale::run(&settings.scale, results)?;
     }
     Ok(())
 }
@@ -277,9 +292,17 @@ struct Daemon {
 impl Daemon {
     /// Loads private maps sized for `n` × `e` and syncs `objects` (the first, full sync).
     fn new(objects: &Slim, n: usize, e: usize) -> anyhow::Result<Self> {
+        Ok(Self::cold(objects, n, e)?.0)
+    }
+
+    /// [`Daemon::new`], timed as `lb run` starts on empty maps: `Reconciler::new` (reading
+    /// the maps) and the first sync of `objects`; the load of programs and maps is not timed.
+    fn cold(objects: &Slim, n: usize, e: usize) -> anyhow::Result<(Self, Duration)> {
         let (opts, _) = load_options(n, e);
         let mut datapath = Datapath::load(&opts)?;
-        let reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
+        let maps = datapath.take_lb_maps()?;
+        let start = Instant::now();
+        let reconciler = Reconciler::new(maps)?;
         let mut d = Self {
             reconciler,
             translator: IncrementalTranslator::new(),
@@ -290,17 +313,29 @@ impl Daemon {
             _datapath: datapath,
         };
         let (_, report) = d.sync(objects);
+        let took = start.elapsed();
         ensure!(
             report.errors.is_empty(),
-            "initial programming failed: {:?}",
+            "initial programming failed: {} services not programmed, first {:?}",
+            report.errors.len(),
             report.errors.first()
         );
-        Ok(d)
+        Ok((d, took))
     }
 
     /// One sync of `objects`, as the daemon's loop does it once the source has published
     /// them: the time from the snapshot to the map write, and what was written.
     fn sync(&mut self, objects: &Slim) -> (Duration, ApplyReport) {
+        self.sync_as(objects, false)
+    }
+
+    /// The daemon's periodic full sync (`--full-sync-interval`: `on_full_sync`): the newest
+    /// snapshot again, translated anew, the maps re-read and compared with all of it.
+    fn full_sync(&mut self, objects: &Slim) -> (Duration, ApplyReport) {
+        self.sync_as(objects, true)
+    }
+
+    fn sync_as(&mut self, objects: &Slim, full: bool) -> (Duration, ApplyReport) {
         let snapshot = Snapshot {
             services: objects.services.clone(),
             slices: objects.slices.clone(),
@@ -314,7 +349,7 @@ impl Daemon {
         self.generation += 1;
         let kind = SyncKind {
             generation: self.generation,
-            full: false,
+            full,
         };
         let node = NodeInfo::default();
         let synced = sync_node(
@@ -874,9 +909,22 @@ fn burst(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
 /// Peak RSS of `lb-bench rss` children (fresh processes).
 fn rss(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
     let (n, e) = settings.rss;
+    let (mut hwm, mut memlock) = rss_samples(n, e, settings.reps)?;
+    let case = format!("hold_{e}_endpoints");
+    let median = workload::median(&mut hwm);
+    results.push(SUITE, &case, "lb", n, "peak_rss", median, None, "MiB");
+    let median = workload::median(&mut memlock);
+    results.push(SUITE, &case, "lb", n, "bpf_map_memory", median, None, "MiB");
+    Ok(())
+}
+
+/// `reps` fresh `lb-bench rss` children holding `n` × `e`: their VmHWM and their maps'
+/// memlock, in MiB.
+fn rss_samples(n: usize, e: usize, reps: usize) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     let exe = std::env::current_exe()?;
     let (mut hwm, mut memlock) = (Vec::new(), Vec::new());
-    for _ in 0..settings.reps {
+    for _ in 0..reps {
+        workload::check_interrupted()?;
         let out = Command::new(&exe)
             .args(["rss", "--services", &n.to_string()])
             .args(["--endpoints", &e.to_string()])
@@ -888,15 +936,15 @@ fn rss(settings: &Settings, results: &mut Results) -> anyhow::Result<()> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        ensure!(
+            v["backends"].as_u64() == Some((n * e) as u64),
+            "lb-bench rss holds {} backends, not {n} × {e}",
+            v["backends"]
+        );
         hwm.push(v["vm_hwm_kib"].as_f64().context("vm_hwm_kib")? / 1024.0);
         memlock.push(v["map_memlock_bytes"].as_f64().context("memlock")? / (1024.0 * 1024.0));
     }
-    let case = format!("hold_{e}_endpoints");
-    let median = workload::median(&mut hwm);
-    results.push(SUITE, &case, "lb", n, "peak_rss", median, None, "MiB");
-    let median = workload::median(&mut memlock);
-    results.push(SUITE, &case, "lb", n, "bpf_map_memory", median, None, "MiB");
-    Ok(())
+    Ok((hwm, memlock))
 }
 
 /// `lb-bench rss`: holds `n` × `e` programmed the way the daemon does (objects, desired
