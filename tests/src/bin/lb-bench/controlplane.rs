@@ -298,9 +298,23 @@ impl Daemon {
     /// [`Daemon::new`], timed as `lb run` starts on empty maps: `Reconciler::new` (reading
     /// the maps) and the first sync of `objects`; the load of programs and maps is not timed.
     fn cold(objects: &Slim, n: usize, e: usize) -> anyhow::Result<(Self, Duration)> {
+        Self::start(Self::load(n, e)?, objects)
+    }
+
+    /// The datapath with private maps sized for `n` × `e`, loaded as `lb run` loads it before
+    /// its source has published anything.
+    fn load(n: usize, e: usize) -> anyhow::Result<(Datapath, BpfMaps)> {
         let (opts, _) = load_options(n, e);
         let mut datapath = Datapath::load(&opts)?;
         let maps = datapath.take_lb_maps()?;
+        Ok((datapath, maps))
+    }
+
+    /// `cold` on a loaded datapath.
+    fn start(
+        (datapath, maps): (Datapath, BpfMaps),
+        objects: &Slim,
+    ) -> anyhow::Result<(Self, Duration)> {
         let start = Instant::now();
         let reconciler = Reconciler::new(maps)?;
         let mut d = Self {
@@ -950,8 +964,11 @@ fn rss_samples(n: usize, e: usize, reps: usize) -> anyhow::Result<(Vec<f64>, Vec
 /// `lb-bench rss`: holds `n` × `e` programmed the way the daemon does (objects, desired
 /// state, reconciler mirror, maps) and prints its VmHWM and its maps' memlock as JSON.
 pub fn rss_child(n: usize, e: usize) -> anyhow::Result<()> {
+    // In `lb run`'s order: the datapath loads (aya parses the object and the kernel's BTF,
+    // tens of MB freed afterwards) before the source has decoded any object.
+    let loaded = Daemon::load(n, e)?;
     let objects = workload::slim_objects(&workload::fillers(n, e));
-    let daemon = Daemon::new(&objects, n, e)?;
+    let (daemon, _) = Daemon::start(loaded, &objects)?;
     let reconciler = &daemon.reconciler;
     let status = fs::read_to_string("/proc/self/status")?;
     let field = |name: &str| -> anyhow::Result<u64> {
