@@ -140,7 +140,7 @@ fn programmed(model: &Model) -> (DesiredState, Option<NodeFactsArgs>) {
         let entry = ServiceEntry {
             name: ServicePortName {
                 namespace: "fuzz".into(),
-                name: format!("svc{i}"),
+                name: format!("svc{i}").into(),
                 port_name: "p".into(),
             },
             // Every other service (not the first, the TCP one the reopen tests use) has session

@@ -243,7 +243,7 @@ fn maglev_picks_the_same_backend_on_every_node() {
         other
             .services
             .iter()
-            .filter(|(_, e)| e.name.name == "other")
+            .filter(|(_, e)| &*e.name.name == "other")
             .map(|(f, e)| (*f, e.clone())),
     );
     b.apply(&first);

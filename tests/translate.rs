@@ -182,13 +182,13 @@ endpoints:
     );
 
     let http_entry = entry(&t, http);
-    assert_eq!(http_entry.name.namespace, "shop");
-    assert_eq!(http_entry.name.name, "web");
-    assert_eq!(http_entry.name.port_name, "http");
+    assert_eq!(&*http_entry.name.namespace, "shop");
+    assert_eq!(&*http_entry.name.name, "web");
+    assert_eq!(&*http_entry.name.port_name, "http");
     assert_eq!(http_entry.name.to_string(), "shop/web:http");
     assert_eq!(http_entry.flags, svc_flags::CLUSTER_IP);
     assert_eq!(http_entry.kind(), "ClusterIP");
-    assert_eq!(entry(&t, dns).name.port_name, "dns");
+    assert_eq!(&*entry(&t, dns).name.port_name, "dns");
     assert_eq!(entry(&t, dns).flags, svc_flags::CLUSTER_IP);
     for e in t.state.services.values() {
         assert!(
@@ -458,8 +458,8 @@ fn the_example_manifests_translate_to_the_demo_state() {
     assert_eq!(t.state.services.len(), 4, "2 ports x 2 families");
     for (f, e) in &t.state.services {
         assert_eq!(e.backends.len(), 3, "{f}");
-        assert_eq!(e.name.namespace, "demo");
-        assert_eq!(e.name.name, "echo");
+        assert_eq!(&*e.name.namespace, "demo");
+        assert_eq!(&*e.name.name, "echo");
         for b in &e.backends {
             assert_eq!(b.l4.port, 8080, "{f}: {b:?}");
             assert_eq!(b.l4.proto, f.l4.proto);
@@ -644,7 +644,7 @@ fn lb_algorithm_comes_from_the_annotation_then_the_node_default() {
                 .state
                 .services
                 .values()
-                .filter(|e| e.name.name == *name)
+                .filter(|e| &*e.name.name == *name)
                 .collect();
             // The ClusterIP and the LB IP (with an internal scope where eTP=Local splits).
             assert!(of.len() >= 2, "{name}: {of:?}");
@@ -656,7 +656,7 @@ fn lb_algorithm_comes_from_the_annotation_then_the_node_default() {
             t.state
                 .services
                 .iter()
-                .any(|(f, e)| e.name.name == "plain" && f.scope == Scope::Internal),
+                .any(|(f, e)| &*e.name.name == "plain" && f.scope == Scope::Internal),
             "plain has an internal scope too"
         );
         let bad: Vec<&Skipped> = t

@@ -232,9 +232,11 @@ impl fmt::Display for Frontend {
 /// Which Kubernetes service port a frontend belongs to.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct ServicePortName {
-    pub namespace: String,
-    pub name: String,
-    pub port_name: String,
+    /// Shared with the object and with the service's other frontends: one frontend is a few
+    /// reference counts, not three strings.
+    pub namespace: std::sync::Arc<str>,
+    pub name: std::sync::Arc<str>,
+    pub port_name: std::sync::Arc<str>,
 }
 
 impl fmt::Display for ServicePortName {

@@ -34,9 +34,9 @@ impl FrontendName {
     /// The service port, which displays as `namespace/name[:port]`.
     pub fn service(&self) -> ServicePortName {
         ServicePortName {
-            namespace: self.namespace.clone(),
-            name: self.name.clone(),
-            port_name: self.port_name.clone(),
+            namespace: self.namespace.as_str().into(),
+            name: self.name.as_str().into(),
+            port_name: self.port_name.as_str().into(),
         }
     }
 }
@@ -52,9 +52,9 @@ pub fn write_names(dir: &Path, state: &DesiredState) -> anyhow::Result<()> {
         .map(|(fe, entry)| FrontendName {
             frontend: fe.l4.to_string(),
             scope: fe.scope.as_str().into(),
-            namespace: entry.name.namespace.clone(),
-            name: entry.name.name.clone(),
-            port_name: entry.name.port_name.clone(),
+            namespace: entry.name.namespace.to_string(),
+            name: entry.name.name.to_string(),
+            port_name: entry.name.port_name.to_string(),
             kind: entry.kind().into(),
         })
         .collect();

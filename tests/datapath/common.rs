@@ -91,7 +91,7 @@ pub(crate) fn service_ports(
             name: ServicePortName {
                 namespace: "test".into(),
                 name: "echo".into(),
-                port_name: proto.to_string().to_lowercase(),
+                port_name: proto.to_string().to_lowercase().into(),
             },
             flags: svc_flags::CLUSTER_IP,
             backends: backends

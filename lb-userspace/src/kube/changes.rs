@@ -29,7 +29,7 @@ use std::{
 };
 
 use super::{
-    slim::{EndpointSlice, Object, Service},
+    slim::{self, EndpointSlice, Name, Object, Service},
     source::{PtrHasher, Snapshot, same},
 };
 
@@ -134,8 +134,8 @@ impl ChangeDetector {
     }
 }
 
-/// namespace (empty when unset) and name.
-type Key = (String, String);
+/// namespace (empty when unset) and name, shared with the object.
+type Key = (Name, Name);
 
 /// The objects of the previous snapshot, by name and by address (an unchanged reflector
 /// entry is the same `Arc`, so most objects are matched without looking at them).
@@ -235,7 +235,7 @@ impl<T: PartialEq + Object> Tracked<T> {
 fn key<T: Object>(o: &Arc<T>) -> Key {
     let m = o.meta();
     (
-        m.namespace.as_deref().unwrap_or_default().to_string(),
-        m.name.as_deref().unwrap_or_default().to_string(),
+        m.namespace.clone().unwrap_or_else(|| slim::name("")),
+        m.name.clone().unwrap_or_else(|| slim::name("")),
     )
 }

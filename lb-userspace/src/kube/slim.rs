@@ -175,7 +175,8 @@ fn addrs(list: Option<&Vec<String>>) -> Box<[Addr]> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Meta {
     pub namespace: Option<Name>,
-    pub name: Option<Box<str>>,
+    /// Shared, not interned: the caches that name an object by it clone the `Arc`.
+    pub name: Option<Arc<str>>,
     pub resource_version: Option<Box<str>>,
 }
 
@@ -183,7 +184,7 @@ impl Meta {
     fn of(m: &ObjectMeta) -> Self {
         Self {
             namespace: m.namespace.as_deref().map(name),
-            name: boxed(m.name.as_ref()),
+            name: m.name.as_deref().map(Arc::from),
             resource_version: boxed(m.resource_version.as_ref()),
         }
     }
@@ -326,7 +327,7 @@ impl From<&v1::ServiceSpec> for ServiceSpec {
 pub struct EndpointSlice {
     pub metadata: Meta,
     /// Its `kubernetes.io/service-name` label.
-    pub service: Option<Box<str>>,
+    pub service: Option<Arc<str>>,
     /// It carries the `service.kubernetes.io/headless` label.
     pub headless: bool,
     pub address_type: Name,
@@ -382,7 +383,7 @@ impl From<&discovery::EndpointSlice> for EndpointSlice {
         };
         Self {
             metadata: Meta::of(m),
-            service: boxed(label(m, LABEL_SERVICE_NAME)),
+            service: label(m, LABEL_SERVICE_NAME).map(|s| Arc::from(s.as_str())),
             headless: label(m, LABEL_HEADLESS).is_some(),
             address_type: name(&s.address_type),
             ports,

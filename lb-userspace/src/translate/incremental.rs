@@ -28,7 +28,7 @@ use foldhash::{HashMap, HashSet, HashSetExt as _};
 use crate::{
     kube::{
         changes::{ChangeDetector, SnapshotDiff},
-        slim::{EndpointSlice, Meta, Service},
+        slim::{self, EndpointSlice, Meta, Name, Service},
     },
     model::{DesiredState, Frontend, ServiceEntry},
     translate::{
@@ -60,12 +60,15 @@ impl Update {
 }
 
 /// namespace (`default` when unset) and name, as the translation names objects.
-type Key = (String, String);
+/// Shared names: every copy of a key is two reference counts, not two strings.
+type Key = (Name, Name);
 
 fn key_of(meta: &Meta) -> Key {
     (
-        meta.namespace.as_deref().unwrap_or("default").to_string(),
-        meta.name.as_deref().unwrap_or_default().to_string(),
+        meta.namespace
+            .clone()
+            .unwrap_or_else(|| slim::name("default")),
+        meta.name.clone().unwrap_or_else(|| slim::name("")),
     )
 }
 
@@ -80,9 +83,9 @@ fn raw_key(meta: &Meta) -> (&str, &str) {
 
 /// The service an EndpointSlice belongs to, if it names one.
 fn group_of(slice: &EndpointSlice) -> Option<Key> {
-    let service = slice.service.as_deref().filter(|s| !s.is_empty())?;
-    let ns = slice.metadata.namespace.as_deref().unwrap_or("default");
-    Some((ns.to_string(), service.to_string()))
+    let service = slice.service.clone().filter(|s| !s.is_empty())?;
+    let ns = slice.metadata.namespace.clone();
+    Some((ns.unwrap_or_else(|| slim::name("default")), service))
 }
 
 struct Svc {

@@ -23,7 +23,7 @@ pub(crate) mod slices;
 
 use std::{borrow::Borrow, collections::BTreeSet, net::IpAddr};
 
-use crate::kube::slim::{Addr, EndpointSlice, Node, Service, ServicePort, ServiceSpec};
+use crate::kube::slim::{self, Addr, EndpointSlice, Node, Service, ServicePort, ServiceSpec};
 use lb_common::svc_flags;
 
 use crate::model::{
@@ -303,12 +303,51 @@ pub fn desired_state<S: Borrow<Service>, E: Borrow<EndpointSlice>>(
 /// The order in which services claim frontends: creation time, then namespace/name.
 pub(crate) type ServiceOrder = (
     Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-    String,
+    ObjectName,
 );
 
 pub(crate) fn service_order(s: &Service) -> ServiceOrder {
-    (s.creation_timestamp.clone(), s.metadata.object_name())
+    let m = &s.metadata;
+    (
+        s.creation_timestamp.clone(),
+        ObjectName(
+            m.namespace.clone().unwrap_or_else(|| slim::name("default")),
+            m.name.clone().unwrap_or_else(|| slim::name("")),
+        ),
+    )
 }
+
+/// A namespace and name ordered as their `namespace/name` text, without building the text
+/// (every service keeps one).
+#[derive(Clone, Debug)]
+pub(crate) struct ObjectName(slim::Name, slim::Name);
+
+impl ObjectName {
+    fn text(&self) -> impl Iterator<Item = u8> + '_ {
+        self.0.bytes().chain(*b"/").chain(self.1.bytes())
+    }
+}
+
+impl Ord for ObjectName {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.text().cmp(other.text())
+    }
+}
+
+impl PartialOrd for ObjectName {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Equal as text, as the order is (`a/b` + `c` is `a` + `b/c`).
+impl PartialEq for ObjectName {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+
+impl Eq for ObjectName {}
 
 /// What one Service translates to, before frontends are shared out among services.
 #[derive(Debug, Default)]
@@ -349,7 +388,7 @@ pub(crate) fn translate_service(
 ) -> ServiceOut {
     let mut out = ServiceOut::default();
     let mut skips = Skips::new("Service", &svc.metadata, &mut out.skipped);
-    let Some(name) = svc.metadata.name.as_deref().filter(|n| !n.is_empty()) else {
+    let Some(name) = svc.metadata.name.clone().filter(|n| !n.is_empty()) else {
         skips.push(SkipReason::MissingName, "metadata.name is empty".into());
         return out;
     };
@@ -359,8 +398,8 @@ pub(crate) fn translate_service(
     let Some(spec) = svc.spec.as_ref() else {
         return out;
     };
-    let facts = ServiceFacts::read(svc, spec, name.to_string(), node, &mut skips);
-    let key = (facts.namespace.clone(), facts.name.clone());
+    let facts = ServiceFacts::read(svc, spec, name, node, &mut skips);
+    let key = (facts.namespace.to_string(), facts.name.to_string());
     let empty = Default::default();
     let endpoints = index.get(&key).unwrap_or(&empty);
     let ports = &spec.ports[..];
@@ -378,7 +417,7 @@ pub(crate) fn translate_service(
         };
         for family in [Family::V4, Family::V6] {
             let eps: Vec<&Endpoint> = endpoints[family.index()]
-                .get(&(port.name.port_name.clone(), port.proto))
+                .get(&(port.name.port_name.to_string(), port.proto))
                 .map(|m| m.values().collect())
                 .unwrap_or_default();
             facts.family_frontends(&port, family, &eps, &mut out.frontends, &mut out.no_local);
@@ -391,8 +430,8 @@ pub(crate) fn translate_service(
 /// affinity, source ranges and traffic policies.
 struct ServiceFacts<'a> {
     node: &'a NodeInfo,
-    namespace: String,
-    name: String,
+    namespace: slim::Name,
+    name: slim::Name,
     algorithm: LbAlgorithm,
     cluster_ips: Vec<IpAddr>,
     external_ips: Vec<IpAddr>,
@@ -443,16 +482,11 @@ impl<'a> ServiceFacts<'a> {
     fn read(
         svc: &Service,
         spec: &ServiceSpec,
-        name: String,
+        name: slim::Name,
         node: &'a NodeInfo,
         skips: &mut Skips,
     ) -> Self {
-        let namespace = svc
-            .metadata
-            .namespace
-            .as_deref()
-            .unwrap_or("default")
-            .to_string();
+        let namespace = (svc.metadata.namespace.clone()).unwrap_or_else(|| slim::name("default"));
         let algorithm = lb_algorithm(svc, node, skips);
         let cluster_ips = parse_ips(
             "clusterIP",
@@ -501,7 +535,7 @@ impl<'a> ServiceFacts<'a> {
         listed: Option<&BTreeSet<String>>,
         skips: &mut Skips,
     ) -> Option<PortFacts> {
-        let port_name = port.name.as_deref().unwrap_or_default().to_string();
+        let port_name = port.name.clone().unwrap_or_else(|| slim::name(""));
         let proto_name = port.protocol.as_deref().unwrap_or("TCP");
         let Some(proto) = Proto::from_k8s(proto_name) else {
             skips.push(
@@ -510,7 +544,7 @@ impl<'a> ServiceFacts<'a> {
             );
             return None;
         };
-        if !seen.insert((port_name.clone(), proto)) {
+        if !seen.insert((port_name.to_string(), proto)) {
             skips.push(
                 SkipReason::DuplicatePortName,
                 format!(
