@@ -824,26 +824,39 @@ mod tests {
 
     #[test]
     fn program_jumps_stay_inside_and_it_ends_with_exit() {
-        let p = program(&ids(), 3, 4, 5);
-        assert!(p.len() > 40 && p.len() < 120, "{} insns", p.len());
-        assert_eq!(p.last().map(|i| i.code), Some(0x95));
-        for (at, i) in p.iter().enumerate() {
-            let class = i.code & 0x07;
-            if (class == 0x05 || class == 0x06) && i.code != 0x85 && i.code != 0x95 {
-                let target = at as i64 + 1 + i64::from(i.off);
-                assert!(i.off >= 0 && (target as usize) < p.len(), "jump at {at}");
+        // Without the socket storage maps (pins of an older lb) and with them.
+        for (store4, store6, want) in [
+            (None, None, vec![4, 3, 5]),
+            (Some(6), Some(7), vec![7, 4, 6, 3, 5]),
+        ] {
+            let maps = ProgMaps {
+                revnat4: 3,
+                revnat6: 4,
+                store4,
+                store6,
+                destroy: 5,
+            };
+            let p = program(&ids(), &maps);
+            assert!(p.len() > 40 && p.len() < 180, "{} insns", p.len());
+            assert_eq!(p.last().map(|i| i.code), Some(0x95));
+            for (at, i) in p.iter().enumerate() {
+                let class = i.code & 0x07;
+                if (class == 0x05 || class == 0x06) && i.code != 0x85 && i.code != 0x95 {
+                    let target = at as i64 + 1 + i64::from(i.off);
+                    assert!(i.off >= 0 && (target as usize) < p.len(), "jump at {at}");
+                }
             }
+            // Exactly one kfunc call, to the id given.
+            let kfuncs: Vec<_> = p
+                .iter()
+                .filter(|i| i.code == 0x85 && i.regs >> 4 == BPF_PSEUDO_KFUNC_CALL)
+                .collect();
+            assert_eq!(kfuncs.len(), 1);
+            assert_eq!(kfuncs[0].imm, 200);
+            // The maps, by fd: each family's storage before its LRU.
+            let fds: Vec<i32> = p.iter().filter(|i| i.code == 0x18).map(|i| i.imm).collect();
+            assert_eq!(fds, want);
         }
-        // Exactly one kfunc call, to the id given.
-        let kfuncs: Vec<_> = p
-            .iter()
-            .filter(|i| i.code == 0x85 && i.regs >> 4 == BPF_PSEUDO_KFUNC_CALL)
-            .collect();
-        assert_eq!(kfuncs.len(), 1);
-        assert_eq!(kfuncs[0].imm, 200);
-        // The three maps, by fd.
-        let fds: Vec<i32> = p.iter().filter(|i| i.code == 0x18).map(|i| i.imm).collect();
-        assert_eq!(fds, [4, 3, 5]);
     }
 
     #[test]
