@@ -66,8 +66,6 @@ pub trait Af {
     /// Address bytes in network order.
     type Addr: Copy + AsRef<[u8]>;
     type CtKey: 'static;
-    /// This family's socket storage value (`lb*_sk_store`).
-    type Store: crate::sk_store::Store<A = Self>;
     /// The all-zero address: "none" in `LbConfig` and in unused NAT fields.
     const ZERO: Self::Addr;
     /// The `config_flags` bit saying this family's local-traffic detector is on.
@@ -173,7 +171,6 @@ pub enum V6 {}
 impl Af for V4 {
     type Addr = [u8; 4];
     type CtKey = Ct4Key;
-    type Store = lb_common::SkStore4;
     const ZERO: [u8; 4] = [0; 4];
     const CLUSTER_CIDR_FLAG: u32 = config_flags::CLUSTER_CIDR4;
 
@@ -401,7 +398,6 @@ impl Af for V4 {
 impl Af for V6 {
     type Addr = [u8; 16];
     type CtKey = Ct6Key;
-    type Store = lb_common::SkStore6;
     const ZERO: [u8; 16] = [0; 16];
     const CLUSTER_CIDR_FLAG: u32 = config_flags::CLUSTER_CIDR6;
 

@@ -42,7 +42,6 @@ mod parse;
 mod reject;
 mod rewrite;
 mod select;
-mod sk_store;
 mod sock;
 mod sock_egress;
 mod tc;
