@@ -145,28 +145,32 @@ pub fn put<S: Store>(
         return Put::Stored;
     }
     let used = usize::from(unsafe { core::ptr::read_volatile(s.used()) });
+    // Slots are indexed by the loop counter only, never by `used`: the counter's bound is a
+    // constant the verifier checks on every kernel, while a separate `used < SLOTS` test
+    // (a register compare on cpu v1) leaves 5.10's verifier walking an impossible path
+    // where it refuses the slot pointer.
     let mut i = 0;
-    while i < SK_STORE_SLOTS && i < used {
-        if let Some(slot) = s.slot(i) {
-            let (b, f, id) = S::read(slot);
-            if same_endpoint::<S::A>(b, backend) {
-                // The same backend for another frontend of this socket: the latest wins, as
-                // with `lb*_sk_revnat`'s key. The usual case, a datagram to a pair the socket
-                // holds, writes nothing.
-                if !same_endpoint::<S::A>(f, frontend) || id != rev_nat_id {
-                    *slot = new;
-                }
-                return Put::Stored;
-            }
-        }
-        i += 1;
-    }
-    if used < SK_STORE_SLOTS {
-        if let Some(slot) = s.slot(used) {
+    while i < SK_STORE_SLOTS {
+        let Some(slot) = s.slot(i) else {
+            break;
+        };
+        if i >= used {
+            // The first free slot (`i == used`).
             *slot = new;
-            unsafe { core::ptr::write_volatile(s.used(), used as u8 + 1) };
+            unsafe { core::ptr::write_volatile(s.used(), i as u8 + 1) };
             return Put::Stored;
         }
+        let (b, f, id) = S::read(slot);
+        if same_endpoint::<S::A>(b, backend) {
+            // The same backend for another frontend of this socket: the latest wins, as
+            // with `lb*_sk_revnat`'s key. The usual case, a datagram to a pair the socket
+            // holds, writes nothing.
+            if !same_endpoint::<S::A>(f, frontend) || id != rev_nat_id {
+                *slot = new;
+            }
+            return Put::Stored;
+        }
+        i += 1;
     }
     unsafe { core::ptr::write_volatile(s.overflow(), 1) };
     Put::Elsewhere
