@@ -1779,3 +1779,140 @@ fn udp_beyond_the_mtu_is_served_on_both_paths() {
         }
     }
 }
+
+/// Services `solo1`..`solo{n}`: each a ClusterIP (`198.19.0.3i`, `2001:db8:ffff::3i`, UDP 53 to
+/// 8080) whose only endpoint is backend i, so one socket talking to them holds n distinct
+/// (backend, frontend) pairs.
+fn add_solo_services(manifests: &Manifests, n: usize) -> Vec<(String, String)> {
+    (1..=n)
+        .map(|i| {
+            let text = SOLO
+                .replace("solo", &format!("solo{i}"))
+                .replace("198.19.0.20", &format!("198.19.0.3{i}"))
+                .replace("2001:db8:ffff::20", &format!("2001:db8:ffff::3{i}"))
+                .replace("198.18.11.2", &format!("198.18.1{i}.2"))
+                .replace("2001:db8:0:11::2", &format!("2001:db8:0:1{i}::2"));
+            manifests.add(&format!("solo{i}.yaml"), &text);
+            (
+                format!("198.19.0.3{i}:53"),
+                format!("[2001:db8:ffff::3{i}]:53"),
+            )
+        })
+        .collect()
+}
+
+/// `lb-echo multi` from the client in the cgroup: one unconnected UDP socket sending to each
+/// of `targets` in turn for `rounds`; asserts every reply came back from the target it was
+/// sent to (recvmsg reports the VIP, not the backend) and from its own backend.
+fn multi_vip_round_trips(tb: &mut Testbed, targets: &[&str], rounds: u32, what: &str) {
+    let mut cmd = Command::new(LB_ECHO);
+    cmd.args(["multi", "--rounds", &rounds.to_string()]);
+    for t in targets {
+        cmd.args(["--target", t]);
+    }
+    let cg = tb.cgroup.clone();
+    let ns = tb.client.ns.clone();
+    let out = tb.run(&ns, Some(cg.as_path()), cmd).expect("run multi");
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("multi JSON"))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        targets.len() * rounds as usize,
+        "{what}: one line per request; stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for v in &lines {
+        assert!(v.get("error").is_none(), "{what}: {v}");
+        assert_eq!(
+            v["peer"], v["target"],
+            "{what}: the reply's source is the VIP: {v}"
+        );
+        // solo{i} at 198.19.0.3i / ::3i is served by backend i alone (`b{i}`).
+        let target = v["target"].as_str().unwrap_or_default();
+        let i = target.rsplit_once(':').map_or("", |(a, _)| a);
+        let i = i.trim_end_matches(']').chars().last().unwrap_or('?');
+        assert_eq!(v["backend"], format!("b{i}"), "{what}: {v}");
+    }
+}
+
+/// Entries of both `lb*_sk_revnat` LRU maps.
+fn sk_revnat_entries(pin_dir: &Path) -> usize {
+    let m4: HashMap<MapData, lb_common::SkRevNat4Key, lb_common::SkRevNat4Value> =
+        open_lru(pin_dir, map_names::SK_REVNAT4);
+    let m6: HashMap<MapData, lb_common::SkRevNat6Key, lb_common::SkRevNat6Value> =
+        open_lru(pin_dir, map_names::SK_REVNAT6);
+    m4.keys().filter_map(Result::ok).count() + m6.keys().filter_map(Result::ok).count()
+}
+
+/// Where the probe finds `bpf_sk_storage_get` for sock_addr programs, socket LB keeps its
+/// pairs in each socket's `lb*_sk_store`: TCP, connected and unconnected UDP through the VIPs
+/// (IPv4, IPv6, `::ffff:` + the IPv4 VIP) get their replies from the VIP, and one unconnected
+/// socket alternating between VIPs sees each reply from its own VIP, while `lb*_sk_revnat`
+/// stays empty. A socket with more pairs than its slots spills only the extra ones into the
+/// LRU. With `LB_NO_SK_STORAGE=1` (what kernels without the helper get) the same traffic works
+/// through the LRU.
+#[test]
+fn socket_lb_keeps_pairs_in_socket_storage_where_the_kernel_has_it() {
+    let storage = lb::datapath::load::sock_storage_supported();
+    for no_storage in [false, true] {
+        if !no_storage && !storage {
+            eprintln!("no bpf_sk_storage_get for sock_addr programs: the LRU path only");
+            continue;
+        }
+        let mut tb = Testbed::create(5).expect("testbed");
+        tb.start_echo_servers(Path::new(LB_ECHO), ECHO_PORT)
+            .expect("echo servers");
+        let manifests = Manifests::new(&tb.id);
+        let solos = add_solo_services(&manifests, 5);
+        let args = lb_args(&tb, &manifests.0, true);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut opts = lb_tests::daemon::LbOptions::for_testbed(&tb, "info");
+        if no_storage {
+            opts.env.push(("LB_NO_SK_STORAGE".into(), "1".into()));
+        }
+        let mut lb = LbDaemon::spawn_with(&mut tb, Path::new(LB), &args, opts).unwrap();
+        lb.wait_for(|l| l.contains(" ready"), "ready").unwrap();
+        let mode = if no_storage { "LRU" } else { "socket storage" };
+        let used = lb
+            .log
+            .iter()
+            .any(|l| l.contains("sock_pairs=\"socket storage"));
+        assert_eq!(used, !no_storage, "{mode}: lb's log names the mode");
+
+        for (target, proto) in TARGETS
+            .into_iter()
+            .chain([("[::ffff:198.19.0.10]:53", "udp")])
+        {
+            for extra in [&[][..], &["--connected-udp"][..]] {
+                let o = client(&mut tb, true, target, proto, extra);
+                assert!(o.errors.is_empty(), "{mode} {target}/{proto}: {o:?}");
+                assert_eq!(
+                    o.peers,
+                    BTreeSet::from([target.to_string()]),
+                    "{mode}: {o:?}"
+                );
+            }
+        }
+        // Two VIPs per family from one unconnected socket, then all five (one more than a
+        // socket's slots).
+        let v4: Vec<&str> = solos.iter().map(|(a, _)| a.as_str()).collect();
+        let v6: Vec<&str> = solos.iter().map(|(_, b)| b.as_str()).collect();
+        multi_vip_round_trips(&mut tb, &v4[..2], 3, &format!("{mode}, IPv4 × 2"));
+        multi_vip_round_trips(&mut tb, &v6[..2], 3, &format!("{mode}, IPv6 × 2"));
+        let lru = sk_revnat_entries(&lb.pin_dir);
+        if no_storage {
+            assert!(lru > 0, "LRU mode: lb*_sk_revnat holds the pairs");
+            continue;
+        }
+        assert_eq!(lru, 0, "socket storage: nothing in lb*_sk_revnat");
+        multi_vip_round_trips(&mut tb, &v4, 2, "socket storage, IPv4 × 5");
+        multi_vip_round_trips(&mut tb, &v6, 2, "socket storage, IPv6 × 5");
+        assert_eq!(
+            sk_revnat_entries(&lb.pin_dir),
+            2,
+            "a socket's fifth pair (one per family) spills into lb*_sk_revnat"
+        );
+    }
+}

@@ -306,6 +306,17 @@ fn trace_reports_rejects_drops_misses_and_hooks() {
     assert_eq!(miss[0]["backend"], serde_json::Value::Null);
     assert_eq!(miss[0]["source_after"], "198.18.10.2:1234");
     assert!(miss[0]["hook"].as_str().unwrap().starts_with("socket LB"));
+    // And where socket LB keeps the socket's pair on this kernel (the loader's probe).
+    let kept = if lb::datapath::load::sock_storage_supported() {
+        "lb*_sk_store"
+    } else {
+        "lb*_sk_revnat"
+    };
+    assert!(
+        miss[0]["hook"].as_str().unwrap().contains(kept),
+        "{}",
+        miss[0]
+    );
 
     assert_eq!(miss[0]["reply"], serde_json::Value::Null);
 

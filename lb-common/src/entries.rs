@@ -253,6 +253,61 @@ pub struct SkRevNat6Value {
     pub rev_nat_id: u32,
 }
 
+/// Pairs one socket keeps in its own storage (`lb*_sk_store`) before the rest go to
+/// `lb*_sk_revnat`. A connected socket needs one; four cover an unconnected UDP socket
+/// talking to a few frontends (a resolver with its name servers) without a global write.
+pub const SK_STORE_SLOTS: usize = 4;
+
+/// One (backend → frontend) pair of a socket (`SkStore4`); ports in host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkSlot4 {
+    pub backend: [u8; 4],
+    pub frontend: [u8; 4],
+    pub backend_port: u16,
+    pub frontend_port: u16,
+    pub rev_nat_id: u32,
+}
+
+/// One (backend → frontend) pair of a socket (`SkStore6`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkSlot6 {
+    pub backend: [u8; 16],
+    pub frontend: [u8; 16],
+    pub backend_port: u16,
+    pub frontend_port: u16,
+    pub rev_nat_id: u32,
+}
+
+/// Value of `lb4_sk_store` (socket storage, freed with the socket): what `lb4_sk_revnat`
+/// holds for this socket, without a global map write. Slots `0..used` are valid and are
+/// filled once, never replaced (a reader never sees a slot change under it); a pair that
+/// finds them full goes to `lb4_sk_revnat`, and `overflow` says to look there too. connect()
+/// starts over with one slot: a connected socket has one peer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkStore4 {
+    pub used: u8,
+    pub overflow: u8,
+    pub pad: [u8; 2],
+    pub slots: [SkSlot4; SK_STORE_SLOTS],
+}
+
+/// Value of `lb6_sk_store`, as `SkStore4`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SkStore6 {
+    pub used: u8,
+    pub overflow: u8,
+    pub pad: [u8; 2],
+    pub slots: [SkSlot6; SK_STORE_SLOTS],
+}
+
 /// Map key of `lb_udp_gone`: a UDP frontend and a backend that left it, as socket LB records
 /// them in `lb*_sk_revnat` (IPv4 addresses in the first 4 bytes, the rest zero; ports in host
 /// order). The value is a `u32`, unused (0).

@@ -48,6 +48,8 @@ mod user {
     unsafe impl aya::Pod for super::SkRevNat4Value {}
     unsafe impl aya::Pod for super::SkRevNat6Key {}
     unsafe impl aya::Pod for super::SkRevNat6Value {}
+    unsafe impl aya::Pod for super::SkStore4 {}
+    unsafe impl aya::Pod for super::SkStore6 {}
     unsafe impl aya::Pod for super::MetricValue {}
     unsafe impl aya::Pod for super::TraceRecord {}
     unsafe impl aya::Pod for super::ClusterIp4Key {}
@@ -82,6 +84,10 @@ const _: () = {
     assert!(size_of::<SkRevNat4Value>() == 12);
     assert!(size_of::<SkRevNat6Key>() == 32);
     assert!(size_of::<SkRevNat6Value>() == 24);
+    assert!(size_of::<SkSlot4>() == 16);
+    assert!(size_of::<SkSlot6>() == 40);
+    assert!(size_of::<SkStore4>() == 4 + 16 * SK_STORE_SLOTS);
+    assert!(size_of::<SkStore6>() == 4 + 40 * SK_STORE_SLOTS);
     assert!(size_of::<UdpGoneKey>() == 40);
     assert!(size_of::<Frag4Key>() == 16);
     assert!(size_of::<Frag6Key>() == 40);

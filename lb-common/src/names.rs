@@ -22,6 +22,11 @@ pub mod map_names {
     pub const CT_TCP6: &str = "lb6_ct_tcp";
     pub const CT_ANY6: &str = "lb6_ct_any";
     pub const SK_REVNAT6: &str = "lb6_sk_revnat";
+    /// Socket storage (`SkStore4`/`SkStore6`, freed with the socket): socket LB's pairs where
+    /// the kernel lets sock_addr programs call `bpf_sk_storage_get` (`globals::HAS_SK_STORAGE`);
+    /// `lb*_sk_revnat` then holds only what a socket's slots cannot.
+    pub const SK_STORE4: &str = "lb4_sk_store";
+    pub const SK_STORE6: &str = "lb6_sk_store";
     pub const METRICS: &str = "lb_metrics";
     /// This node's facts for the datapath (`LbConfig`, one entry), written at start-up.
     pub const CONFIG: &str = "lb_config";
@@ -74,7 +79,7 @@ pub mod map_names {
     pub const MAGLEV: &str = "lb_maglev";
 
     /// Every map lb pins, in a stable order.
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 32] = [
         SERVICES4,
         BACKENDS4,
         REVNAT4,
@@ -105,6 +110,8 @@ pub mod map_names {
         AFF_MATCH4,
         AFF_MATCH6,
         MAGLEV,
+        SK_STORE4,
+        SK_STORE6,
     ];
 }
 
@@ -196,6 +203,10 @@ pub mod globals {
     /// it after probing; zero leaves the helper call in a branch the verifier never walks, so
     /// kernels without the helper (before 5.18) still load the programs.
     pub const HAS_SET_RETVAL: &str = "LB_HAS_SET_RETVAL";
+    /// `u8`, non-zero: socket LB keeps its pairs in socket storage (`lb*_sk_store`), which the
+    /// probe found sock_addr and cgroup skb programs may use; zero keeps them in the LRU
+    /// `lb*_sk_revnat` and leaves the storage helper calls dead, unverified code.
+    pub const HAS_SK_STORAGE: &str = "LB_HAS_SK_STORAGE";
     /// `u32`: M, the cells of each Maglev table in `lb_maglev` (`maglev::TABLE_SIZES`). Zero
     /// (the default) leaves every Maglev frontend without a backend, never mis-indexed.
     pub const MAGLEV_TABLE_SIZE: &str = "LB_MAGLEV_M";

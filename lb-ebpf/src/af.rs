@@ -66,6 +66,8 @@ pub trait Af {
     /// Address bytes in network order.
     type Addr: Copy + AsRef<[u8]>;
     type CtKey: 'static;
+    /// This family's socket storage value (`lb*_sk_store`).
+    type Store: crate::sk_store::Store<A = Self>;
     /// The all-zero address: "none" in `LbConfig` and in unused NAT fields.
     const ZERO: Self::Addr;
     /// The `config_flags` bit saying this family's local-traffic detector is on.
@@ -171,6 +173,7 @@ pub enum V6 {}
 impl Af for V4 {
     type Addr = [u8; 4];
     type CtKey = Ct4Key;
+    type Store = lb_common::SkStore4;
     const ZERO: [u8; 4] = [0; 4];
     const CLUSTER_CIDR_FLAG: u32 = config_flags::CLUSTER_CIDR4;
 
@@ -398,6 +401,7 @@ impl Af for V4 {
 impl Af for V6 {
     type Addr = [u8; 16];
     type CtKey = Ct6Key;
+    type Store = lb_common::SkStore6;
     const ZERO: [u8; 16] = [0; 16];
     const CLUSTER_CIDR_FLAG: u32 = config_flags::CLUSTER_CIDR6;
 

@@ -42,6 +42,7 @@ mod parse;
 mod reject;
 mod rewrite;
 mod select;
+mod sk_store;
 mod sock;
 mod sock_egress;
 mod tc;

@@ -3,15 +3,16 @@
 //! `lb_scratch` and `lb_udp_gone`, which each load owns).
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use lb_common::{
     Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterCidr4,
     ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
     EchoKey4, EchoKey6, EchoValue, Frag4Key, Frag6Key, FragEntry, LbConfig, MetricValue, PinMeta,
-    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4,
-    SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, TraceRecord, UdpGoneKey, map_sizes,
+    RevNat4, RevNat6, SkRevNat4Key, SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SkStore4,
+    SkStore6, SrcRange4, SrcRange6, Svc4Key, Svc6Key, SvcCidrValue, SvcValue, TraceRecord,
+    UdpGoneKey, map_sizes,
 };
 
 // Service, backend and rev-NAT maps are written by userspace only: no preallocation, so their
@@ -56,6 +57,13 @@ pub static CT_ANY6: LruHashMap<Ct6Key, Ct6Value, { map_sizes::CT_ANY as usize }>
 #[btf_map(name = "lb6_sk_revnat")]
 pub static SK_REVNAT6: LruHashMap<SkRevNat6Key, SkRevNat6Value, { map_sizes::SK_REVNAT as usize }> =
     LruHashMap::new();
+
+/// Socket storage (`sk_store`): each socket's own pairs, freed with it. Pinned like
+/// `lb*_sk_revnat`, so a restarted lb still translates the sockets it steered before.
+#[btf_map(name = "lb4_sk_store")]
+pub static SK_STORE4: SkStorage<SkStore4> = SkStorage::new();
+#[btf_map(name = "lb6_sk_store")]
+pub static SK_STORE6: SkStorage<SkStore6> = SkStorage::new();
 
 #[btf_map(name = "lb4_affinity")]
 pub static AFFINITY4: LruHashMap<Affinity4Key, AffinityValue, { map_sizes::AFFINITY as usize }> =

@@ -3,7 +3,8 @@
 //! connect() and UDP sendmsg() to a frontend are rewritten to a backend before the kernel
 //! routes anything, so the flow needs no NAT or conntrack per packet. The socket's peer is
 //! remembered in `lb*_sk_revnat`, and recvmsg()/getpeername() turn the backend back into the
-//! frontend the application asked for. IPv4-mapped IPv6 destinations (`::ffff:a.b.c.d`) on
+//! frontend the application asked for. Where the kernel lets these programs use socket
+//! storage, the pairs live in the socket's own `lb*_sk_store` instead (`sk_store`). IPv4-mapped IPv6 destinations (`::ffff:a.b.c.d`) on
 //! IPv6 sockets use the IPv4 services.
 use aya_ebpf::{
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
@@ -16,6 +17,7 @@ use crate::{
     af::{Af, Client, Endpoint, V4, V6},
     maps::count,
     select::{Origin, Selected, select},
+    sk_store::{self, Sk},
 };
 
 /// Verdicts of cgroup sock_addr programs.
@@ -157,7 +159,15 @@ fn balance<A: Af>(
         _ => mix64(socket_cookie()),
     });
     if let Selected::Backend(c) = &selected {
-        if A::sk_revnat_put(socket_cookie(), c.backend, frontend, c.rev_nat_id).is_err() {
+        let stored = sk_store::remember::<A>(
+            || Sk::of_addr(ctx),
+            socket_cookie,
+            c.backend,
+            frontend,
+            c.rev_nat_id,
+            pick == Pick::Random,
+        );
+        if stored.is_err() {
             count(metrics::SOCK_REVNAT_INSERT_FAILED, 0);
         }
     }
@@ -234,13 +244,23 @@ fn reverse4(ctx: &SockAddrContext) {
             addr: (*sa).user_ip4.to_ne_bytes(),
             port: port_from_ctx((*sa).user_port),
         };
-        let cookie = bpf_get_socket_cookie(sa.cast());
-        if let Some(frontend) = V4::sk_revnat_get(cookie, peer) {
+        if let Some(frontend) = recall::<V4>(ctx, peer) {
             (*sa).user_ip4 = u32::from_ne_bytes(frontend.addr);
             (*sa).user_port = port_to_ctx(frontend.port);
             count(metrics::SOCK_REVNAT, 0);
         }
     }
+}
+
+/// The frontend `peer` stands for on the context's socket (`sk_store::recall`).
+#[inline(always)]
+fn recall<A: Af>(ctx: &SockAddrContext, peer: Endpoint<A::Addr>) -> Option<Endpoint<A::Addr>> {
+    sk_store::recall::<A>(
+        || Some(Sk::of_addr(ctx)),
+        // SAFETY: the helper accepts any sock_addr context.
+        || unsafe { bpf_get_socket_cookie(ctx.sock_addr.cast()) },
+        peer,
+    )
 }
 
 const V4_MAPPED_PREFIX: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
@@ -348,11 +368,11 @@ fn reverse6(ctx: &SockAddrContext) {
         ];
         let addr = read_ip6(&words);
         let port = port_from_ctx((*sa).user_port);
-        let cookie = bpf_get_socket_cookie(sa.cast());
         let frontend = match v4_mapped(&addr) {
-            Some(v4) => V4::sk_revnat_get(cookie, Endpoint { addr: v4, port })
-                .map(|f| (mapped(f.addr), f.port)),
-            None => V6::sk_revnat_get(cookie, Endpoint { addr, port }).map(|f| (f.addr, f.port)),
+            Some(v4) => {
+                recall::<V4>(ctx, Endpoint { addr: v4, port }).map(|f| (mapped(f.addr), f.port))
+            }
+            None => recall::<V6>(ctx, Endpoint { addr, port }).map(|f| (f.addr, f.port)),
         };
         if let Some((faddr, fport)) = frontend {
             write_ip6(ctx, faddr);

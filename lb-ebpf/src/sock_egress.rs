@@ -1,7 +1,7 @@
 //! The re-steering fallback for connected UDP sockets (where lb cannot destroy them: kernels
 //! before 6.5, or a network namespace lb cannot enter): on socket LB's cgroup, cgroup skb
-//! egress drops a datagram whose socket socket LB pinned (`lb*_sk_revnat`: cookie and the
-//! datagram's destination) to a (frontend, backend) pair `lb run` recorded as gone in
+//! egress drops a datagram whose socket socket LB pinned (its `lb*_sk_store` slots or
+//! `lb*_sk_revnat`: the socket and the datagram's destination) to a (frontend, backend) pair `lb run` recorded as gone in
 //! `lb_udp_gone`. The send() then fails with EPERM, and the application reconnects through
 //! socket LB to a live backend. Anything else passes: one header read for non-UDP packets, two
 //! hash lookups for UDP.
@@ -13,6 +13,7 @@ use lb_common::{IPPROTO_UDP, UdpGoneKey, metrics};
 use crate::{
     af::{Af, Endpoint, V4, V6},
     maps::{UDP_GONE, count},
+    sk_store::{self, Sk},
 };
 
 /// Verdicts of cgroup skb programs.
@@ -57,10 +58,16 @@ fn dport(ctx: &SkBuffContext, offset: usize) -> Result<u16, c_long> {
     Ok(u16::from_be_bytes([ports[2], ports[3]]))
 }
 
+/// The frontend the sending socket's pair for `backend` names, from its storage or
+/// `lb*_sk_revnat` (`sk_store::recall`).
 #[inline(always)]
-fn cookie(ctx: &SkBuffContext) -> u64 {
-    // SAFETY: the helper accepts any skb context.
-    unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) }
+fn recall<A: Af>(ctx: &SkBuffContext, backend: Endpoint<A::Addr>) -> Option<Endpoint<A::Addr>> {
+    sk_store::recall::<A>(
+        || Sk::of_skb(ctx),
+        // SAFETY: the helper accepts any skb context.
+        || unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) },
+        backend,
+    )
 }
 
 #[inline(always)]
@@ -75,7 +82,7 @@ fn gone4(ctx: &SkBuffContext) -> Result<bool, c_long> {
         addr: [h[16], h[17], h[18], h[19]],
         port: dport(ctx, ihl)?,
     };
-    let Some(frontend) = V4::sk_revnat_get(cookie(ctx), backend) else {
+    let Some(frontend) = recall::<V4>(ctx, backend) else {
         return Ok(false);
     };
     let key = UdpGoneKey {
@@ -102,7 +109,7 @@ fn gone6(ctx: &SkBuffContext) -> Result<bool, c_long> {
         addr,
         port: dport(ctx, 40)?,
     };
-    let Some(frontend) = V6::sk_revnat_get(cookie(ctx), backend) else {
+    let Some(frontend) = recall::<V6>(ctx, backend) else {
         return Ok(false);
     };
     let key = UdpGoneKey {

@@ -150,6 +150,8 @@ fn load_datapath(opts: &RunOptions) -> anyhow::Result<Datapath> {
         ct_timeouts: opts.ct_timeouts,
         trace: false,
         no_set_retval: false,
+        // For tests of the fallback older kernels get: socket LB's pairs in the LRU alone.
+        no_sk_storage: std::env::var_os("LB_NO_SK_STORAGE").is_some_and(|v| v == "1"),
         // A restart (or upgrade) must not leave a moment without programs: see `links`.
         persist_links: true,
         maglev_table_size: opts.algorithm.maglev_table_size,
@@ -170,6 +172,11 @@ fn load_datapath(opts: &RunOptions) -> anyhow::Result<Datapath> {
             "ECONNREFUSED"
         } else {
             "EPERM (no bpf_set_retval for sock_addr programs)"
+        },
+        sock_pairs = if datapath.sock_uses_sk_storage() {
+            "socket storage (lb*_sk_store), lb*_sk_revnat for overflow"
+        } else {
+            "lb*_sk_revnat (no bpf_sk_storage_get for sock_addr programs, or LB_NO_SK_STORAGE=1)"
         },
         "datapath reject settings"
     );

@@ -170,3 +170,53 @@ fn packet_programs_stay_far_below_the_verifier_limit() {
         );
     }
 }
+
+/// Socket storage is a branch on the frozen global `LB_HAS_SK_STORAGE`, like
+/// `LB_HAS_SET_RETVAL`: with 0 no `bpf_sk_storage_get` call is left in the loaded socket LB
+/// and egress programs (kernels without the helper for sock_addr programs load them and use
+/// `lb*_sk_revnat`); with the probe's 1 every program that remembers or recalls a pair calls
+/// it.
+#[test]
+fn sk_storage_calls_are_dead_code_unless_the_probe_found_the_helper() {
+    let found = lb::datapath::load::sock_storage_supported();
+    for (no_sk_storage, present) in [(true, false), (false, found)] {
+        let mut dp = Datapath::load(&LoadOptions {
+            no_sk_storage,
+            ..LoadOptions::default()
+        })
+        .expect("load datapath (root?)");
+        assert_eq!(dp.sock_uses_sk_storage(), present);
+        for name in [
+            prog_names::CONNECT4,
+            prog_names::SENDMSG6,
+            prog_names::RECVMSG4,
+            prog_names::GETPEERNAME6,
+            prog_names::SK_EGRESS,
+        ] {
+            let id = dp
+                .ebpf_mut()
+                .program(name)
+                .expect(name)
+                .info()
+                .expect("prog info")
+                .id();
+            let out = std::process::Command::new("bpftool")
+                .args(["prog", "dump", "xlated", "id", &id.to_string()])
+                .output()
+                .expect("bpftool");
+            assert!(out.status.success(), "{out:?}");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(text.contains("call "), "{name}: an xlated dump: {text}");
+            assert_eq!(
+                text.contains("sk_storage_get"),
+                present,
+                "{name} (no_sk_storage: {no_sk_storage}):\n{text}"
+            );
+            // The LRU stays, for the overflow (and for sockets without storage).
+            assert!(
+                text.contains("map_lookup_elem") || text.contains("map_update_elem"),
+                "{name}: still reaches lb*_sk_revnat:\n{text}"
+            );
+        }
+    }
+}

@@ -596,15 +596,24 @@ impl Tracer {
         self.result(probe, verdict, &run, src_after, reply)
     }
 
+    /// The hook line of a socket-LB probe: emulated, and where socket LB keeps the socket's
+    /// pair on this kernel (what recvmsg()/getpeername() and the UDP re-steering read).
+    fn socket_lb_hook(&self) -> &'static str {
+        if self.datapath.sock_uses_sk_storage() {
+            "socket LB (emulated with lb_tc_pod: cgroup programs cannot be test-run); the \
+             socket's pair is kept in its own lb*_sk_store (socket storage)"
+        } else {
+            "socket LB (emulated with lb_tc_pod: cgroup programs cannot be test-run); the \
+             socket's pair is kept in lb*_sk_revnat (no socket storage for sock_addr programs)"
+        }
+    }
+
     /// Runs the probe's packet through the program its origin meets first, and on through
     /// tc ingress when `lb_xdp` hands it there.
     fn run_probe(&mut self, probe: &Probe) -> anyhow::Result<ProbeRun> {
         let (prog, hook) = match probe.origin {
             Origin::Pod => (prog_names::TC_POD, "tc ingress, pod veth (lb_tc_pod)"),
-            Origin::Node => (
-                prog_names::TC_POD,
-                "socket LB (emulated with lb_tc_pod: cgroup programs cannot be test-run)",
-            ),
+            Origin::Node => (prog_names::TC_POD, self.socket_lb_hook()),
             Origin::External => (prog_names::TC_INGRESS, "tc ingress (lb_tc_ingress)"),
         };
         let pkt = build_packet(probe);

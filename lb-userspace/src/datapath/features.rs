@@ -10,7 +10,7 @@ use std::{collections::BTreeSet, fs};
 use aya::{maps::MapType, sys::is_map_supported, util::KernelVersion};
 use serde::{Deserialize, Serialize};
 
-use super::load::{XdpMode, sock_set_retval_supported};
+use super::load::{XdpMode, sock_set_retval_supported, sock_storage_supported};
 
 /// One feature: whether the kernel has it and what lb does about it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,6 +145,15 @@ fn socket_features() -> Vec<Feature> {
             sock_set_retval_supported(),
             "refused socket-LB connects fail with ECONNREFUSED",
             "refused socket-LB connects fail with EPERM (no bpf_set_retval, before 5.18)",
+        ),
+        feature(
+            "socket storage",
+            sock_storage_supported(),
+            "bpf_sk_storage_get for sock_addr and cgroup skb programs: socket LB keeps each \
+             socket's pairs in lb*_sk_store (freed with the socket), lb*_sk_revnat only past \
+             its slots",
+            "no bpf_sk_storage_get for sock_addr programs: socket LB keeps its pairs in the LRU \
+             lb*_sk_revnat (one write per connect/sendmsg)",
         ),
         feature(
             "bpf_sock_destroy",

@@ -25,8 +25,8 @@ use lb_common::{
     Affinity4Key, Affinity6Key, AffinityMatchKey, AffinityValue, Backend4, Backend6, ClusterCidr4,
     ClusterCidr6, ClusterIp4Key, ClusterIp6Key, ClusterIpValue, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
     EchoKey4, EchoKey6, EchoValue, LbConfig, MetricValue, PinMeta, RevNat4, RevNat6, SkRevNat4Key,
-    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SrcRange4, SrcRange6, Svc4Key, Svc6Key,
-    SvcCidrValue, SvcValue, globals, maglev, map_names, map_sizes, prog_names,
+    SkRevNat4Value, SkRevNat6Key, SkRevNat6Value, SkStore4, SkStore6, SrcRange4, SrcRange6,
+    Svc4Key, Svc6Key, SvcCidrValue, SvcValue, globals, maglev, map_names, map_sizes, prog_names,
 };
 
 use super::{
@@ -70,7 +70,7 @@ const fn spec<K, V>(name: &'static str, map_type: MapType, max_entries: u32) -> 
     }
 }
 
-const MAP_SPECS: [MapSpec; 30] = [
+const MAP_SPECS: [MapSpec; 32] = [
     spec::<Svc4Key, SvcValue>(map_names::SERVICES4, MapType::Hash, map_sizes::SERVICES),
     spec::<u32, Backend4>(map_names::BACKENDS4, MapType::Hash, map_sizes::BACKENDS),
     spec::<u32, RevNat4>(map_names::REVNAT4, MapType::Hash, map_sizes::REVNAT),
@@ -150,6 +150,9 @@ const MAP_SPECS: [MapSpec; 30] = [
     spec::<AffinityMatchKey, u8>(map_names::AFF_MATCH6, MapType::Hash, map_sizes::AFF_MATCH),
     // max_entries: tables × M, from `LoadOptions::maglev_geometry` (never `--bpf-map-max`).
     spec::<u32, u32>(map_names::MAGLEV, MapType::Array, 0),
+    // Socket storage: keyed by a socket fd, sized by the sockets (max_entries is always 0).
+    spec::<i32, SkStore4>(map_names::SK_STORE4, MapType::SkStorage, 0),
+    spec::<i32, SkStore6>(map_names::SK_STORE6, MapType::SkStorage, 0),
 ];
 
 /// Where a tc program is attached, which decides the frontends' scope it uses.
@@ -196,6 +199,9 @@ pub struct LoadOptions {
     /// Refuse socket-LB calls with EPERM even where the kernel would let them fail with
     /// ECONNREFUSED (tests of the fallback older kernels get).
     pub no_set_retval: bool,
+    /// Keep socket LB's pairs in `lb*_sk_revnat` even where the kernel offers socket storage
+    /// (tests of the fallback older kernels get).
+    pub no_sk_storage: bool,
     /// With `pin_dir`: attachments outlive the process (links pinned under `links/`, netlink
     /// filters left in place) and a later load adopts them (`lb run`; see `links`).
     pub persist_links: bool,
@@ -251,6 +257,9 @@ impl LoadOptions {
         for (name, n) in &self.max_entries {
             if name == map_names::MAGLEV {
                 bail!("{name} is sized by --bpf-maglev-tables and --maglev-table-size");
+            }
+            if name == map_names::SK_STORE4 || name == map_names::SK_STORE6 {
+                bail!("{name} is socket storage: it grows with the sockets and takes no size");
             }
             if !MAP_SPECS.iter().any(|s| s.name == name) {
                 bail!("unknown map {name:?}; maps: {}", map_names::ALL.join(", "));
@@ -313,6 +322,23 @@ pub fn sock_set_retval_supported() -> bool {
     }
 }
 
+/// Whether socket LB may keep its pairs in socket storage: `bpf_sk_storage_get` for cgroup
+/// sock_addr programs (with `ctx->sk`, both 5.8+ by the kernel's history; probed, not assumed)
+/// and for cgroup skb programs (`lb_sk_egress` reads the same storage; 5.2+).
+pub fn sock_storage_supported() -> bool {
+    [ProgramType::CgroupSockAddr, ProgramType::CgroupSkb]
+        .into_iter()
+        .all(
+            |t| match is_helper_supported(t, BpfHelper::BPF_FUNC_sk_storage_get) {
+                Ok(yes) => yes,
+                Err(e) => {
+                    tracing::debug!(error = %e, "bpf_sk_storage_get probe failed; assuming absent");
+                    false
+                }
+            },
+        )
+}
+
 /// Checks the pin dir before loading: every map `pinned` names is there (`only_pinned`: a
 /// running lb's), or the dir is made ready for new pins; then the pins' layout version,
 /// Maglev geometry and map shapes.
@@ -337,12 +363,12 @@ fn check_pin_dir(dir: &Path, opts: &LoadOptions, pinned: &[&str]) -> anyhow::Res
 }
 
 /// Sets the maps' sizes and the frozen globals the programs are verified with; returns
-/// whether the programs may call `bpf_set_retval`.
+/// whether the programs may call `bpf_set_retval`, and whether socket LB uses socket storage.
 fn configure_loader<'a>(
     loader: &mut EbpfLoader<'a>,
     opts: &'a LoadOptions,
     maglev: &'a MaglevGeometry,
-) -> bool {
+) -> (bool, bool) {
     for (name, n) in &opts.max_entries {
         loader.map_max_entries(name, *n);
     }
@@ -363,12 +389,17 @@ fn configure_loader<'a>(
     ] {
         loader.override_global(name, secs, true);
     }
+    let sk_storage = !opts.no_sk_storage && sock_storage_supported();
+    if sk_storage {
+        // Frozen like LB_TRACE: with 0 the storage calls stay unverified dead code.
+        loader.override_global(globals::HAS_SK_STORAGE, &1u8, true);
+    }
     let set_retval = !opts.no_set_retval && sock_set_retval_supported();
     if set_retval {
         // Frozen like LB_TRACE: with 0 the helper call stays unverified dead code.
         loader.override_global(globals::HAS_SET_RETVAL, &1u8, true);
     }
-    set_retval
+    (set_retval, sk_storage)
 }
 
 /// Makes new pins private (0600) and, in a pin dir, records their layout version.
@@ -417,6 +448,7 @@ pub struct Datapath {
     used_links: Vec<PathBuf>,
     max_entries: BTreeMap<String, u32>,
     set_retval: bool,
+    sk_storage: bool,
     maglev: MaglevGeometry,
 }
 
@@ -433,7 +465,7 @@ impl Datapath {
         }
         let mut loader = EbpfLoader::new();
         let maglev = opts.maglev_geometry();
-        let set_retval = configure_loader(&mut loader, opts, &maglev);
+        let (set_retval, sk_storage) = configure_loader(&mut loader, opts, &maglev);
         let pins: Vec<(&str, PathBuf)> = match &opts.pin_dir {
             Some(dir) => pinned.iter().map(|n| (*n, dir.join(n))).collect(),
             None => Vec::new(),
@@ -459,8 +491,15 @@ impl Datapath {
             used_links: Vec::new(),
             max_entries,
             set_retval,
+            sk_storage,
             maglev,
         })
+    }
+
+    /// Whether socket LB keeps its pairs in socket storage (`lb*_sk_store`; else
+    /// `lb*_sk_revnat` alone).
+    pub fn sock_uses_sk_storage(&self) -> bool {
+        self.sk_storage
     }
 
     /// Whether refused socket-LB calls fail with ECONNREFUSED (else EPERM).

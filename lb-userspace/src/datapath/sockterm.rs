@@ -4,8 +4,9 @@
 //! A connected UDP socket is translated once, at connect(): `udp_sendmsg` runs no sendmsg
 //! hook for a socket sending to its connected peer, so without this it keeps sending to the
 //! removed backend until the application reconnects by itself. The program here is an
-//! `iter/udp` program: for every connected UDP socket of a network namespace whose socket
-//! cookie and peer are in `lb*_sk_revnat` (socket LB steered it there) and whose
+//! `iter/udp` program: for every connected UDP socket of a network namespace whose peer is in
+//! its `lb*_sk_store` slot or, by socket cookie, in `lb*_sk_revnat` (socket LB steered it
+//! there) and whose
 //! (frontend, backend) pair is in `lb_udp_destroy` (the pair is gone), it calls
 //! `bpf_sock_destroy`. The socket then reports ECONNABORTED (`udp_abort`) and is disconnected:
 //! the application's next recv() fails with it, its next send() with EDESTADDRREQ, and a
@@ -231,6 +232,7 @@ const R0: u8 = 0;
 const R1: u8 = 1;
 const R2: u8 = 2;
 const R3: u8 = 3;
+const R4: u8 = 4;
 const R6: u8 = 6;
 const R7: u8 = 7;
 const R9: u8 = 9;
@@ -242,6 +244,7 @@ const AF_INET6: i32 = 10;
 const TCP_ESTABLISHED: i32 = 1;
 const BPF_FUNC_MAP_LOOKUP_ELEM: i32 = 1;
 const BPF_FUNC_GET_SOCKET_COOKIE: i32 = 46;
+const BPF_FUNC_SK_STORAGE_GET: i32 = 107;
 const BPF_PSEUDO_MAP_FD: u8 = 1;
 const BPF_PSEUDO_KFUNC_CALL: u8 = 2;
 
@@ -303,6 +306,11 @@ impl Asm {
     fn jne(&mut self, dst: u8, imm: i32, to: &'static str) {
         self.jump(0x55, dst, imm, to);
     }
+    /// `if dst != src goto to`.
+    fn jne_reg(&mut self, dst: u8, src: u8, to: &'static str) {
+        self.jumps.push((self.insns.len(), to));
+        self.raw(0x5d, dst, src, 0, 0);
+    }
     /// 32-bit compare (an immediate with the top bit set is not sign-extended).
     fn jeq32(&mut self, dst: u8, imm: u32, to: &'static str) {
         self.jump(0x16, dst, imm as i32, to);
@@ -345,16 +353,59 @@ impl Asm {
 const K: i16 = -32;
 const D: i16 = -72;
 
-/// The `iter/udp` program. `maps`: fds of `lb4_sk_revnat`, `lb6_sk_revnat`, `lb_udp_destroy`.
-/// Each part below writes one stretch of it, jumping between them by label.
-fn program(ids: &KernelIds, revnat4: RawFd, revnat6: RawFd, destroy: RawFd) -> Vec<Insn> {
+/// The maps the program reads and writes (fds).
+struct ProgMaps {
+    revnat4: RawFd,
+    revnat6: RawFd,
+    /// `lb*_sk_store`, where the pins exist (socket LB writes them where the kernel lets it).
+    store4: Option<RawFd>,
+    store6: Option<RawFd>,
+    destroy: RawFd,
+}
+
+/// The `iter/udp` program. Each part below writes one stretch of it, jumping between them by
+/// label.
+fn program(ids: &KernelIds, maps: &ProgMaps) -> Vec<Insn> {
     let mut a = Asm::default();
     socket_keys(&mut a, ids);
-    frontend6(&mut a, ids, revnat6);
-    frontend4(&mut a, ids, revnat4);
-    destroy_pinned(&mut a, ids, destroy);
+    frontend6(&mut a, ids, maps);
+    frontend4(&mut a, ids, maps);
+    destroy_pinned(&mut a, ids, maps.destroy);
     // Every label is defined above.
     a.finish().unwrap_or_default()
+}
+
+/// The socket's storage in `store` (r6), slot 0, if it holds the peer (`words` 32-bit words
+/// of address at `addr_at` in the slot, the key's copy at `K + 8`; the port at `port_at`,
+/// the key's at `key_port`): its frontend into the destroy key and on to `pair`; anything
+/// else on to `miss`. A socket LB connected holds its one pair in slot 0 (`sk_store`).
+fn from_store(a: &mut Asm, store: RawFd, words: i16, key_port: i16, miss: &'static str) {
+    let (addr_at, front_at) = (4, 4 + 4 * words);
+    let port_at = 4 + 8 * words;
+    a.ld_map_fd(R1, store);
+    a.mov(R2, R6);
+    a.mov_imm(R3, 0);
+    a.mov_imm(R4, 0);
+    a.call(BPF_FUNC_SK_STORAGE_GET);
+    a.jeq(R0, 0, miss);
+    // `used`: no slot, no pair.
+    a.ldx(Sz::B, R2, R0, 0);
+    a.jeq(R2, 0, miss);
+    for w in 0..words {
+        a.ldx(Sz::W, R2, R0, addr_at + 4 * w);
+        a.ldx(Sz::W, R1, FP, K + 8 + 4 * w);
+        a.jne_reg(R2, R1, miss);
+    }
+    a.ldx(Sz::H, R2, R0, port_at);
+    a.ldx(Sz::H, R1, FP, key_port);
+    a.jne_reg(R2, R1, miss);
+    for w in 0..words {
+        a.ldx(Sz::W, R2, R0, front_at + 4 * w);
+        a.stx(Sz::W, FP, D + 4 * w, R2);
+    }
+    a.ldx(Sz::H, R2, R0, port_at + 2);
+    a.stx(Sz::H, FP, D + 32, R2);
+    a.ja("pair");
 }
 
 /// Reads the socket: skips all but connected ones, fills the keys' socket cookie and backend
@@ -389,8 +440,9 @@ fn socket_keys(a: &mut Asm, ids: &KernelIds) {
     a.jeq32(R2, u32::from_ne_bytes([0, 0, 0xff, 0xff]), "v4");
 }
 
-/// `v6`: the `lb6_sk_revnat` lookup; the frontend into the destroy key, then `pair`.
-fn frontend6(a: &mut Asm, ids: &KernelIds, revnat6: RawFd) {
+/// `v6`: the socket's `lb6_sk_store`, else the `lb6_sk_revnat` lookup; the frontend into the
+/// destroy key, then `pair`.
+fn frontend6(a: &mut Asm, ids: &KernelIds, maps: &ProgMaps) {
     a.label("v6");
     for w in 0..4 {
         a.ldx(Sz::W, R2, R6, ids.v6_daddr + 4 * w);
@@ -399,7 +451,11 @@ fn frontend6(a: &mut Asm, ids: &KernelIds, revnat6: RawFd) {
     }
     a.stx(Sz::H, FP, K + 24, R3);
     a.st(Sz::B, FP, D + 36, 6);
-    a.lookup_or_out(revnat6, K);
+    if let Some(store) = maps.store6 {
+        from_store(a, store, 4, K + 24, "lru6");
+    }
+    a.label("lru6");
+    a.lookup_or_out(maps.revnat6, K);
     // `SkRevNat6Value`: the frontend's address, then its port.
     for w in 0..4 {
         a.ldx(Sz::W, R2, R0, 4 * w);
@@ -410,15 +466,20 @@ fn frontend6(a: &mut Asm, ids: &KernelIds, revnat6: RawFd) {
     a.ja("pair");
 }
 
-/// `v4`: the `lb4_sk_revnat` lookup; the frontend into the destroy key.
-fn frontend4(a: &mut Asm, ids: &KernelIds, revnat4: RawFd) {
+/// `v4`: the socket's `lb4_sk_store`, else the `lb4_sk_revnat` lookup; the frontend into the
+/// destroy key.
+fn frontend4(a: &mut Asm, ids: &KernelIds, maps: &ProgMaps) {
     a.label("v4");
     a.ldx(Sz::W, R2, R6, ids.daddr);
     a.stx(Sz::W, FP, K + 8, R2);
     a.stx(Sz::W, FP, D + 16, R2);
     a.stx(Sz::H, FP, K + 12, R3);
     a.st(Sz::B, FP, D + 36, 4);
-    a.lookup_or_out(revnat4, K);
+    if let Some(store) = maps.store4 {
+        from_store(a, store, 1, K + 12, "lru4");
+    }
+    a.label("lru4");
+    a.lookup_or_out(maps.revnat4, K);
     // `SkRevNat4Value`.
     a.ldx(Sz::W, R2, R0, 0);
     a.stx(Sz::W, FP, D, R2);
@@ -583,6 +644,9 @@ impl Destroyer {
         let ids = KernelIds::from_btf(&Btf::parse(raw)?)?;
         let revnat4 = obj_get(&pin_dir.join(map_names::SK_REVNAT4))?;
         let revnat6 = obj_get(&pin_dir.join(map_names::SK_REVNAT6))?;
+        // Absent only in pins of an older lb, which wrote nothing there.
+        let store4 = obj_get(&pin_dir.join(map_names::SK_STORE4)).ok();
+        let store6 = obj_get(&pin_dir.join(map_names::SK_STORE6)).ok();
         let map = Attr::new()
             .u32(0, BPF_MAP_TYPE_HASH)
             .u32(4, size_of::<DestroyKey>() as u32)
@@ -593,9 +657,13 @@ impl Destroyer {
             .context("creating lb_udp_destroy")?;
         let insns = program(
             &ids,
-            revnat4.as_raw_fd(),
-            revnat6.as_raw_fd(),
-            map.as_raw_fd(),
+            &ProgMaps {
+                revnat4: revnat4.as_raw_fd(),
+                revnat6: revnat6.as_raw_fd(),
+                store4: store4.as_ref().map(|f| f.as_raw_fd()),
+                store6: store6.as_ref().map(|f| f.as_raw_fd()),
+                destroy: map.as_raw_fd(),
+            },
         );
         let license = c"Dual MIT/GPL";
         let mut log = vec![0u8; 1 << 16];
@@ -756,26 +824,39 @@ mod tests {
 
     #[test]
     fn program_jumps_stay_inside_and_it_ends_with_exit() {
-        let p = program(&ids(), 3, 4, 5);
-        assert!(p.len() > 40 && p.len() < 120, "{} insns", p.len());
-        assert_eq!(p.last().map(|i| i.code), Some(0x95));
-        for (at, i) in p.iter().enumerate() {
-            let class = i.code & 0x07;
-            if (class == 0x05 || class == 0x06) && i.code != 0x85 && i.code != 0x95 {
-                let target = at as i64 + 1 + i64::from(i.off);
-                assert!(i.off >= 0 && (target as usize) < p.len(), "jump at {at}");
+        // Without the socket storage maps (pins of an older lb) and with them.
+        for (store4, store6, want) in [
+            (None, None, vec![4, 3, 5]),
+            (Some(6), Some(7), vec![7, 4, 6, 3, 5]),
+        ] {
+            let maps = ProgMaps {
+                revnat4: 3,
+                revnat6: 4,
+                store4,
+                store6,
+                destroy: 5,
+            };
+            let p = program(&ids(), &maps);
+            assert!(p.len() > 40 && p.len() < 180, "{} insns", p.len());
+            assert_eq!(p.last().map(|i| i.code), Some(0x95));
+            for (at, i) in p.iter().enumerate() {
+                let class = i.code & 0x07;
+                if (class == 0x05 || class == 0x06) && i.code != 0x85 && i.code != 0x95 {
+                    let target = at as i64 + 1 + i64::from(i.off);
+                    assert!(i.off >= 0 && (target as usize) < p.len(), "jump at {at}");
+                }
             }
+            // Exactly one kfunc call, to the id given.
+            let kfuncs: Vec<_> = p
+                .iter()
+                .filter(|i| i.code == 0x85 && i.regs >> 4 == BPF_PSEUDO_KFUNC_CALL)
+                .collect();
+            assert_eq!(kfuncs.len(), 1);
+            assert_eq!(kfuncs[0].imm, 200);
+            // The maps, by fd: each family's storage before its LRU.
+            let fds: Vec<i32> = p.iter().filter(|i| i.code == 0x18).map(|i| i.imm).collect();
+            assert_eq!(fds, want);
         }
-        // Exactly one kfunc call, to the id given.
-        let kfuncs: Vec<_> = p
-            .iter()
-            .filter(|i| i.code == 0x85 && i.regs >> 4 == BPF_PSEUDO_KFUNC_CALL)
-            .collect();
-        assert_eq!(kfuncs.len(), 1);
-        assert_eq!(kfuncs[0].imm, 200);
-        // The three maps, by fd.
-        let fds: Vec<i32> = p.iter().filter(|i| i.code == 0x18).map(|i| i.imm).collect();
-        assert_eq!(fds, [4, 3, 5]);
     }
 
     #[test]

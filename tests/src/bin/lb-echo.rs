@@ -19,6 +19,12 @@
 //!   one. One JSON line per event, `t_ms` since start: `{"t_ms":0,"event":"connect",...}`,
 //!   `{"t_ms":..,"event":"reply","backend":"NAME"}`, `{"t_ms":..,"event":"error","op":"send"|
 //!   "recv","errno":N,"error":"…"}`, and last `{"event":"done","sent":N,"received":M}`.
+//! * `lb-echo multi --target IP:PORT --target IP:PORT… [--rounds N]` is an unconnected UDP
+//!   client talking to several services from one socket (a resolver with several name
+//!   servers): each round one `send_to` per target, in order, each followed by its reply. One
+//!   JSON line per request: `{"round":0,"target":"IP:PORT","backend":"NAME","peer":"IP:PORT"}`
+//!   (`peer`: the reply's source from `recvfrom`) or `{"round":0,"target":…,"error":"…"}`.
+//!   The socket has the first target's family.
 //! * `lb-echo ping --target IP [--count N] [--timeout-ms MS]` is `ping`: N ICMP/ICMPv6 echo
 //!   requests from a raw socket (root), one JSON line each: `{"seq":0,"reply_from":"IP",
 //!   "ttl":64}` (the reply's TTL; 0 for IPv6), or `{"seq":0,"error":"…"}` (an unreachable
@@ -94,6 +100,15 @@ enum Cmd {
         #[arg(long)]
         go_file: Option<std::path::PathBuf>,
     },
+    /// One unconnected UDP socket sending to every target in turn, ROUNDS times.
+    Multi {
+        #[arg(long = "target", required = true)]
+        targets: Vec<SocketAddr>,
+        #[arg(long, default_value_t = 1)]
+        rounds: u32,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+    },
     /// ICMP/ICMPv6 echo requests (ping), one JSON line per request.
     Ping {
         #[arg(long)]
@@ -148,6 +163,11 @@ fn main() -> ExitCode {
                 go_file,
             },
         ),
+        Cmd::Multi {
+            targets,
+            rounds,
+            timeout_ms,
+        } => multi(&targets, rounds, Duration::from_millis(timeout_ms)),
         Cmd::Ping {
             target,
             count,
@@ -496,6 +516,47 @@ fn udp_socket(target: SocketAddr, timeout: Duration) -> anyhow::Result<UdpSocket
     sock.set_read_timeout(Some(timeout))?;
     sock.set_write_timeout(Some(timeout))?;
     Ok(sock)
+}
+
+/// `lb-echo multi`: one socket, every target in turn; exit code 1 if a request failed.
+fn multi(targets: &[SocketAddr], rounds: u32, timeout: Duration) -> anyhow::Result<ExitCode> {
+    let first = *targets.first().context("no target")?;
+    let sock = udp_socket(first, timeout)?;
+    let mut out = io::stdout().lock();
+    let mut failed = false;
+    let mut buf = vec![0u8; 65536];
+    for round in 0..rounds {
+        for target in targets {
+            let reply = sock
+                .send_to(HELLO, target)
+                .context("send_to")
+                .and_then(|_| {
+                    sock.recv_from(&mut buf)
+                        .map_err(timeout_err)
+                        .context("recv_from")
+                })
+                .and_then(|(n, peer)| Ok((parse_reply(&buf[..n])?.0, peer)));
+            let line = match reply {
+                Ok((backend, peer)) => serde_json::json!({
+                    "round": round, "target": target.to_string(),
+                    "backend": backend, "peer": peer.to_string(),
+                }),
+                Err(err) => {
+                    failed = true;
+                    serde_json::json!({
+                        "round": round, "target": target.to_string(), "error": format!("{err:#}"),
+                    })
+                }
+            };
+            writeln!(out, "{line}")?;
+        }
+    }
+    out.flush()?;
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn request_udp_connected(

@@ -447,7 +447,12 @@ fn program(
         let cgroup = bed.tb.cgroup.clone();
         let start = Instant::now();
         let agent = lb_tests::netns::in_netns(&node_ns, || {
-            let mut datapath = Datapath::load(&LoadOptions::default())?;
+            // `LB_NO_SK_STORAGE=1`, as for `lb run`: socket LB's pairs in the LRU alone (what
+            // kernels without socket storage get), to compare the two.
+            let mut datapath = Datapath::load(&LoadOptions {
+                no_sk_storage: std::env::var_os("LB_NO_SK_STORAGE").is_some_and(|v| v == "1"),
+                ..LoadOptions::default()
+            })?;
             let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
             let report = reconciler.apply(state);
             if let Some(e) = report.errors.first() {
