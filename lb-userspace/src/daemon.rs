@@ -151,7 +151,7 @@ fn load_datapath(opts: &RunOptions) -> anyhow::Result<Datapath> {
         trace: false,
         no_set_retval: false,
         // For tests of the fallback older kernels get: socket LB's pairs in the LRU alone.
-        no_sk_storage: std::env::var_os("LB_NO_SK_STORAGE").is_some_and(|v| v == "1"),
+        no_sk_storage: crate::datapath::load::sk_storage_off_by_env(),
         // A restart (or upgrade) must not leave a moment without programs: see `links`.
         persist_links: true,
         maglev_table_size: opts.algorithm.maglev_table_size,

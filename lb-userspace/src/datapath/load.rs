@@ -178,6 +178,13 @@ impl TcHook {
     }
 }
 
+/// `LB_NO_SK_STORAGE=1`: socket LB keeps its pairs in `lb*_sk_revnat` alone, as on kernels
+/// without socket storage (for `lb run` in tests of that fallback, and for benchmarks
+/// comparing the two); sets `LoadOptions::no_sk_storage`.
+pub fn sk_storage_off_by_env() -> bool {
+    std::env::var_os("LB_NO_SK_STORAGE").is_some_and(|v| v == "1")
+}
+
 /// Where the maps live.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {

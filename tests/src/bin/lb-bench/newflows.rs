@@ -450,7 +450,7 @@ fn program(
             // `LB_NO_SK_STORAGE=1`, as for `lb run`: socket LB's pairs in the LRU alone (what
             // kernels without socket storage get), to compare the two.
             let mut datapath = Datapath::load(&LoadOptions {
-                no_sk_storage: std::env::var_os("LB_NO_SK_STORAGE").is_some_and(|v| v == "1"),
+                no_sk_storage: lb::datapath::load::sk_storage_off_by_env(),
                 ..LoadOptions::default()
             })?;
             let mut reconciler = Reconciler::new(datapath.take_lb_maps()?)?;
