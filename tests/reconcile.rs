@@ -2144,10 +2144,12 @@ enum HeldOp {
     Backend(u32, Backend),
     RevNat(u32, IpAddr, u16),
     Service(Frontend, u16, SvcValue),
+    Echo(IpAddr, EchoValue),
 }
 
 /// `Checked` that holds writes as `BpfMaps` does: queued, then replayed by `release_writes`
-/// in its order (ClusterIPs, backends, rev-NAT, slots, masters), stopping at the first failure.
+/// in its order (ClusterIPs, backends, rev-NAT, slots, masters, echo), stopping at the first
+/// failure.
 struct Holding {
     inner: Checked,
     held: Option<Vec<HeldOp>>,
@@ -2173,6 +2175,7 @@ impl Holding {
             HeldOp::RevNat(..) => 1,
             HeldOp::Service(_, slot, _) if *slot != 0 => 2,
             HeldOp::Service(..) => 3,
+            HeldOp::Echo(..) => 4,
         };
         let mut ops: Vec<(i32, HeldOp)> = ops.into_iter().map(|op| (rank(&op), op)).collect();
         // Stable: each group keeps the order of its writes.
@@ -2183,6 +2186,7 @@ impl Holding {
                 HeldOp::Backend(id, b) => self.inner.put_backend(id, &b)?,
                 HeldOp::RevNat(id, addr, port) => self.inner.put_revnat(id, addr, port)?,
                 HeldOp::Service(fe, slot, v) => self.inner.put_service(&fe, slot, &v)?,
+                HeldOp::Echo(addr, v) => self.inner.put_echo(addr, v)?,
             }
         }
         Ok(())
@@ -2286,10 +2290,17 @@ impl LbMaps for Holding {
     }
 
     fn put_echo(&mut self, a: IpAddr, v: EchoValue) -> Result<(), MapOpError> {
-        self.inner.put_echo(a, v)
+        match &mut self.held {
+            Some(h) => {
+                h.push(HeldOp::Echo(a, v));
+                Ok(())
+            }
+            None => self.inner.put_echo(a, v),
+        }
     }
 
     fn del_echo(&mut self, a: IpAddr) -> Result<(), MapOpError> {
+        self.release()?;
         self.inner.del_echo(a)
     }
 
@@ -2350,6 +2361,16 @@ fn a_cold_apply_holds_its_writes_and_releases_masters_after_what_they_name() {
         .position(|o| matches!(o, Op::PutBackend(_)))
         .expect("backends written");
     assert!(last_ip < first_backend, "{ops:#?}");
+    // The echo entries are held too, and come after the last master.
+    let last_master = ops
+        .iter()
+        .rposition(|o| matches!(o, Op::PutSlot { slot: 0, .. }))
+        .expect("a master written");
+    let first_echo = ops
+        .iter()
+        .position(|o| matches!(o, Op::PutEcho(_)))
+        .expect("echo entries written");
+    assert!(last_master < first_echo, "{ops:#?}");
 
     // Maps in use are updated entry by entry.
     let mut d2 = d.clone();

@@ -80,3 +80,107 @@ pub fn update<K: bytemuck::Pod, V: bytemuck::Pod>(
     }
     Ok(())
 }
+
+/// Entries per `BPF_MAP_LOOKUP_BATCH`.
+const LOOKUP_CHUNK: u32 = 4096;
+
+/// How [`lookup_each`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Walk {
+    /// Every entry was handed over.
+    Done,
+    /// The kernel has no batched lookups for this map (before any entry was handed over).
+    Unsupported,
+}
+
+/// Hands every entry of the hash map `fd` to `f`, [`LOOKUP_CHUNK`] per `bpf()` call, in one
+/// reused buffer (a full sync reads some 200,000 entries; one call per entry, or a buffer per
+/// batch, was most of its time). A hash map's cursor is a bucket index, so an entry the
+/// datapath adds or deletes meanwhile is seen at most once.
+pub fn lookup_each<K, V, E>(
+    fd: BorrowedFd<'_>,
+    mut f: impl FnMut(K, V) -> Result<(), E>,
+) -> Result<Walk, E>
+where
+    K: bytemuck::Pod,
+    V: bytemuck::Pod,
+    E: From<io::Error>,
+{
+    let map_fd = u32::try_from(fd.as_raw_fd()).unwrap_or(u32::MAX);
+    let mut chunk = LOOKUP_CHUNK;
+    let mut keys = vec![K::zeroed(); chunk as usize];
+    let mut values = vec![V::zeroed(); chunk as usize];
+    let (mut cursor_in, mut cursor_out) = (0u32, 0u32);
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first {
+                0
+            } else {
+                std::ptr::from_mut(&mut cursor_in) as u64
+            },
+            out_batch: std::ptr::from_mut(&mut cursor_out) as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: chunk,
+            map_fd,
+            ..BatchAttr::default()
+        };
+        // SAFETY: `keys` and `values` hold `count` entries of the map's key and value types
+        // (checked by aya when the map was opened); the cursors are `u32`s; all outlive the
+        // call.
+        let err = unsafe { call(LOOKUP, &mut attr) }.err();
+        let done = match err.as_ref().and_then(io::Error::raw_os_error) {
+            None => false,
+            Some(libc::ENOENT) => true,
+            // A bucket holds more than `chunk` entries: retry it with more room.
+            Some(libc::ENOSPC) if attr.count == 0 => {
+                chunk = chunk.saturating_mul(2);
+                keys.resize(chunk as usize, K::zeroed());
+                values.resize(chunk as usize, V::zeroed());
+                continue;
+            }
+            // 524: ENOTSUPP, the kernel's own "not supported" for map types without batches.
+            Some(libc::EINVAL | libc::ENOTSUP | 524) if first => return Ok(Walk::Unsupported),
+            Some(_) => return Err(err.unwrap_or_else(io::Error::last_os_error).into()),
+        };
+        let n = (attr.count as usize).min(keys.len());
+        for (k, v) in keys[..n].iter().zip(&values[..n]) {
+            f(*k, *v)?;
+        }
+        if done {
+            return Ok(Walk::Done);
+        }
+        cursor_in = cursor_out;
+        first = false;
+    }
+}
+
+/// Hands every entry of `map` to `f`: in batches where the kernel has them, else key by key
+/// (an entry deleted between its key and its value is skipped). `name` names the map in errors.
+pub fn each_entry<K, V>(
+    map: &aya::maps::HashMap<aya::maps::MapData, K, V>,
+    name: &str,
+    mut f: impl FnMut(K, V) -> anyhow::Result<()>,
+) -> anyhow::Result<()>
+where
+    K: aya::Pod + bytemuck::Pod,
+    V: aya::Pod + bytemuck::Pod,
+{
+    use anyhow::Context as _;
+    use aya::maps::IterableMap as _;
+    use std::os::fd::AsFd as _;
+    let walk = lookup_each(map.map().fd().as_fd(), &mut f)
+        .with_context(|| format!("reading {name} in batches"))?;
+    if walk == Walk::Done {
+        return Ok(());
+    }
+    for item in map.iter() {
+        match item {
+            Ok((k, v)) => f(k, v)?,
+            Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(e) => return Err(anyhow::Error::new(e).context(format!("reading {name}"))),
+        }
+    }
+    Ok(())
+}

@@ -172,7 +172,7 @@ fn read_backends<F: MapFamily>(
     Ok(out)
 }
 
-/// Reads the whole map: in batches of [`BATCH`] (`BPF_MAP_LOOKUP_BATCH`, one syscall per batch
+/// Reads the whole map: in batches (`BPF_MAP_LOOKUP_BATCH`, one syscall per 4096 entries
 /// instead of two per entry), or entry by entry where the kernel refuses batches.
 fn snapshot<K, V>(map: &HashMap<MapData, K, V>) -> Result<StdHashMap<K, V>, MapError>
 where
@@ -180,77 +180,27 @@ where
     V: aya::Pod + bytemuck::Pod,
 {
     use std::os::fd::AsFd as _;
-    match lookup_batch::<K, V>(map.map().fd().as_fd()) {
-        Ok(entries) => return Ok(entries),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOTSUP | 524)) => {
-            // 524: ENOTSUPP, the kernel's own "not supported" for map types without batches.
-            tracing::debug!(error = %e, "no batched map lookups; walking key by key");
-        }
-        Err(e) => {
-            return Err(MapError::SyscallError(aya::sys::SyscallError {
-                call: "bpf_map_lookup_batch",
-                io_error: e,
-            }));
-        }
-    }
-    snapshot_by_key(map)
-}
-
-/// Entries per `BPF_MAP_LOOKUP_BATCH`.
-const BATCH: u32 = 4096;
-use crate::datapath::batch::{self, BatchAttr};
-
-/// Every entry of the hash map `fd`, in batches. A hash map's batch cursor is a bucket index
-/// (`u32`), so an entry the datapath adds or deletes meanwhile is seen at most once.
-fn lookup_batch<K, V>(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<StdHashMap<K, V>>
-where
-    K: bytemuck::Pod + Eq + Hash,
-    V: bytemuck::Pod,
-{
-    use std::os::fd::AsRawFd as _;
     let mut out = StdHashMap::new();
-    let mut chunk = BATCH;
-    let (mut cursor_in, mut cursor_out) = (0u32, 0u32);
-    let mut first = true;
-    loop {
-        let mut keys = vec![K::zeroed(); chunk as usize];
-        let mut values = vec![V::zeroed(); chunk as usize];
-        let mut attr = BatchAttr {
-            in_batch: if first {
-                0
-            } else {
-                std::ptr::from_mut(&mut cursor_in) as u64
-            },
-            out_batch: std::ptr::from_mut(&mut cursor_out) as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: chunk,
-            map_fd: u32::try_from(fd.as_raw_fd()).unwrap_or(u32::MAX),
-            ..BatchAttr::default()
-        };
-        // SAFETY: `attr` is a valid `bpf_attr` prefix whose pointers name buffers of `count`
-        // keys and values of the map's sizes (checked by aya when the map was opened), and the
-        // two cursors; all outlive the call.
-        let err = unsafe { batch::call(batch::LOOKUP, &mut attr) }.err();
-        match err.as_ref().and_then(std::io::Error::raw_os_error) {
-            // A bucket holds more than `chunk` entries: retry it with more room.
-            Some(libc::ENOSPC) if attr.count == 0 => {
-                chunk = chunk.saturating_mul(2);
-                continue;
-            }
-            None | Some(libc::ENOENT) => {}
-            Some(_) => return Err(err.unwrap_or_else(std::io::Error::last_os_error)),
+    let walk = batch::lookup_each(map.map().fd().as_fd(), |k, v| {
+        out.insert(k, v);
+        Ok::<(), std::io::Error>(())
+    })
+    .map_err(|io_error| {
+        MapError::SyscallError(aya::sys::SyscallError {
+            call: "bpf_map_lookup_batch",
+            io_error,
+        })
+    })?;
+    match walk {
+        batch::Walk::Done => Ok(out),
+        batch::Walk::Unsupported => {
+            tracing::debug!("no batched map lookups; walking key by key");
+            snapshot_by_key(map)
         }
-        let n = (attr.count as usize).min(keys.len());
-        out.extend(keys.into_iter().zip(values).take(n));
-        if err.is_some() {
-            // ENOENT: the walk is complete.
-            return Ok(out);
-        }
-        cursor_in = cursor_out;
-        first = false;
     }
 }
+
+use crate::datapath::batch;
 
 /// Reads the whole map key by key (at most twice its capacity of steps: a walk that deletes
 /// restarts from the first key, and the datapath deletes too).

@@ -51,7 +51,7 @@ pub trait MapFamily {
     type Backend: aya::Pod + bytemuck::Pod + Send + 'static;
     type RevNat: aya::Pod + bytemuck::Pod + Send + 'static;
     type ClusterIpKey: aya::Pod + bytemuck::Pod + Send + 'static;
-    type EchoKey: aya::Pod;
+    type EchoKey: aya::Pod + bytemuck::Pod + Send + 'static;
     type SrcRange: aya::Pod;
     type CtKey: aya::Pod + bytemuck::Pod + Eq + Hash;
     type CtValue: aya::Pod + bytemuck::Pod;

@@ -17,7 +17,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, IterableMap as _, MapData, MapError};
-use lb_common::{ClusterIpValue, SvcValue, map_names};
+use lb_common::{ClusterIpValue, EchoValue, SvcValue, map_names};
 
 use super::{
     batch,
@@ -138,10 +138,13 @@ where
     }
 }
 
-/// The master entries held, in write order.
+/// The master entries held, in write order, and the echo entries, written after them (an
+/// echo answer says a service is there; one entry at a time was an eighth of a cold start).
 pub(crate) struct Masters {
     pub(crate) v4: Vec<(<V4 as MapFamily>::SvcKey, SvcValue)>,
     pub(crate) v6: Vec<(<V6 as MapFamily>::SvcKey, SvcValue)>,
+    pub(crate) echo4: Vec<(<V4 as MapFamily>::EchoKey, EchoValue)>,
+    pub(crate) echo6: Vec<(<V6 as MapFamily>::EchoKey, EchoValue)>,
 }
 
 /// One family's held entries but the masters.
@@ -179,6 +182,7 @@ pub(crate) struct Held {
 pub(crate) struct HeldFamily<'a, F: MapFamily> {
     queues: &'a mut Queues<F>,
     masters: &'a mut Vec<(F::SvcKey, SvcValue)>,
+    echo: &'a mut Vec<(F::EchoKey, EchoValue)>,
     others: &'a mut Writer,
     slot_writer: &'a mut Writer,
 }
@@ -205,6 +209,11 @@ impl<F: MapFamily> HeldFamily<'_, F> {
             self.queues.slots.push(e, self.slot_writer);
         }
     }
+
+    /// An echo entry, kept to be written after the masters.
+    pub(crate) fn echo(&mut self, e: (F::EchoKey, EchoValue)) {
+        self.echo.push(e);
+    }
 }
 
 impl Held {
@@ -219,6 +228,8 @@ impl Held {
             masters: Masters {
                 v4: Vec::new(),
                 v6: Vec::new(),
+                echo4: Vec::new(),
+                echo6: Vec::new(),
             },
         })
     }
@@ -227,6 +238,7 @@ impl Held {
         HeldFamily {
             queues: &mut self.v4,
             masters: &mut self.masters.v4,
+            echo: &mut self.masters.echo4,
             others: &mut self.others,
             slot_writer: &mut self.slot_writer,
         }
@@ -236,13 +248,14 @@ impl Held {
         HeldFamily {
             queues: &mut self.v6,
             masters: &mut self.masters.v6,
+            echo: &mut self.masters.echo6,
             others: &mut self.others,
             slot_writer: &mut self.slot_writer,
         }
     }
 
     /// Hands over what is left and waits for both writers: then everything but the masters
-    /// (returned, to be written last) is in the maps, or the first error says what is not.
+    /// and echo entries (returned, to be written last) is in the maps, or the first error says what is not.
     pub(crate) fn finish_writers(mut self) -> Result<Masters, MapOpError> {
         // Order among these is free: only the ClusterIPs are visible before a master, and the
         // masters come after all of them.

@@ -16,6 +16,7 @@ use lb_common::{
 
 pub use super::error::MapOpError;
 use super::{
+    batch,
     family::{MapFamily, SvcKeyRest, V4, V6},
     held::{Held, HeldFamily, HeldMaps},
 };
@@ -218,7 +219,7 @@ pub trait LbMaps {
             map: map_names::MAGLEV,
         })
     }
-    /// Holds the ClusterIP, backend, rev-NAT and service writes that follow until
+    /// Holds the ClusterIP, backend, rev-NAT, service and echo writes that follow until
     /// `release_writes`, for filling maps nothing uses yet (the first apply on empty maps). A
     /// held write reports success; what fails shows in `release_writes`. Deletes, and writes to
     /// other maps, are not held (a delete first releases what is held). Maps that cannot hold
@@ -286,7 +287,7 @@ where
     use std::os::fd::AsFd as _;
 
     use aya::maps::IterableMap as _;
-    let done = match super::batch::update(map.map().fd().as_fd(), entries) {
+    let done = match batch::update(map.map().fd().as_fd(), entries) {
         Ok(()) => return Ok(()),
         Err((_, done)) => done,
     };
@@ -305,7 +306,9 @@ impl BpfMaps {
         };
         let masters = h.finish_writers()?;
         write_all(&mut self.services4, map_names::SERVICES4, &masters.v4)?;
-        write_all(&mut self.services6, map_names::SERVICES6, &masters.v6)
+        write_all(&mut self.services6, map_names::SERVICES6, &masters.v6)?;
+        write_all(&mut self.echo4, map_names::ECHO4, &masters.echo4)?;
+        write_all(&mut self.echo6, map_names::ECHO6, &masters.echo6)
     }
 }
 
@@ -434,6 +437,7 @@ impl LbMaps for BpfMaps {
     }
 
     fn del_echo(&mut self, addr: IpAddr) -> Result<(), MapOpError> {
+        self.release_held()?;
         match addr {
             IpAddr::V4(a) => self.v4().del_echo(a.octets()),
             IpAddr::V6(a) => self.v6().del_echo(a.octets()),
@@ -626,7 +630,12 @@ impl<F: MapFamily> FamilyMaps<'_, F> {
     }
 
     fn put_echo(self, addr: F::Addr, v: EchoValue) -> Result<(), MapOpError> {
-        insert(self.echo, F::NAMES.echo, F::echo_key(addr), v)
+        let k = F::echo_key(addr);
+        if let Some(mut h) = self.held {
+            h.echo((k, v));
+            return Ok(());
+        }
+        insert(self.echo, F::NAMES.echo, k, v)
     }
 
     fn del_echo(self, addr: F::Addr) -> Result<(), MapOpError> {
@@ -804,15 +813,14 @@ fn read_backends<F: MapFamily>(
     map: &HashMap<MapData, u32, F::Backend>,
     dump: &mut Dump,
 ) -> anyhow::Result<()> {
-    for item in map.iter() {
-        let (id, b) = item?;
+    let name = F::NAMES.backends;
+    batch::each_entry(map, name, |id, b| {
         let (addr, port, proto, state) = F::backend_fields(&b);
-        let name = F::NAMES.backends;
         if let Some(b) = backend_entry(name, id, F::ip(addr), port, proto, state)? {
             dump.backends.insert(id, b);
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Reads one family's rev-NAT entries into `dump`.
@@ -820,12 +828,11 @@ fn read_revnat<F: MapFamily>(
     map: &HashMap<MapData, u32, F::RevNat>,
     dump: &mut Dump,
 ) -> anyhow::Result<()> {
-    for item in map.iter() {
-        let (id, r) = item?;
+    batch::each_entry(map, F::NAMES.revnat, |id, r| {
         let (addr, port) = F::revnat_fields(&r);
         dump.revnat.insert(id, (F::ip(addr), port));
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Reads one family's service entries into `dump`.
@@ -833,15 +840,14 @@ fn read_services<F: MapFamily>(
     map: &HashMap<MapData, F::SvcKey, SvcValue>,
     dump: &mut Dump,
 ) -> anyhow::Result<()> {
-    for item in map.iter() {
-        let (k, v) = item?;
+    let name = F::NAMES.services;
+    batch::each_entry(map, name, |k, v| {
         let (addr, (port, proto, scope, slot)) = F::svc_key_fields(&k);
-        let name = F::NAMES.services;
         if let Some(fe) = frontend_entry(name, F::ip(addr), port, proto, scope)? {
             dump.services.insert((fe, slot), v);
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Reads one family's ClusterIP set into `dump`.
@@ -849,12 +855,11 @@ fn read_cluster_ips<F: MapFamily>(
     map: &HashMap<MapData, F::ClusterIpKey, ClusterIpValue>,
     dump: &mut Dump,
 ) -> anyhow::Result<()> {
-    for item in map.iter() {
-        let (k, v) = item?;
+    batch::each_entry(map, F::NAMES.cluster_ips, |k, v| {
         dump.cluster_ips
             .insert(F::ip(F::cluster_ip_addr(&k)), v.frontends);
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Reads one family's source ranges into `dump`.
@@ -877,11 +882,10 @@ fn read_echo<F: MapFamily>(
     map: &HashMap<MapData, F::EchoKey, EchoValue>,
     dump: &mut Dump,
 ) -> anyhow::Result<()> {
-    for item in map.iter() {
-        let (k, v) = item?;
+    batch::each_entry(map, F::NAMES.echo, |k, v| {
         dump.echo.insert(F::ip(F::echo_addr(&k)), v);
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Deleting what is already gone is success.

@@ -415,6 +415,10 @@ impl<M: LbMaps> Reconciler<M> {
         for (fe, entry) in &desired.services {
             self.apply_counted(fe, entry, &wanted_ips, &mut room, &mut report);
         }
+        if hold {
+            // Echo entries are held too, and written after the masters.
+            self.sync_echo(&mut report);
+        }
         if hold && let Err(e) = self.maps.release_writes() {
             // The mirror believes the held writes made it. Re-read what did, and write the rest
             // entry by entry, which names each failure's frontend.
