@@ -1846,13 +1846,14 @@ fn sk_revnat_entries(pin_dir: &Path) -> usize {
     m4.keys().filter_map(Result::ok).count() + m6.keys().filter_map(Result::ok).count()
 }
 
-/// Where the probe finds `bpf_sk_storage_get` for sock_addr programs, socket LB keeps its
-/// pairs in each socket's `lb*_sk_store`: TCP, connected and unconnected UDP through the VIPs
-/// (IPv4, IPv6, `::ffff:` + the IPv4 VIP) get their replies from the VIP, and one unconnected
-/// socket alternating between VIPs sees each reply from its own VIP, while `lb*_sk_revnat`
-/// stays empty. A socket with more pairs than its slots spills only the extra ones into the
-/// LRU. With `LB_NO_SK_STORAGE=1` (what kernels without the helper get) the same traffic works
-/// through the LRU.
+/// Where the probe finds `bpf_sk_storage_get` for sock_addr programs, socket LB gives a socket
+/// `lb*_sk_store` storage when it comes back to a pair it recorded in `lb*_sk_revnat`: TCP,
+/// connected and unconnected UDP through the VIPs (IPv4, IPv6, `::ffff:` + the IPv4 VIP) get
+/// their replies from the VIP, and one unconnected socket alternating between VIPs sees each
+/// reply from its own VIP, with exactly one storage made per such socket (its first pairs stay
+/// in the LRU, the rest go to its slots; a fifth pair past the four slots overflows to the LRU
+/// and still reads back). With `LB_NO_SK_STORAGE=1` (what kernels without the helper get) the
+/// same traffic works through the LRU alone and no storage is made.
 #[test]
 fn socket_lb_keeps_pairs_in_socket_storage_where_the_kernel_has_it() {
     let storage = lb::datapath::load::sock_storage_supported();
@@ -1899,20 +1900,29 @@ fn socket_lb_keeps_pairs_in_socket_storage_where_the_kernel_has_it() {
         // socket's slots).
         let v4: Vec<&str> = solos.iter().map(|(a, _)| a.as_str()).collect();
         let v6: Vec<&str> = solos.iter().map(|(_, b)| b.as_str()).collect();
+        let created = || lb.counter(metrics::SOCK_STORAGE_CREATED).unwrap();
+        let before = created();
         multi_vip_round_trips(&mut tb, &v4[..2], 3, &format!("{mode}, IPv4 × 2"));
         multi_vip_round_trips(&mut tb, &v6[..2], 3, &format!("{mode}, IPv6 × 2"));
         let lru = sk_revnat_entries(&lb.pin_dir);
+        assert!(lru > 0, "{mode}: lb*_sk_revnat holds the first pairs");
         if no_storage {
-            assert!(lru > 0, "LRU mode: lb*_sk_revnat holds the pairs");
+            assert_eq!(created(), 0, "LRU mode: no socket storage made");
             continue;
         }
-        assert_eq!(lru, 0, "socket storage: nothing in lb*_sk_revnat");
+        assert_eq!(
+            created() - before,
+            2,
+            "one storage per unconnected socket that came back to its pair (one per family)"
+        );
         multi_vip_round_trips(&mut tb, &v4, 2, "socket storage, IPv4 × 5");
         multi_vip_round_trips(&mut tb, &v6, 2, "socket storage, IPv6 × 5");
+        assert_eq!(created() - before, 4, "again one storage per socket");
         assert_eq!(
-            sk_revnat_entries(&lb.pin_dir),
-            2,
-            "a socket's fifth pair (one per family) spills into lb*_sk_revnat"
+            sk_revnat_entries(&lb.pin_dir) - lru,
+            10,
+            "each socket's five first pairs are in lb*_sk_revnat; the fifth's overflow \
+             rewrites its own entry"
         );
     }
 }

@@ -105,12 +105,16 @@ pub const TC_PASS_FRAGMENT_NO_FLOW: u32 = 33;
 /// tc/XDP: an ICMP/ICMPv6 echo request to a service address with a usable backend (`lb*_echo`)
 /// answered with an echo reply.
 pub const TC_ECHO_REPLY: u32 = 34;
+/// sock: a socket given socket storage (`lb*_sk_store`), made when it came back to a pair it
+/// had recorded in `lb*_sk_revnat` (an unconnected UDP socket's second datagram to a
+/// frontend).
+pub const SOCK_STORAGE_CREATED: u32 = 35;
 
 /// Size of the metrics array; room for the verdicts later features add.
 pub const MAX: usize = 64;
 
 /// Metric names, indexed like the constants above.
-pub const NAMES: [&str; 35] = [
+pub const NAMES: [&str; 36] = [
     "tc_forward_new",
     "tc_forward_established",
     "tc_reverse_nat",
@@ -146,4 +150,5 @@ pub const NAMES: [&str; 35] = [
     "tc_pass_fragment_unknown",
     "tc_pass_fragment_no_flow",
     "tc_echo_reply",
+    "sock_storage_created",
 ];

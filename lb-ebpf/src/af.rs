@@ -123,12 +123,14 @@ pub trait Af {
     /// Deletes the entry under `key` (a missing one is no error).
     fn ct_del(key: &Self::CtKey);
 
-    /// Remembers that socket `cookie` talks to `backend` on behalf of the frontend.
+    /// Remembers that socket `cookie` talks to `backend` on behalf of the frontend (`flags`:
+    /// the map update's, `BPF_ANY` or `BPF_NOEXIST`).
     fn sk_revnat_put(
         cookie: u64,
         backend: Endpoint<Self::Addr>,
         frontend: Endpoint<Self::Addr>,
         rev_nat_id: u32,
+        flags: u64,
     ) -> Result<(), i32>;
     fn sk_revnat_get(cookie: u64, peer: Endpoint<Self::Addr>) -> Option<Endpoint<Self::Addr>>;
 
@@ -337,6 +339,7 @@ impl Af for V4 {
         backend: Endpoint<[u8; 4]>,
         frontend: Endpoint<[u8; 4]>,
         rev_nat_id: u32,
+        flags: u64,
     ) -> Result<(), i32> {
         let key = SkRevNat4Key {
             cookie,
@@ -350,7 +353,7 @@ impl Af for V4 {
             pad: 0,
             rev_nat_id,
         };
-        SK_REVNAT4.insert(&key, &value, 0)
+        SK_REVNAT4.insert(&key, &value, flags)
     }
 
     #[inline(always)]
@@ -570,6 +573,7 @@ impl Af for V6 {
         backend: Endpoint<[u8; 16]>,
         frontend: Endpoint<[u8; 16]>,
         rev_nat_id: u32,
+        flags: u64,
     ) -> Result<(), i32> {
         let key = SkRevNat6Key {
             cookie,
@@ -583,7 +587,7 @@ impl Af for V6 {
             pad: 0,
             rev_nat_id,
         };
-        SK_REVNAT6.insert(&key, &value, 0)
+        SK_REVNAT6.insert(&key, &value, flags)
     }
 
     #[inline(always)]

@@ -10,17 +10,24 @@
 //! `used` grows after the slot is written); a socket that needs more pairs keeps them in
 //! `lb*_sk_revnat`, as every socket did before, and `overflow` tells readers to look there.
 //! connect() starts the slots over: a connected socket has exactly one peer.
+//!
+//! Storage is made lazily. Creating it (an allocation, linked into the socket and the map) costs
+//! twice an LRU insert, and most sockets (every TCP one, most connected UDP ones) record one
+//! pair and never another. So a socket's first pair goes to `lb*_sk_revnat` with
+//! `BPF_NOEXIST`; only a socket that comes back to a pair it already has there (an unconnected
+//! UDP socket's next datagram) gets storage, marked `overflow` since its first pair stays in
+//! the LRU, and from then on its datagrams to a pair it holds write nothing.
 use aya_ebpf::{
-    bindings::{BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
+    bindings::{BPF_ANY, BPF_NOEXIST, BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
     cty::c_void,
     helpers::generated::{bpf_sk_fullsock, bpf_sk_storage_get},
     programs::{SkBuffContext, SockAddrContext},
 };
-use lb_common::{SK_STORE_SLOTS, SkSlot4, SkSlot6, SkStore4, SkStore6};
+use lb_common::{SK_STORE_SLOTS, SkSlot4, SkSlot6, SkStore4, SkStore6, metrics};
 
 use crate::{
     af::{Af, Endpoint, V4, V6},
-    maps::{SK_STORE4, SK_STORE6},
+    maps::{SK_STORE4, SK_STORE6, count},
 };
 
 /// Set by the loader (`lb_common::globals::HAS_SK_STORAGE`) when the probe found
@@ -118,19 +125,16 @@ fn same_endpoint<A: Af>(a: Endpoint<A::Addr>, b: Endpoint<A::Addr>) -> bool {
     a.port == b.port && A::same(a.addr, b.addr)
 }
 
-/// Records that `sk` talks to `backend` for `frontend`. `connect`: the socket's only peer
-/// from now on.
+/// Records in the socket's storage `s` that it talks to `backend` for `frontend`. `connect`:
+/// the socket's only peer from now on.
 #[inline(always)]
 pub fn put<S: Store>(
-    sk: Sk,
+    s: &mut S,
     backend: Endpoint<Addr<S>>,
     frontend: Endpoint<Addr<S>>,
     rev_nat_id: u32,
     connect: bool,
 ) -> Put {
-    let Some(s) = storage::<S>(sk, true) else {
-        return Put::Elsewhere;
-    };
     let new = S::make(backend, frontend, rev_nat_id);
     // SAFETY (the raw `used`/`overflow` pointers below): fields of the live storage value.
     if connect {
@@ -292,21 +296,49 @@ impl Store for SkStore6 {
     }
 }
 
-/// Remembers that the socket talks to `backend` for `frontend`: in its storage where the
-/// kernel has it, else (or when its slots are full) in `lb*_sk_revnat` under its cookie.
+/// `-EEXIST`, as map updates return it.
+const EEXIST: i32 = -17;
+
+/// Remembers that the socket talks to `backend` for `frontend`: in its storage if it has
+/// some, else in `lb*_sk_revnat` under its cookie, where a pair already there makes the
+/// storage (see the module docs); a socket whose slots are full keeps the rest in the LRU.
 #[inline(always)]
 pub fn remember<A: Af>(
     sk: impl FnOnce() -> Sk,
-    cookie: impl FnOnce() -> u64,
+    mut cookie: impl FnMut() -> u64,
     backend: Endpoint<A::Addr>,
     frontend: Endpoint<A::Addr>,
     rev_nat_id: u32,
     connect: bool,
 ) -> Result<(), i32> {
-    if enabled() && put::<A::Store>(sk(), backend, frontend, rev_nat_id, connect) == Put::Stored {
+    if !enabled() {
+        return A::sk_revnat_put(cookie(), backend, frontend, rev_nat_id, BPF_ANY.into());
+    }
+    let sk = sk();
+    let s = match storage::<A::Store>(sk, false) {
+        Some(s) => s,
+        None => {
+            let first =
+                A::sk_revnat_put(cookie(), backend, frontend, rev_nat_id, BPF_NOEXIST.into());
+            match first {
+                Err(EEXIST) => {}
+                other => return other,
+            }
+            let Some(s) = storage::<A::Store>(sk, true) else {
+                // No memory for storage: the LRU's pair is still the socket's.
+                return A::sk_revnat_put(cookie(), backend, frontend, rev_nat_id, BPF_ANY.into());
+            };
+            count(metrics::SOCK_STORAGE_CREATED, 0);
+            // The socket's earlier pairs are in the LRU: readers must look there too.
+            // SAFETY: a field of the live storage value.
+            unsafe { core::ptr::write_volatile(s.overflow(), 1) };
+            s
+        }
+    };
+    if put::<A::Store>(s, backend, frontend, rev_nat_id, connect) == Put::Stored {
         return Ok(());
     }
-    A::sk_revnat_put(cookie(), backend, frontend, rev_nat_id)
+    A::sk_revnat_put(cookie(), backend, frontend, rev_nat_id, BPF_ANY.into())
 }
 
 /// The frontend `peer` stands for on the socket, wherever `remember` put it.

@@ -174,7 +174,8 @@ fn load_datapath(opts: &RunOptions) -> anyhow::Result<Datapath> {
             "EPERM (no bpf_set_retval for sock_addr programs)"
         },
         sock_pairs = if datapath.sock_uses_sk_storage() {
-            "socket storage (lb*_sk_store), lb*_sk_revnat for overflow"
+            "socket storage (lb*_sk_store) for sockets that return to a pair, lb*_sk_revnat for \
+             first pairs and overflow"
         } else {
             "lb*_sk_revnat (no bpf_sk_storage_get for sock_addr programs, or LB_NO_SK_STORAGE=1)"
         },

@@ -601,7 +601,8 @@ impl Tracer {
     fn socket_lb_hook(&self) -> &'static str {
         if self.datapath.sock_uses_sk_storage() {
             "socket LB (emulated with lb_tc_pod: cgroup programs cannot be test-run); the \
-             socket's pair is kept in its own lb*_sk_store (socket storage)"
+             socket's first pair is kept in lb*_sk_revnat, the pairs of a socket that comes \
+             back to it in its own lb*_sk_store (socket storage)"
         } else {
             "socket LB (emulated with lb_tc_pod: cgroup programs cannot be test-run); the \
              socket's pair is kept in lb*_sk_revnat (no socket storage for sock_addr programs)"

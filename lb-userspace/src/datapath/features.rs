@@ -149,9 +149,9 @@ fn socket_features() -> Vec<Feature> {
         feature(
             "socket storage",
             sock_storage_supported(),
-            "bpf_sk_storage_get for sock_addr and cgroup skb programs: socket LB keeps each \
-             socket's pairs in lb*_sk_store (freed with the socket), lb*_sk_revnat only past \
-             its slots",
+            "bpf_sk_storage_get for sock_addr and cgroup skb programs: socket LB keeps the \
+             pairs of a socket that returns to them (unconnected UDP) in lb*_sk_store (freed \
+             with the socket), first pairs and those past its slots in lb*_sk_revnat",
             "no bpf_sk_storage_get for sock_addr programs: socket LB keeps its pairs in the LRU \
              lb*_sk_revnat (one write per connect/sendmsg)",
         ),
