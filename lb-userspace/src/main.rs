@@ -5,6 +5,10 @@ use clap::Parser as _;
 use lb::cli::Cli;
 use tracing_subscriber::EnvFilter;
 
+/// jemalloc: see the workspace Cargo.toml for why.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()

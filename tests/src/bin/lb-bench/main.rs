@@ -22,6 +22,10 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 
+/// The allocator `lb` runs with, so the in-process control-plane cases measure what it does.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 mod controlplane;
 mod datapath;
 mod kubeproxy;
