@@ -74,8 +74,7 @@ impl Sk {
 pub enum Put {
     /// The pair is in the socket's slots.
     Stored,
-    /// Not stored: the slots are full or the storage could not be made; the caller writes
-    /// the pair to `lb*_sk_revnat`.
+    /// Not stored: the slots are full; the caller writes the pair to `lb*_sk_revnat`.
     Elsewhere,
 }
 

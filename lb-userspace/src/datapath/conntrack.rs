@@ -28,6 +28,7 @@ use lb_common::{
 };
 
 use crate::datapath::{
+    batch,
     family::{MapFamily, V4, V6},
     pinned::open_hash,
 };
@@ -199,8 +200,6 @@ where
         }
     }
 }
-
-use crate::datapath::batch;
 
 /// Reads the whole map key by key (at most twice its capacity of steps: a walk that deletes
 /// restarts from the first key, and the datapath deletes too).
